@@ -1,0 +1,34 @@
+# asyncrl — `make help` lists the targets.
+SHELL := /bin/bash
+PY := .venv/bin/python
+VENV_STAMP := .venv/.installed-$(shell cat requirements.txt pyproject.toml | md5sum | cut -c1-8)
+PROTOS := $(wildcard protos/asyncrl/v1/*.proto)
+PROTO_STAMP := libs/asyncrl/v1/.generated
+
+.DEFAULT_GOAL := help
+
+help: ## show this help
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
+
+venv: $(VENV_STAMP) ## create .venv with the pinned dependencies
+
+$(VENV_STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	.venv/bin/pip install -q --disable-pip-version-check -r requirements.txt
+	.venv/bin/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	rm -f .venv/.installed-*; touch $@
+
+protos: $(PROTO_STAMP) ## compile protos/ into libs/asyncrl/v1
+
+$(PROTO_STAMP): $(PROTOS) $(VENV_STAMP)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=libs --grpc_python_out=libs --pyi_out=libs $(PROTOS)
+	touch $@
+
+test: venv protos ## run the test suite (unit, integration, e2e)
+	$(PY) -m pytest -q -m "not gpu" tests
+
+lint: venv ## ruff check + format check
+	.venv/bin/ruff check libs services tests examples
+	.venv/bin/ruff format --check libs services tests examples
+
+.PHONY: help venv protos test lint

@@ -1,0 +1,153 @@
+"""GRPO advantages and the decoupled PPO objective. Pure torch: no I/O, no services.
+
+Conventions. A batch is packed from trajectory groups into padded tensors in *target space*:
+position t of every per-token tensor refers to predicting token t+1 of `input_ids`, so the
+logits of a causal LM forward pass `logits[:, :-1]` line up with `targets = input_ids[:, 1:]`.
+`loss_mask` is 1 exactly where the target is a generated (output) token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from asyncrl.types import RewardStatus, TrajectoryGroup
+
+
+def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Group-normalised advantages: (r - mean_g) / (std_g + eps), rewards shaped [groups, n].
+
+    std is the population standard deviation (divide by n). A group with all-equal rewards
+    gets zero advantages.
+    """
+    mean = rewards.mean(dim=-1, keepdim=True)
+    std = rewards.std(dim=-1, keepdim=True, unbiased=False)
+    return (rewards - mean) / (std + eps)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each target under `logits` ([b, s, V] and [b, s] -> [b, s])."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def ppo_decoupled_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_clip: float,
+    behav_imp_weight_cap: float | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Decoupled PPO (AReaL): clip against the proximal policy, reweight by pi_prox/pi_behav.
+
+    ratio = exp(logp - prox); pg = max(-A*ratio, -A*clip(ratio, 1-eps, 1+eps));
+    w = exp(prox - behav) (no gradient); tokens with w > cap are masked out;
+    loss = sum(pg * w * mask) / sum(mask). Returns (loss, stats).
+    """
+    mask = mask.float()
+    ratio = torch.exp(logp - prox_logp)
+    surr1 = -advantages * ratio
+    surr2 = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip)
+    pg = torch.maximum(surr1, surr2)
+    clipped = (surr2 > surr1).float()
+    behav_w = torch.exp(prox_logp - behav_logp).detach()
+    if behav_imp_weight_cap is not None:
+        keep = (behav_w <= behav_imp_weight_cap).float()
+        mask = mask * keep
+    loss = (pg * behav_w * mask).sum() / mask.sum().clamp(min=1)
+    stats = {
+        "clip_fraction": masked_mean(clipped, mask).item(),
+        "behav_weight_mean": masked_mean(behav_w, mask).item(),
+        "masked_tokens": float(mask.sum().item()),
+    }
+    return loss, stats
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0
+
+
+@dataclass
+class PackedBatch:
+    """Groups flattened to samples and padded. All tensors are [N, T-1] in target space,
+    except `input_ids` and `attention_mask` ([N, T])."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    behav_logp: torch.Tensor
+    advantages: torch.Tensor
+    versions: torch.Tensor
+    rewards: torch.Tensor  # [N]
+    n_tokens: int
+
+    def select(self, idx: torch.Tensor | slice) -> PackedBatch:
+        return PackedBatch(
+            input_ids=self.input_ids[idx],
+            attention_mask=self.attention_mask[idx],
+            targets=self.targets[idx],
+            loss_mask=self.loss_mask[idx],
+            behav_logp=self.behav_logp[idx],
+            advantages=self.advantages[idx],
+            versions=self.versions[idx],
+            rewards=self.rewards[idx],
+            n_tokens=int(self.loss_mask[idx].sum().item()),
+        )
+
+
+def pack_groups(groups: list[TrajectoryGroup], pad_id: int = 0, adv_eps: float = 1e-6) -> PackedBatch:
+    """Flatten groups to right-padded sequences (prompt + output) with per-token advantages.
+
+    A sample whose reward FAILED gets zero advantage and no loss tokens (it is excluded, not
+    scored as 0). Advantages are normalised over the group's OK samples.
+    """
+    seqs, lmask, blogp, adv, vers, rews = [], [], [], [], [], []
+    for g in groups:
+        ok = [s.reward_status == RewardStatus.OK for s in g.samples]
+        r = torch.tensor([s.reward for s, k in zip(g.samples, ok, strict=True) if k], dtype=torch.float32)
+        a_ok = grpo_advantages(r.unsqueeze(0), adv_eps).squeeze(0) if len(r) else r
+        it = iter(a_ok.tolist())
+        for s, k in zip(g.samples, ok, strict=True):
+            a = next(it) if k else 0.0
+            p, o = len(g.prompt_ids), len(s.output_ids)
+            seqs.append(list(g.prompt_ids) + list(s.output_ids))
+            # target index t predicts token t+1: output token j sits at target p-1+j
+            lmask.append([0.0] * (p - 1) + [1.0 if k else 0.0] * o)
+            blogp.append([0.0] * (p - 1) + list(s.logprobs))
+            adv.append([0.0] * (p - 1) + [a] * o)
+            vers.append([-1] * (p - 1) + list(s.versions))
+            rews.append(s.reward)
+    T = max(len(s) for s in seqs)
+
+    def pad(rows, width, value, dtype):
+        return torch.tensor([row + [value] * (width - len(row)) for row in rows], dtype=dtype)
+
+    input_ids = pad(seqs, T, pad_id, torch.long)
+    attn = pad([[1] * len(s) for s in seqs], T, 0, torch.long)
+    loss_mask = pad(lmask, T - 1, 0.0, torch.float32)
+    return PackedBatch(
+        input_ids=input_ids,
+        attention_mask=attn,
+        targets=input_ids[:, 1:].clone(),
+        loss_mask=loss_mask,
+        behav_logp=pad(blogp, T - 1, 0.0, torch.float32),
+        advantages=pad(adv, T - 1, 0.0, torch.float32),
+        versions=pad(vers, T - 1, -1, torch.long),
+        rewards=torch.tensor(rews, dtype=torch.float32),
+        n_tokens=int(loss_mask.sum().item()),
+    )

@@ -1,0 +1,35 @@
+"""structlog configured once per process: JSON lines in services, console for humans."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import structlog
+
+
+def configure_logging(service: str, json: bool | None = None, level: str | None = None) -> None:
+    """Configure structlog for `service`. JSON unless ASYNCRL_LOG_FORMAT=console."""
+    if json is None:
+        json = os.environ.get("ASYNCRL_LOG_FORMAT", "json") == "json"
+    lvl = getattr(logging, (level or os.environ.get("ASYNCRL_LOG_LEVEL", "INFO")).upper())
+    logging.basicConfig(level=lvl, stream=sys.stderr, format="%(message)s")
+    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    structlog.contextvars.bind_contextvars(service=service)
+
+
+def get_logger(**ctx):
+    return structlog.get_logger().bind(**ctx)

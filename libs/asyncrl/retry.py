@@ -1,0 +1,37 @@
+"""Named tenacity retry policies. Only idempotent calls retry; every RPC has a deadline."""
+
+from __future__ import annotations
+
+import grpc
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
+
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def _is_transient_rpc_error(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in RETRYABLE_CODES
+
+
+def idempotent_rpc(attempts: int = 5, max_delay_s: float = 30.0) -> AsyncRetrying:
+    """For idempotent RPCs (get, list, heartbeat, register, score): retry transient errors."""
+    return AsyncRetrying(
+        retry=retry_if_exception(_is_transient_rpc_error),
+        stop=stop_after_attempt(attempts) | stop_after_delay(max_delay_s),
+        wait=wait_exponential_jitter(initial=0.1, max=2.0),
+        reraise=True,
+    )
+
+
+def connect_policy(max_delay_s: float = 60.0) -> AsyncRetrying:
+    """For connecting to a dependency that may still be starting (nats, scheduler)."""
+    return AsyncRetrying(
+        stop=stop_after_delay(max_delay_s),
+        wait=wait_exponential_jitter(initial=0.2, max=2.0),
+        reraise=True,
+    )

@@ -1,0 +1,183 @@
+"""The experiment spec: pydantic models that validate what a user submits.
+
+The proto `asyncrl.v1.ExperimentSpec` is the wire form; `ExperimentSpec` here is the validated
+domain form. `spec_from_proto` / `spec_to_proto` convert, and `SpecError` names the offending
+field (e.g. ``trainer.lr``) so servers can answer INVALID_ARGUMENT with it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from google.protobuf import json_format
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from asyncrl.v1 import experiment_pb2
+
+
+class SpecError(ValueError):
+    """A spec field is invalid. `field` is the dotted path, `reason` says why."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SamplingParams(_Section):
+    """Sampling settings for generation."""
+
+    temperature: float = Field(1.0, ge=0.0)
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    top_k: int = Field(-1, ge=-1)
+    """Keep the k most likely tokens; -1 keeps all."""
+    max_new_tokens: int = Field(128, gt=0)
+    """Upper bound on generated tokens per sample."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Token ids that end a sample (the tokenizer's EOS is always one)."""
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings (engines that support them)."""
+
+
+class ModelSpec(_Section):
+    path: str
+    """HuggingFace-format causal LM directory (config.json + safetensors + tokenizer)."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory; defaults to `path`."""
+
+
+class DatasetSpec(_Section):
+    path: str
+    """JSONL file, one prompt per line."""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    epochs: int = Field(1, gt=0)
+    shuffle: bool = True
+    max_prompts: int | None = Field(None, gt=0)
+    """Use only the first N prompts (after loading, before shuffling)."""
+
+
+class RewardSpec(_Section):
+    function: str = "exact_match"
+    """exact_match | numeric_match | math_verify | regex | plugin:<module>:<fn>."""
+    timeout_s: float = Field(5.0, gt=0)
+    """Per-item timeout; a timeout is a FAILED sample, never a silent 0."""
+    kwargs: dict[str, str] = Field(default_factory=dict)
+
+
+class RolloutSpec(_Section):
+    n_samples: int = Field(4, gt=0)
+    """GRPO group size: samples per prompt."""
+    max_head_offpolicyness: int = Field(0, ge=0)
+    """eta: how many versions a trained sample may lag the trainer. 0 = synchronous RL."""
+    max_concurrent_rollouts: int = Field(64, gt=0)
+    """Upper bound on groups in flight."""
+    gconfig: SamplingParams = Field(default_factory=SamplingParams)
+    engine: Literal["torch", "sglang"] = "torch"
+    filter: Literal["none", "nonconstant_reward"] = "nonconstant_reward"
+    """Dynamic filter: `nonconstant_reward` rejects groups whose rewards are all equal."""
+    group_timeout_s: float = Field(600.0, gt=0)
+
+
+class TrainerSpec(_Section):
+    backend: Literal["megatron", "torch"] = "megatron"
+    batch_size: int = Field(8, gt=0)
+    """B: groups per optimizer step (= per version)."""
+    total_steps: int = Field(10, gt=0)
+    lr: float = Field(1e-5, gt=0)
+    minibatches: int = Field(1, gt=0)
+    """Optimizer updates per version (the batch is split into this many minibatches)."""
+    eps_clip: float = Field(0.2, gt=0)
+    behav_imp_weight_cap: float | None = Field(5.0, gt=1.0)
+    """Truncate the behaviour importance weight pi_prox/pi_behav; tokens above it are masked."""
+    kl_coef: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    checkpoint_every: int = Field(1, gt=0)
+    tp_size: int = Field(1, gt=0)
+    dp_size: int = Field(1, gt=0)
+
+
+class EvalSpec(_Section):
+    dataset_path: str | None = None
+    """JSONL eval set (same keys as the train set); unset disables eval."""
+    every_versions: int = Field(5, ge=0)
+    """Run eval every K versions (and at v0 and at the end); 0 = only at v0 and the end."""
+    n_samples: int = Field(1, gt=0)
+    gconfig: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.0))
+    max_prompts: int | None = Field(None, gt=0)
+
+
+class ExperimentSpec(_Section):
+    name: str = "experiment"
+    model: ModelSpec
+    dataset: DatasetSpec
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    reward: RewardSpec = Field(default_factory=RewardSpec)
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    seed: int = 1
+    dump_trajectories: bool = True
+
+
+def check_files(spec: ExperimentSpec) -> None:
+    """Raise SpecError for referenced files or directories that do not exist."""
+    if not Path(spec.dataset.path).is_file():
+        raise SpecError("dataset.path", f"file not found: {spec.dataset.path}")
+    if spec.eval.dataset_path and not Path(spec.eval.dataset_path).is_file():
+        raise SpecError("eval.dataset_path", f"file not found: {spec.eval.dataset_path}")
+    if not (Path(spec.model.path) / "config.json").is_file():
+        raise SpecError("model.path", f"no HuggingFace config.json in {spec.model.path}")
+
+
+def validate_spec(data: dict) -> ExperimentSpec:
+    """Validate a plain dict; raise SpecError naming the first bad field."""
+    try:
+        return ExperimentSpec.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "spec"
+        raise SpecError(field, err["msg"]) from None
+
+
+def spec_from_proto(msg: experiment_pb2.ExperimentSpec) -> ExperimentSpec:
+    data = json_format.MessageToDict(msg, preserving_proto_field_name=True)
+    return validate_spec(data)
+
+
+def spec_to_proto(spec: ExperimentSpec) -> experiment_pb2.ExperimentSpec:
+    data = spec.model_dump(exclude_none=True)
+    return json_format.ParseDict(data, experiment_pb2.ExperimentSpec())
+
+
+def dict_to_proto(data: dict) -> experiment_pb2.ExperimentSpec:
+    """Client side: a YAML dict to the wire form (unknown fields raise SpecError)."""
+    try:
+        return json_format.ParseDict(data, experiment_pb2.ExperimentSpec())
+    except json_format.ParseError as e:
+        raise SpecError("spec", str(e)) from None
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict in place."""
+    import yaml
+
+    for item in overrides:
+        if "=" not in item:
+            raise SpecError(item, "override must look like a.b=value")
+        key, raw = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
