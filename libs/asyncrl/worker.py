@@ -1,0 +1,86 @@
+"""Worker side of the registry: register with the scheduler, heartbeat, re-register when the
+scheduler forgot us (e.g. it restarted). Used by rollout, reward and trainer services."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import grpc
+
+from asyncrl.grpcutil import channel
+from asyncrl.logging import get_logger
+from asyncrl.retry import connect_policy, idempotent_rpc
+from asyncrl.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+log = get_logger()
+
+
+def scheduler_address() -> str:
+    return os.environ.get("ASYNCRL_SCHEDULER", "127.0.0.1:50051")
+
+
+def advertise_host() -> str:
+    """The host other services use to reach this one (ASYNCRL_ADVERTISE_HOST, else loopback)."""
+    return os.environ.get("ASYNCRL_ADVERTISE_HOST", "127.0.0.1")
+
+
+class WorkerAgent:
+    """Keeps one worker registered. `load_fn` reports current load on each heartbeat."""
+
+    def __init__(self, kind: int, address: str, name: str | None = None, capacity: int = 1,
+                 scheduler: str | None = None, load_fn=lambda: 0):
+        self.kind = kind
+        self.address = address
+        self.name = name or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}"
+        self.capacity = capacity
+        self.scheduler = scheduler or scheduler_address()
+        self.load_fn = load_fn
+        self.worker_id: str | None = None
+        self.interval = 1.0
+        self._task: asyncio.Task | None = None
+        self._channel = channel(self.scheduler)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+
+    async def register(self) -> str:
+        req = scheduler_pb2.RegisterWorkerRequest(
+            kind=self.kind, address=self.address, name=self.name, capacity=self.capacity)
+        async for attempt in connect_policy(max_delay_s=120):
+            with attempt:
+                resp = await self._stub.RegisterWorker(req, timeout=5)
+        self.worker_id = resp.worker_id
+        self.interval = resp.heartbeat_interval_s or 1.0
+        log.info("worker_registered", worker=self.worker_id, address=self.address,
+                 scheduler=self.scheduler)
+        return self.worker_id
+
+    async def _beat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                async for attempt in idempotent_rpc(attempts=3, max_delay_s=self.interval * 3):
+                    with attempt:
+                        resp = await self._stub.Heartbeat(
+                            scheduler_pb2.HeartbeatRequest(worker_id=self.worker_id,
+                                                           load=int(self.load_fn())),
+                            timeout=max(1.0, self.interval))
+                if not resp.known:
+                    log.warning("worker_unknown_reregistering", worker=self.worker_id)
+                    await self.register()
+            except grpc.aio.AioRpcError as e:
+                log.warning("heartbeat_failed", code=str(e.code()), details=e.details())
+                try:
+                    await self.register()
+                except grpc.aio.AioRpcError:
+                    pass
+
+    async def start(self) -> str:
+        wid = await self.register()
+        self._task = asyncio.create_task(self._beat_forever())
+        return wid
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        await self._channel.close()

@@ -1,0 +1,63 @@
+"""The inference-engine contract behind the rollout service (torch embedded, or SGLang).
+
+An engine serves one model at a time. `generate` returns a *complete* sample: when a weight
+update interrupts it, the engine continues from the partial output under the new version and
+records, per token, the version that produced it. Cancelling the `generate` coroutine aborts
+the request.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from asyncrl.spec import SamplingParams
+
+
+@dataclass
+class GenRequest:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: list[int] = field(default_factory=list)  # EOS etc., added by the service
+
+
+@dataclass
+class GenOutput:
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # stop | length
+    interruptions: int = 0
+
+
+class Engine(ABC):
+    name: str = "engine"
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """The policy version currently served."""
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Start background machinery (batching loop, child server)."""
+
+    @abstractmethod
+    async def stop(self) -> None: ...
+
+    @abstractmethod
+    async def load(self, model_dir: str, version: int) -> None:
+        """Load a model (first load or switch of experiment); no request may be in flight."""
+
+    @abstractmethod
+    async def update_weights(self, model_dir: str, version: int) -> int:
+        """Interrupt in-flight requests at a token boundary, swap weights, resume them.
+        Returns how many requests were interrupted."""
+
+    @abstractmethod
+    async def generate(self, req: GenRequest) -> GenOutput: ...
+
+    @property
+    def running(self) -> int:
+        return 0
