@@ -32,4 +32,5 @@ def configure_logging(service: str, json: bool | None = None, level: str | None 
 
 
 def get_logger(**ctx):
-    return structlog.get_logger().bind(**ctx)
+    """A lazy logger: safe at module level, it picks up configure_logging() called later."""
+    return structlog.get_logger(**ctx)

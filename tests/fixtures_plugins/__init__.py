@@ -1,0 +1,1 @@
+"""Importable reward-function plugins for tests: plugin:tests.fixtures_plugins.rewards:<fn>."""

@@ -1,0 +1,38 @@
+"""Reward plugins used by the reward tests: plugin:tests.fixtures_plugins.rewards:<fn>."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def scripted(completion: str, answer: str, prompt: str, **kwargs: str):
+    """Does what the completion says, so one batch can mix behaviours:
+    "sleep <s>" sleeps s seconds then returns 1.0, "raise" raises ValueError, "nan" returns
+    NaN, "text" returns a string, "exit" kills the worker process; anything else returns
+    float(answer)."""
+    if completion.startswith("sleep "):
+        time.sleep(float(completion.split()[1]))
+        return 1.0
+    if completion == "raise":
+        raise ValueError("scripted failure")
+    if completion == "nan":
+        return float("nan")
+    if completion == "exit":
+        os._exit(3)
+    if completion == "text":
+        return "1.0"
+    return float(answer)
+
+
+def length_at_most(completion: str, answer: str, prompt: str, **kwargs: str) -> float:
+    """1.0 when the completion is at most `max_chars` (kwarg, default 10) characters long."""
+    return 1.0 if len(completion) <= int(kwargs.get("max_chars", "10")) else 0.0
+
+
+def two_args(completion: str, answer: str) -> float:
+    """Malformed: does not accept the prompt."""
+    return 1.0
+
+
+NOT_CALLABLE = 3
