@@ -1,0 +1,97 @@
+"""python -m services.rollout --engine torch|sglang [--sglang-url URL | --sglang-launch]
+[--engine-opt key=value ...] [--port 0] [--host 127.0.0.1] [--capacity 64] [--no-register]
+
+Environment: NATS_URL (trajectory stream), ASYNCRL_SCHEDULER (registration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+
+import yaml
+
+from asyncrl.logging import configure_logging, get_logger
+from asyncrl.natsutil import nats_url
+from services.rollout.engines import ENGINES, make_engine
+from services.rollout.server import DEFAULT_CAPACITY, create_rollout
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m services.rollout",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--engine", choices=ENGINES, default="torch", help="inference backend")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--sglang-url", help="drive an SGLang server already running at URL")
+    g.add_argument(
+        "--sglang-launch",
+        action="store_true",
+        help="launch (and supervise) an SGLang server as a child process",
+    )
+    p.add_argument(
+        "--engine-opt",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra engine constructor option (value parsed as YAML); repeatable",
+    )
+    p.add_argument("--port", type=int, default=0, help="port to bind (0: any free port)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
+    p.add_argument(
+        "--capacity",
+        type=int,
+        default=DEFAULT_CAPACITY,
+        help="concurrent groups this worker accepts",
+    )
+    p.add_argument(
+        "--no-register",
+        action="store_true",
+        help="do not register with the scheduler (ASYNCRL_SCHEDULER)",
+    )
+    return p.parse_args(argv)
+
+
+def engine_opts(args: argparse.Namespace) -> dict:
+    opts: dict = {}
+    for item in args.engine_opt:
+        if "=" not in item:
+            raise SystemExit(f"--engine-opt must look like key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        opts[key.strip().replace("-", "_")] = yaml.safe_load(raw)
+    if args.sglang_url:
+        opts["url"] = args.sglang_url
+    if args.sglang_launch:
+        opts["launch"] = True
+    return opts
+
+
+async def main(args: argparse.Namespace) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    engine = make_engine(args.engine, **engine_opts(args))
+    _, port, service = await create_rollout(
+        nats_url(),
+        engine,
+        port=args.port,
+        register=not args.no_register,
+        capacity=args.capacity,
+        host=args.host,
+        engine_kind=args.engine,
+    )
+    get_logger().info("rollout_ready", port=port, engine=args.engine)
+    await stop.wait()
+    await service.stop()
+
+
+if __name__ == "__main__":
+    configure_logging("rollout")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # weight loading logs through structlog, not tqdm
+    asyncio.run(main(parse_args()))

@@ -1,0 +1,119 @@
+"""Client of Reward.Score with fail-over across reward replicas.
+
+Score is idempotent, so a transient failure (UNAVAILABLE, DEADLINE_EXCEEDED) is retried through
+`asyncrl.retry.idempotent_rpc`, and every attempt goes to the next address: a dead replica
+costs one fast failure, not the group. Addresses are picked round-robin across calls so the
+load spreads over the replicas.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import grpc
+
+from asyncrl.grpcutil import channel
+from asyncrl.logging import get_logger
+from asyncrl.retry import idempotent_rpc
+from asyncrl.spec import RewardSpec
+from asyncrl.types import RewardStatus
+from asyncrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+
+log = get_logger(component="reward_client")
+
+
+class RewardUnavailable(RuntimeError):
+    """No reward service produced an answer; `reason` says what the last one did."""
+
+
+@dataclass
+class ScoreItem:
+    id: str
+    prompt: str
+    completion: str
+    answer: str
+
+
+@dataclass
+class Score:
+    reward: float
+    status: RewardStatus
+    reason: str = ""
+
+
+def score_deadline(timeout_s: float, n_items: int) -> float:
+    """RPC deadline for one Score call: the reward service enforces `timeout_s` per item, and
+    in the worst case scores items one after another; plus slack for transport."""
+    return 10.0 + timeout_s * max(1, n_items)
+
+
+class RewardClient:
+    def __init__(self, attempts_per_address: int = 2, max_delay_s: float = 30.0):
+        self.attempts_per_address = attempts_per_address
+        self.max_delay_s = max_delay_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._rr = itertools.count()
+
+    def _stub(self, address: str) -> reward_pb2_grpc.RewardStub:
+        if address not in self._channels:
+            self._channels[address] = channel(address)
+        return reward_pb2_grpc.RewardStub(self._channels[address])
+
+    async def score(
+        self, addresses: list[str], reward: RewardSpec, items: list[ScoreItem]
+    ) -> list[Score]:
+        """Score `items` with one Score call; results come back in the order of `items`.
+        Raises RewardUnavailable when no address answers, or when the call is refused."""
+        if not addresses:
+            raise RewardUnavailable("no reward service address")
+        req = reward_pb2.ScoreRequest(
+            function=reward.function,
+            kwargs=reward.kwargs,
+            timeout_s=reward.timeout_s,
+            items=[
+                reward_pb2.ScoreItem(
+                    id=i.id, prompt=i.prompt, completion=i.completion, answer=i.answer
+                )
+                for i in items
+            ],
+        )
+        start = next(self._rr)
+        order = [addresses[(start + k) % len(addresses)] for k in range(len(addresses))]
+        tried = itertools.cycle(order)
+        deadline = score_deadline(reward.timeout_s, len(items))
+        policy = idempotent_rpc(
+            attempts=self.attempts_per_address * len(addresses), max_delay_s=self.max_delay_s
+        )
+        address = order[0]
+        try:
+            async for attempt in policy:
+                with attempt:
+                    address = next(tried)
+                    resp = await self._stub(address).Score(req, timeout=deadline)
+        except grpc.aio.AioRpcError as e:
+            log.warning(
+                "reward_unavailable",
+                address=address,
+                code=e.code().name,
+                details=e.details(),
+                addresses=addresses,
+            )
+            raise RewardUnavailable(
+                f"reward service {address}: {e.code().name}: {e.details()}"
+            ) from None
+        by_id = {r.id: r for r in resp.results}
+        return [_score(by_id.get(i.id)) for i in items]
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+
+def _score(result: reward_pb2.ScoreResult | None) -> Score:
+    if result is None:
+        return Score(0.0, RewardStatus.FAILED, "no result from the reward service")
+    if result.status == common_pb2.REWARD_STATUS_OK:
+        return Score(result.reward, RewardStatus.OK)
+    return Score(0.0, RewardStatus.FAILED, result.reason or "reward failed without a reason")

@@ -1,0 +1,170 @@
+"""Rollout gRPC server: a thin servicer over RolloutService, plus proto <-> domain conversion.
+
+`create_rollout` connects to NATS (ensuring the trajectory stream), starts the engine, serves
+Rollout + health + reflection, and registers with the scheduler as a WORKER_KIND_ROLLOUT
+worker. `await service.stop()` stops it gracefully.
+"""
+
+from __future__ import annotations
+
+from google.protobuf import json_format
+from pydantic import BaseModel, ValidationError
+
+from asyncrl.grpcutil import create_server, rpc_errors
+from asyncrl.logging import get_logger
+from asyncrl.natsutil import connect, ensure_stream
+from asyncrl.retry import connect_policy
+from asyncrl.spec import RewardSpec, SamplingParams, SpecError
+from asyncrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from asyncrl.worker import WorkerAgent, advertise_host
+from services.rollout.engine import Engine
+from services.rollout.filters import GroupStatus
+from services.rollout.service import GroupJob, GroupSummary, RolloutService
+
+log = get_logger()
+
+SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
+DEFAULT_CAPACITY = 64
+
+_STATUS = {
+    GroupStatus.ACCEPTED: rollout_pb2.GROUP_STATUS_ACCEPTED,
+    GroupStatus.REJECTED: rollout_pb2.GROUP_STATUS_REJECTED,
+    GroupStatus.FAILED: rollout_pb2.GROUP_STATUS_FAILED,
+}
+
+
+def _section(model: type[BaseModel], msg, name: str):
+    """A proto sub-message to its validated pydantic section; unset fields take defaults."""
+    data = json_format.MessageToDict(msg, preserving_proto_field_name=True)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join([name, *(str(p) for p in err["loc"])])
+        raise SpecError(field, err["msg"]) from None
+
+
+def job_from_proto(req: rollout_pb2.GenerateGroupRequest) -> GroupJob:
+    return GroupJob(
+        experiment_id=req.experiment_id,
+        group_id=req.group_id,
+        prompt_id=req.prompt_id,
+        prompt=req.prompt,
+        answer=req.answer,
+        n=req.n,
+        params=_section(SamplingParams, req.gconfig, "gconfig"),
+        reward=_section(RewardSpec, req.reward, "reward"),
+        filter=req.filter,
+        reward_addresses=list(req.reward_addresses),
+        eval=req.eval,
+        epoch=req.epoch,
+        expected_version=req.expected_version,
+    )
+
+
+def summary_to_proto(s: GroupSummary) -> rollout_pb2.GroupSummary:
+    return rollout_pb2.GroupSummary(
+        group_id=s.group_id,
+        status=_STATUS[s.status],
+        reason=s.reason,
+        rewards=s.rewards,
+        failed_samples=s.failed_samples,
+        tokens=s.tokens,
+        start_version=s.start_version,
+        end_version=s.end_version,
+        published=s.published,
+        duration_s=s.duration_s,
+        worker=s.worker,
+    )
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    def __init__(self, service: RolloutService):
+        self.service = service
+
+    @rpc_errors
+    async def GenerateGroup(self, request, context):
+        summary = await self.service.generate_group(job_from_proto(request))
+        return summary_to_proto(summary)
+
+    @rpc_errors
+    async def UpdateWeights(self, request, context):
+        r = await self.service.update_weights(
+            request.experiment_id,
+            request.version,
+            request.uri,
+            tokenizer_path=request.tokenizer_path,
+            engine=request.engine,
+        )
+        return rollout_pb2.UpdateWeightsResponse(
+            version=r.version, seconds=r.seconds, interrupted=r.interrupted
+        )
+
+    @rpc_errors
+    async def GetStatus(self, request, context):
+        s = self.service.status()
+        return rollout_pb2.RolloutStatus(
+            worker_id=s.worker_id,
+            experiment_id=s.experiment_id,
+            version=s.version,
+            running_groups=s.running_groups,
+            running_samples=s.running_samples,
+            tokens_generated=s.tokens_generated,
+            tokens_per_s=s.tokens_per_s,
+            engine=s.engine,
+        )
+
+
+async def create_rollout(
+    nats_url: str,
+    engine: Engine,
+    port: int = 0,
+    scheduler: str | None = None,
+    register: bool = True,
+    capacity: int = DEFAULT_CAPACITY,
+    host: str = "127.0.0.1",
+    engine_kind: str | None = None,
+):
+    """Start a rollout worker around `engine`; returns (server, port, service).
+
+    With register=True it registers with the scheduler (`scheduler`, else ASYNCRL_SCHEDULER)
+    as a WORKER_KIND_ROLLOUT worker of `capacity` concurrent groups; its load is the number of
+    running groups."""
+    async for attempt in connect_policy(max_delay_s=60):
+        with attempt:
+            nc = await connect(nats_url)
+    js = nc.jetstream()
+    await ensure_stream(js)
+    await engine.start()
+    service = RolloutService(engine, js, engine_kind=engine_kind)
+    service.nc = nc
+    try:
+        server, bound = await create_server(
+            [(rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(service))],
+            [SERVICE_NAME],
+            port=port,
+            host=host,
+        )
+        service.server = server
+        address = f"{advertise_host()}:{bound}"
+        service.worker = f"rollout@{address}"
+        if register:
+            service.agent = WorkerAgent(
+                common_pb2.WORKER_KIND_ROLLOUT,
+                address,
+                capacity=capacity,
+                scheduler=scheduler,
+                load_fn=lambda: service.running_groups,
+            )
+            service.worker = await service.agent.start()
+    except BaseException:
+        await service.stop(grace=0)
+        raise
+    log.info(
+        "rollout_serving",
+        port=bound,
+        engine=service.engine_kind,
+        worker=service.worker,
+        capacity=capacity,
+    )
+    return server, bound, service

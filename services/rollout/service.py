@@ -1,0 +1,370 @@
+"""The rollout service logic: weights, group generation, scoring, filtering, publishing.
+
+A group is the unit of work: n engine requests for one prompt run concurrently, the n
+completions are scored with one Reward.Score call, the filter decides, and an accepted group
+(or any eval group) is published to JetStream with Nats-Msg-Id = group id *before* the summary
+goes back to the scheduler. A cancelled GenerateGroup (the scheduler aborts stale groups)
+cancels its engine requests and publishes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asyncrl.grpcutil import Conflict
+from asyncrl.logging import get_logger
+from asyncrl.natsutil import publish_group
+from asyncrl.spec import RewardSpec, SamplingParams
+from asyncrl.types import RewardStatus, Sample, TrajectoryGroup
+from asyncrl.weights import uri_to_path
+from services.rollout.engine import Engine, GenOutput, GenRequest
+from services.rollout.filters import GroupStatus, decide, failed_samples, resolve_filter
+from services.rollout.reward_client import RewardClient, RewardUnavailable, ScoreItem
+
+log = get_logger(component="rollout")
+
+
+@dataclass
+class GroupJob:
+    """One GenerateGroup request, decoded."""
+
+    experiment_id: str
+    group_id: str
+    prompt_id: str
+    prompt: str
+    answer: str
+    n: int
+    params: SamplingParams
+    reward: RewardSpec
+    filter: str = ""
+    reward_addresses: list[str] = field(default_factory=list)
+    eval: bool = False
+    epoch: int = 0
+    expected_version: int = 0
+
+
+@dataclass
+class GroupSummary:
+    group_id: str
+    status: GroupStatus
+    reason: str = ""
+    rewards: list[float] = field(default_factory=list)  # of the samples scored OK
+    failed_samples: int = 0
+    tokens: int = 0
+    start_version: int = 0
+    end_version: int = 0
+    published: bool = False
+    duration_s: float = 0.0
+    worker: str = ""
+
+
+@dataclass
+class WeightsResult:
+    version: int
+    seconds: float
+    interrupted: int
+
+
+@dataclass
+class StatusInfo:
+    worker_id: str
+    experiment_id: str
+    version: int
+    running_groups: int
+    running_samples: int
+    tokens_generated: int
+    tokens_per_s: float
+    engine: str
+
+
+@dataclass
+class _Running:
+    job: GroupJob
+    task: asyncio.Task | None = None
+    aborted: str = ""  # set when the service itself aborts the group (experiment switch)
+
+
+class Throughput:
+    """Generated tokens: a running total and the rate over the last `window_s` seconds."""
+
+    def __init__(self, window_s: float = 30.0):
+        self.window_s = window_s
+        self.total = 0
+        self._events: collections.deque[tuple[float, int]] = collections.deque()
+        self._since = time.monotonic()
+
+    def add(self, tokens: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.total += tokens
+        self._events.append((now, tokens))
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        recent = sum(n for t, n in self._events if t >= now - self.window_s)
+        span = min(self.window_s, max(now - self._since, 1e-9))
+        return recent / span
+
+
+class RolloutService:
+    def __init__(self, engine: Engine, js, engine_kind: str | None = None, worker: str = ""):
+        self.engine = engine
+        self.js = js
+        self.engine_kind = engine_kind or engine.name
+        self.worker = worker
+        self.experiment_id = ""
+        self.tokenizer = None
+        self.rewards = RewardClient()
+        self.throughput = Throughput()
+        self._groups: dict[str, _Running] = {}
+        self._weights_lock = asyncio.Lock()
+        # set by server.create_rollout: things to close on stop
+        self.server = None
+        self.agent = None
+        self.nc = None
+
+    # ---------------------------------------------------------------- weights
+    async def update_weights(
+        self, experiment_id: str, version: int, uri: str, tokenizer_path: str = "", engine: str = ""
+    ) -> WeightsResult:
+        """First load / experiment switch (cancels in-flight groups, loads model + tokenizer),
+        or an interrupting weight update of the served experiment."""
+        if engine and engine != self.engine_kind:
+            raise Conflict(
+                f"engine: this rollout worker runs the {self.engine_kind!r} engine, "
+                f"the experiment asks for {engine!r}"
+            )
+        if not experiment_id:
+            raise ValueError("experiment_id: required")
+        path = uri_to_path(uri)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"uri: no HuggingFace config.json in {path}")
+        start = time.perf_counter()
+        async with self._weights_lock:
+            if self.tokenizer is None or experiment_id != self.experiment_id:
+                await self._switch(experiment_id, path, version, tokenizer_path)
+                interrupted = 0  # its in-flight groups were aborted, not continued
+            elif version == self.engine.version:
+                interrupted = 0  # a retried UpdateWeights: already served
+            else:
+                interrupted = await self.engine.update_weights(str(path), version)
+        seconds = time.perf_counter() - start
+        log.info(
+            "weights_updated",
+            experiment=experiment_id,
+            version=version,
+            interrupted=interrupted,
+            seconds=round(seconds, 3),
+        )
+        return WeightsResult(self.engine.version, seconds, interrupted)
+
+    async def _switch(
+        self, experiment_id: str, path: Path, version: int, tokenizer_path: str
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        previous = self.experiment_id
+        self.experiment_id = ""  # no new groups until the new model is in place
+        self.tokenizer = None
+        aborted = await self._abort_all(
+            f"aborted: rollout switched from experiment {previous!r} to {experiment_id!r}"
+        )
+        await self.engine.load(str(path), version)
+        self.tokenizer = await asyncio.to_thread(
+            AutoTokenizer.from_pretrained, tokenizer_path or str(path)
+        )
+        self.experiment_id = experiment_id
+        log.info(
+            "experiment_loaded",
+            experiment=experiment_id,
+            version=version,
+            previous=previous,
+            aborted_groups=aborted,
+        )
+
+    async def _abort_all(self, reason: str) -> int:
+        tasks = []
+        for running in self._groups.values():
+            if running.task and not running.task.done():
+                running.aborted = reason
+                running.task.cancel()
+                tasks.append(running.task)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return len(tasks)
+
+    # ---------------------------------------------------------------- groups
+    @property
+    def running_groups(self) -> int:
+        return len(self._groups)
+
+    async def generate_group(self, job: GroupJob) -> GroupSummary:
+        resolve_filter(job.filter)
+        if job.n <= 0:
+            raise ValueError(f"n: must be positive, got {job.n}")
+        if not job.group_id:
+            raise ValueError("group_id: required")
+        if self.tokenizer is None or job.experiment_id != self.experiment_id:
+            raise Conflict(
+                f"experiment_id: this rollout serves {self.experiment_id or 'nothing'!r},"
+                f" not {job.experiment_id!r} (UpdateWeights first)"
+            )
+        if job.group_id in self._groups:
+            raise Conflict(f"group_id: group {job.group_id} is already running here")
+        running = _Running(job)
+        self._groups[job.group_id] = running
+        try:
+            return await self._run_group(job, running)
+        finally:
+            self._groups.pop(job.group_id, None)
+
+    async def _run_group(self, job: GroupJob, running: _Running) -> GroupSummary:
+        t0 = time.perf_counter()
+        version_at_start = self.engine.version
+        prompt_ids = self.tokenizer(job.prompt, add_special_tokens=False).input_ids
+        stop_ids = list(job.params.stop_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            stop_ids.append(self.tokenizer.eos_token_id)
+        reqs = [
+            GenRequest(f"{job.group_id}:{i}", list(prompt_ids), job.params, stop_ids)
+            for i in range(job.n)
+        ]
+        running.task = asyncio.create_task(_generate_all(self.engine, reqs))
+        try:
+            outputs = await running.task
+        except asyncio.CancelledError:
+            if running.aborted and not asyncio.current_task().cancelling():
+                return self._summary(
+                    job, GroupStatus.FAILED, running.aborted, [], version_at_start, t0
+                )
+            log.info("group_cancelled", group=job.group_id)
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported as a FAILED group with the reason
+            log.exception("generation_failed", group=job.group_id)
+            return self._summary(
+                job, GroupStatus.FAILED, f"generation failed: {exc}", [], version_at_start, t0
+            )
+        samples = [self._sample(o) for o in outputs]
+        self.throughput.add(sum(len(s.output_ids) for s in samples))
+        await self._score(job, samples)
+        decision = decide(samples, job.filter, job.eval)
+        summary = self._summary(
+            job, decision.status, decision.reason, samples, version_at_start, t0
+        )
+        if decision.publish or job.eval:
+            group = TrajectoryGroup(
+                experiment_id=job.experiment_id,
+                group_id=job.group_id,
+                prompt_id=job.prompt_id,
+                prompt=job.prompt,
+                answer=job.answer,
+                prompt_ids=list(prompt_ids),
+                samples=samples,
+                start_version=summary.start_version,
+                eval=job.eval,
+                created_unix_ms=int(time.time() * 1000),
+                rollout_worker=self.worker,
+                epoch=job.epoch,
+            )
+            await publish_group(self.js, group)
+            summary.published = True
+            summary.duration_s = time.perf_counter() - t0
+        log.info(
+            "group_done",
+            group=job.group_id,
+            status=summary.status.value,
+            reason=summary.reason,
+            rewards=summary.rewards,
+            tokens=summary.tokens,
+            versions=(summary.start_version, summary.end_version),
+            published=summary.published,
+        )
+        return summary
+
+    def _sample(self, out: GenOutput) -> Sample:
+        return Sample(
+            output_ids=out.output_ids,
+            logprobs=out.logprobs,
+            versions=out.versions,
+            finish_reason=out.finish_reason,
+            text=self.tokenizer.decode(out.output_ids, skip_special_tokens=True),
+        )
+
+    async def _score(self, job: GroupJob, samples: list[Sample]) -> None:
+        """Fill reward fields in place; an unreachable reward service fails every sample."""
+        items = [
+            ScoreItem(f"{job.group_id}:{i}", job.prompt, s.text, job.answer)
+            for i, s in enumerate(samples)
+        ]
+        try:
+            scores = await self.rewards.score(job.reward_addresses, job.reward, items)
+        except RewardUnavailable as exc:
+            for s in samples:
+                s.reward, s.reward_status, s.reward_reason = 0.0, RewardStatus.FAILED, str(exc)
+            return
+        for s, score in zip(samples, scores, strict=True):
+            s.reward, s.reward_status, s.reward_reason = score.reward, score.status, score.reason
+
+    def _summary(
+        self,
+        job: GroupJob,
+        status: GroupStatus,
+        reason: str,
+        samples: list[Sample],
+        version_at_start: int,
+        t0: float,
+    ) -> GroupSummary:
+        versions = [v for s in samples for v in s.versions]
+        return GroupSummary(
+            group_id=job.group_id,
+            status=status,
+            reason=reason,
+            rewards=[s.reward for s in samples if s.reward_status is RewardStatus.OK],
+            failed_samples=failed_samples(samples),
+            tokens=sum(len(s.output_ids) for s in samples),
+            start_version=min(versions, default=version_at_start),
+            end_version=max(versions, default=self.engine.version),
+            duration_s=time.perf_counter() - t0,
+            worker=self.worker,
+        )
+
+    # ---------------------------------------------------------------- status, lifecycle
+    def status(self) -> StatusInfo:
+        return StatusInfo(
+            worker_id=self.worker,
+            experiment_id=self.experiment_id,
+            version=self.engine.version,
+            running_groups=self.running_groups,
+            running_samples=self.engine.running,
+            tokens_generated=self.throughput.total,
+            tokens_per_s=self.throughput.rate(),
+            engine=self.engine_kind,
+        )
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Graceful stop: leave the registry, finish in-flight RPCs, then release resources."""
+        if self.agent:
+            await self.agent.stop()
+        if self.server:
+            await self.server.health_servicer.enter_graceful_shutdown()
+            await self.server.stop(grace)
+        await self._abort_all("aborted: rollout stopping")
+        await self.engine.stop()
+        await self.rewards.close()
+        if self.nc:
+            await self.nc.drain()
+        log.info("rollout_stopped")
+
+
+async def _generate_all(engine: Engine, reqs: list[GenRequest]) -> list[GenOutput]:
+    """All requests of a group concurrently; one failure cancels the others."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(engine.generate(r)) for r in reqs]
+    except ExceptionGroup as eg:
+        raise eg.exceptions[0] from eg
+    return [t.result() for t in tasks]

@@ -1,0 +1,543 @@
+"""The SGLang engine: drives an SGLang server over its HTTP API (see shared REFERENCE.md).
+
+Two modes:
+- attach (`url=...`): a server somebody else runs; we wait for `/health_generate`.
+- launch (`launch=True` or `model_path=...`): a managed child (`SGLangProcess`), started with
+  the experiment's model on the first `load`, restarted if it dies, the current weights
+  re-applied before it serves again.
+
+One `/generate` request per sample (`input_ids`, `return_logprob`, the sampling params, stop
+token ids) with a stable request id. The behaviour logprob of a token is SGLang's
+`output_token_logprobs` value (the managed child runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1,
+so it is the log-softmax of the unscaled logits, as the trainer recomputes it).
+
+A weight update interrupts: `/pause_generation` (abort) -> the aborted requests come back with
+their partial output -> `/update_weights_from_disk` (or the bucketed NCCL broadcast) ->
+`/continue_generation`. Each interrupted sample is resubmitted as prompt + partial output with
+`max_new_tokens` reduced; every token keeps the version that produced it. A sample whose
+server died mid-request is resubmitted the same way once the server is back.
+
+Versions differ (REFERENCE.md): SGLang >= 0.5.1 reports `weight_version` per response, older
+ones do not, so the version is tracked here: new segments wait while an update runs and the
+update waits (drain_timeout_s) for the aborted responses before it swaps, so a response's
+version is the version served when it arrives. `/pause_generation` takes `{"mode": "abort"}`
+from 0.5.5 on (no body before), model info is `/model_info` from 0.5.9 (`/get_model_info`
+before).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from asyncrl.logging import get_logger
+from services.rollout.engine import Engine, GenOutput, GenRequest
+from services.rollout.sglang_process import (
+    LaunchConfig,
+    SGLangNotInstalled,
+    SGLangProcess,
+    installed_sglang_version,
+    parse_version,
+    wait_healthy,
+)
+from services.rollout.sglang_sync import bucket_request, plan_buckets, tensor_metas
+
+log = get_logger(component="sglang_engine")
+
+CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=60)
+UPDATE_TIMEOUT = aiohttp.ClientTimeout(total=1800)
+GENERATE_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30)
+
+
+class SGLangError(RuntimeError):
+    """SGLang answered an error (bad update path, bad request, unexpected abort)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class SGLangUnavailable(RuntimeError):
+    """The server is down and did not come back in time."""
+
+
+@dataclass(frozen=True)
+class ServerApi:
+    """What differs between the SGLang versions we support (0.4.10 - 0.5.x)."""
+
+    version: tuple[int, int, int]
+
+    @property
+    def reports_weight_version(self) -> bool:
+        return self.version >= (0, 5, 1)
+
+    @property
+    def pause_body(self) -> dict | None:
+        return {"mode": "abort"} if self.version >= (0, 5, 5) else None
+
+    @property
+    def model_info_paths(self) -> tuple[str, str]:
+        """Preferred path first; the other is tried on 404."""
+        if self.version >= (0, 5, 9):
+            return "/model_info", "/get_model_info"
+        return "/get_model_info", "/model_info"
+
+
+def parse_generate_response(data: Any) -> tuple[list[int], list[float], str, dict]:
+    """(token ids, logprobs, finish type, meta_info) of one non-streamed /generate answer.
+    Token ids come from `output_token_logprobs` ([logprob, token_id, text|None] triples),
+    present whether or not the server returns `output_ids`."""
+    if isinstance(data, list):
+        (data,) = data
+    meta = data["meta_info"]
+    triples = meta.get("output_token_logprobs") or []
+    ids = [int(t[1]) for t in triples]
+    lps = [float(t[0]) for t in triples]
+    if "output_ids" in data and data["output_ids"] is not None:
+        assert list(data["output_ids"]) == ids, "output_ids disagree with the logprob ids"
+    finish = meta.get("finish_reason") or {}
+    kind = finish.get("type") if isinstance(finish, dict) else str(finish)
+    return ids, lps, kind or "length", meta
+
+
+def error_message(status: int, body: str) -> str:
+    """The human part of an SGLang error answer ({"message"} or {"error": {"message"}})."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.strip() or f"HTTP {status}"
+    if isinstance(data, dict):
+        if isinstance(data.get("error"), dict):
+            return str(data["error"].get("message", data))
+        if "message" in data:
+            return str(data["message"])
+    return str(data)
+
+
+class SGLangEngine(Engine):
+    name = "sglang"
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        launch: bool = False,
+        model_path: str | None = None,
+        tp_size: int = 1,
+        mem_fraction: float = 0.8,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        random_seed: int = 1,
+        launch_cmd: list[str] | None = None,
+        extra_args: list[str] | None = None,
+        log_path: str | None = None,
+        sglang_version: str | None = None,
+        weight_sync: str = "disk",
+        nccl_master: str | None = None,
+        nccl_group: str = "asyncrl-weights",
+        nccl_rank_offset: int = 1,
+        nccl_world_size: int | None = None,
+        nccl_backend: str = "nccl",
+        bucket_mb: int = 512,
+        startup_timeout_s: float = 900.0,
+        drain_timeout_s: float = 5.0,
+    ):
+        """url: attach to this server. Otherwise launch a managed child: model_path (or the
+        first `load`), tp_size, mem_fraction, host, port (0: free), random_seed, extra_args,
+        log_path (child output), launch_cmd (replaces `python -m sglang.launch_server`).
+        sglang_version: skip detection (`/get_server_info`, or the installed package).
+        weight_sync: "disk" (`/update_weights_from_disk`) or "nccl" (broadcast from the
+        trainer at nccl_master="host:port"; see sglang_sync)."""
+        if weight_sync not in ("disk", "nccl"):
+            raise ValueError(f"weight_sync: expected disk or nccl, got {weight_sync!r}")
+        if weight_sync == "nccl" and not nccl_master:
+            raise ValueError(
+                "nccl_master: required (host:port of the trainer) for weight_sync nccl"
+            )
+        launch = launch or model_path is not None or launch_cmd is not None
+        if url and launch:
+            raise ValueError("sglang: give either url (attach) or launch options, not both")
+        if not url and not launch:
+            raise ValueError("sglang: needs --sglang-url URL (attach) or --sglang-launch")
+        if launch and launch_cmd is None:
+            installed = installed_sglang_version()
+            if installed is None:
+                raise SGLangNotInstalled()
+            sglang_version = sglang_version or installed
+        self.url = url.rstrip("/") if url else None
+        self.launch_cfg = (
+            LaunchConfig(
+                model_path=model_path or "",
+                host=host,
+                port=port,
+                tp_size=tp_size,
+                mem_fraction=mem_fraction,
+                random_seed=random_seed,
+                extra_args=list(extra_args or []),
+                launch_cmd=launch_cmd,
+            )
+            if launch
+            else None
+        )
+        self.log_path = log_path
+        self.api = ServerApi(parse_version(sglang_version)) if sglang_version else None
+        self.weight_sync = weight_sync
+        self.nccl_master = nccl_master
+        self.nccl_group = nccl_group
+        self.nccl_rank_offset = nccl_rank_offset
+        self.nccl_world_size = nccl_world_size or 1 + tp_size
+        self.nccl_backend = nccl_backend
+        self.bucket_bytes = bucket_mb << 20
+        self.startup_timeout_s = startup_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+
+        self.process: SGLangProcess | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._version = 0
+        self._weights: tuple[str, int] | None = None  # what the server serves (dir, version)
+        self._group_ready = False
+        self._serving = asyncio.Event()  # cleared while a weight update runs
+        self._serving.set()
+        self._update_lock = asyncio.Lock()
+        self._updates = 0  # weight updates started; an abort is expected when it moved
+        self._inflight: dict[str, asyncio.Future] = {}  # segment rid -> done when answered
+        self._running = 0
+        self._down = False  # attach mode: a connection failed; wait for health first
+        self._background: set[asyncio.Task] = set()
+
+    # ---------------------------------------------------------------- contract
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=CONTROL_TIMEOUT
+        )
+        if self.url:
+            await wait_healthy(self.url, self.startup_timeout_s)
+            await self._detect_api()
+        elif self.launch_cfg.model_path:
+            await self._launch(self.launch_cfg.model_path, None)
+
+    async def stop(self) -> None:
+        if self.process:
+            await self.process.stop()
+            self.process = None
+        if self._session:
+            await self._session.close()
+            self._session = None
+
+    async def load(self, model_dir: str, version: int) -> None:
+        """Serve `model_dir` as `version`: (re)launch the managed child on a new model, else
+        load the weights into the running server."""
+        model_dir = str(model_dir)
+        if self._weights == (model_dir, version):
+            return
+        if self.launch_cfg is not None and (
+            self.process is None or self.launch_cfg.model_path != model_dir
+        ):
+            if self.process:
+                await self.process.stop()
+                self.process = None
+            await self._launch(model_dir, version)
+            return
+        async with self._update_lock:
+            await self._apply_from_disk(model_dir, version)
+
+    async def update_weights(self, model_dir: str, version: int) -> int:
+        """pause (abort) -> update -> continue. Returns how many requests were interrupted.
+        A failed update raises SGLangError; the old weights keep serving."""
+        model_dir = str(model_dir)
+        async with self._update_lock:
+            while True:
+                await self._wait_server()
+                self._serving.clear()
+                self._updates += 1
+                pending = list(self._inflight.values())
+                try:
+                    await self._pause()
+                    try:
+                        if pending:  # the aborted requests answer with their partial output
+                            _, late = await asyncio.wait(pending, timeout=self.drain_timeout_s)
+                            if late:
+                                log.warning("abort_drain_timeout", late=len(late))
+                        if self.weight_sync == "nccl":
+                            await self._apply_distributed(model_dir, version)
+                        else:
+                            await self._apply_from_disk(model_dir, version)
+                    finally:
+                        await self._continue()
+                except aiohttp.ClientConnectionError:
+                    self._down = True
+                    if self.process is None:
+                        raise
+                    log.warning("server_lost_during_update", version=version)
+                    continue  # the managed child restarts; then update it again
+                finally:
+                    self._serving.set()
+                log.info("weights_updated", version=version, interrupted=len(pending))
+                return len(pending)
+
+    async def generate(self, req: GenRequest) -> GenOutput:
+        p = req.params
+        stop_ids = sorted(set(req.stop_token_ids) | set(p.stop_token_ids))
+        out_ids: list[int] = []
+        lps: list[float] = []
+        versions: list[int] = []
+        segment = 0
+        finish = "length"
+        self._running += 1
+        try:
+            while len(out_ids) < p.max_new_tokens:
+                rid = req.rid if segment == 0 else f"{req.rid}/r{segment}"
+                body = {
+                    "input_ids": list(req.input_ids) + out_ids,
+                    "rid": rid,
+                    "return_logprob": True,
+                    "stream": False,
+                    "sampling_params": {
+                        "max_new_tokens": p.max_new_tokens - len(out_ids),
+                        "temperature": p.temperature,
+                        "top_p": p.top_p,
+                        "top_k": p.top_k,
+                        "stop_token_ids": stop_ids,
+                        "n": 1,
+                        **({"stop": list(p.stop)} if p.stop else {}),
+                    },
+                }
+                segment += 1
+                try:
+                    ids, seg_lps, finish, meta, served = await self._generate_segment(rid, body)
+                except aiohttp.ClientConnectionError as exc:
+                    log.warning("generate_connection_lost", rid=rid, error=str(exc))
+                    await self._wait_server()
+                    continue
+                out_ids += ids
+                lps += seg_lps
+                versions += [self._segment_version(meta, served)] * len(ids)
+                if finish != "abort":
+                    break
+                if ids and ids[-1] in stop_ids:
+                    finish = "stop"
+                    break
+            else:
+                finish = "length"
+            if finish not in ("stop", "length"):
+                finish = "length"
+            return GenOutput(out_ids, lps, versions, finish, interruptions=segment - 1)
+        finally:
+            self._running -= 1
+
+    # ---------------------------------------------------------------- generation
+    async def _generate_segment(self, rid: str, body: dict):
+        """One /generate call. Returns (ids, logprobs, finish, meta, version served when the
+        answer arrived). An abort is a result only when a weight update caused it."""
+        while not self._serving.is_set() or self._server_waiting():
+            await self._serving.wait()
+            await self._wait_server()
+        updates = self._updates
+        done = asyncio.get_running_loop().create_future()
+        self._inflight[rid] = done
+        try:
+            async with self._session.post(
+                f"{self.url_now}/generate", json=body, timeout=GENERATE_TIMEOUT
+            ) as resp:
+                text = await resp.text()
+                served = self._version
+                if resp.status != 200:
+                    raise SGLangError(
+                        f"/generate {rid}: {error_message(resp.status, text)}", resp.status
+                    )
+        except aiohttp.ClientConnectionError:
+            self._down = True
+            raise
+        except asyncio.CancelledError:
+            self._abort_soon(rid)
+            raise
+        finally:
+            self._inflight.pop(rid, None)
+            done.set_result(None)
+        ids, lps, finish, meta = parse_generate_response(json.loads(text))
+        if finish == "abort" and self._serving.is_set() and self._updates == updates:
+            reason = (meta.get("finish_reason") or {}).get("message", "aborted by the server")
+            raise SGLangError(f"/generate {rid}: aborted outside a weight update: {reason}")
+        return ids, lps, finish, meta, served
+
+    def _segment_version(self, meta: dict, served: int) -> int:
+        reported = meta.get("weight_version")
+        if reported is not None:
+            try:
+                return int(reported)
+            except (TypeError, ValueError):
+                pass  # e.g. "default": the server was not launched with a version
+        return served
+
+    def _abort_soon(self, rid: str) -> None:
+        """Best effort: tell the server to drop a request whose caller went away."""
+        if self._session is None or self._session.closed:
+            return
+
+        async def abort():
+            try:
+                async with self._session.post(
+                    f"{self.url_now}/abort_request", json={"rid": rid, "abort_all": False}
+                ):
+                    pass
+            except (TimeoutError, aiohttp.ClientError):
+                pass
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---------------------------------------------------------------- server control
+    @property
+    def url_now(self) -> str:
+        return self.url or self.process.url
+
+    async def _launch(self, model_dir: str, version: int | None) -> None:
+        self.launch_cfg.model_path = model_dir
+        self.launch_cfg.weight_version = version
+        if self.api is None:
+            self.api = ServerApi(parse_version(installed_sglang_version() or "0.5.9"))
+        self.process = SGLangProcess(
+            self.launch_cfg,
+            self.api.version,
+            on_restart=self._reapply,
+            log_path=self.log_path,
+            startup_timeout_s=self.startup_timeout_s,
+        )
+        await self.process.start()
+        if version is not None:
+            self._weights = (model_dir, version)
+            self._version = version
+        log.info("sglang_launched", url=self.process.url, model=model_dir, version=version)
+
+    async def _reapply(self) -> None:
+        """After a restart: the child serves its launch model; put the current weights back."""
+        self._group_ready = False  # the collective group died with the old server
+        if self._weights and self._weights != (
+            self.launch_cfg.model_path,
+            self.launch_cfg.weight_version,
+        ):
+            model_dir, version = self._weights
+            await self._update_from_disk(model_dir, version)
+            log.info("weights_reapplied", model=model_dir, version=version)
+
+    def _server_waiting(self) -> bool:
+        """True when the server is (or may be) down and `_wait_server` would block."""
+        if self.process is not None:
+            return not self.process.ready.is_set()
+        return self._down or not self.url
+
+    async def _wait_server(self) -> None:
+        """Return once the server can take requests (the managed child restarted, or the
+        attached server answers its health check again)."""
+        if self.process is not None:
+            if not self.process.ready.is_set():
+                await asyncio.wait_for(self.process.ready.wait(), self.startup_timeout_s)
+            if self.process.failure:
+                raise SGLangUnavailable(
+                    f"SGLang server could not be restarted: {self.process.failure}"
+                )
+        elif self.url:
+            if self._down:
+                try:
+                    await wait_healthy(self.url, self.startup_timeout_s)
+                except TimeoutError as exc:
+                    raise SGLangUnavailable(str(exc)) from exc
+                self._down = False
+        else:
+            raise RuntimeError("no model loaded: call load() first")
+
+    async def _detect_api(self) -> None:
+        if self.api is not None:
+            return
+        info = await self._request("GET", "/get_server_info")
+        self.api = ServerApi(parse_version(str(info.get("version", "0.4.0"))))
+        log.info("sglang_attached", url=self.url, version=".".join(map(str, self.api.version)))
+
+    async def model_info(self) -> dict:
+        first, second = self.api.model_info_paths
+        try:
+            return await self._request("GET", first)
+        except SGLangError as exc:
+            if exc.status != 404:
+                raise
+            return await self._request("GET", second)
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        timeout: aiohttp.ClientTimeout = CONTROL_TIMEOUT,
+    ) -> dict:
+        kwargs = {"timeout": timeout}
+        if body is not None:
+            kwargs["json"] = body
+        async with self._session.request(method, f"{self.url_now}{path}", **kwargs) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                raise SGLangError(f"{path}: {error_message(resp.status, text)}", resp.status)
+        try:
+            return json.loads(text) if text.strip() else {}
+        except ValueError:
+            return {"message": text}
+
+    async def _pause(self) -> None:
+        await self._request("POST", "/pause_generation", self.api.pause_body)
+
+    async def _continue(self) -> None:
+        await self._request("POST", "/continue_generation", {})
+
+    async def _update_from_disk(self, model_dir: str, version: int) -> None:
+        body: dict = {"model_path": model_dir, "abort_all_requests": False}
+        if self.api.reports_weight_version:
+            body["weight_version"] = str(version)
+        await self._request("POST", "/update_weights_from_disk", body, timeout=UPDATE_TIMEOUT)
+
+    async def _apply_from_disk(self, model_dir: str, version: int) -> None:
+        await self._update_from_disk(model_dir, version)
+        self._weights = (model_dir, version)
+        self._version = version
+
+    async def _apply_distributed(self, model_dir: str, version: int) -> None:
+        """The engine's half of the collective update (the trainer broadcasts concurrently)."""
+        if not self._group_ready:
+            host, port = self.nccl_master.rsplit(":", 1)
+            await self._request(
+                "POST",
+                "/init_weights_update_group",
+                {
+                    "master_address": host,
+                    "master_port": int(port),
+                    "rank_offset": self.nccl_rank_offset,
+                    "world_size": self.nccl_world_size,
+                    "group_name": self.nccl_group,
+                    "backend": self.nccl_backend,
+                },
+                timeout=UPDATE_TIMEOUT,
+            )
+            self._group_ready = True
+        metas = await asyncio.to_thread(tensor_metas, model_dir)
+        buckets = plan_buckets(metas, self.bucket_bytes)
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            body = bucket_request(
+                bucket, self.nccl_group, version if self.api.reports_weight_version else None, last
+            )
+            await self._request(
+                "POST", "/update_weights_from_distributed", body, timeout=UPDATE_TIMEOUT
+            )
+        self._weights = (model_dir, version)  # a restart reloads this version from disk
+        self._version = version

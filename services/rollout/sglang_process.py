@@ -1,0 +1,279 @@
+"""A managed SGLang server: the launch command, the child process, restart when it dies.
+
+`SGLangProcess` starts `python -m sglang.launch_server ...` (or, in tests, any command that
+speaks the same HTTP API: `launch_cmd`) in its own process group, waits until
+`GET /health_generate` answers 200, and watches it. When the child dies unexpectedly its whole
+process group is killed (SGLang's scheduler and detokenizer are grandchildren), it is started
+again on the same port, and `on_restart` runs before `ready` is set again: the engine uses it
+to re-apply the weights it was serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import importlib.util
+import os
+import re
+import signal
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from asyncrl.logging import get_logger
+
+log = get_logger(component="sglang_process")
+
+SGLANG_MISSING = (
+    "sglang is not installed: pip install 'sglang[all]' on a CUDA machine, or use --sglang-url "
+    "to attach to a running server, or rollout.engine: torch"
+)
+
+# Environment for the child. SGLang's default behaviour logprobs are temperature-scaled; the
+# trainer (and the torch engine) use the log-softmax of the unscaled logits, so ask SGLang for
+# those. Both spellings: older 0.5.x read RETURN_ORIGINAL_LOGPROB.
+CHILD_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "RETURN_ORIGINAL_LOGPROB": "1"}
+
+
+class SGLangNotInstalled(RuntimeError):
+    """Launch mode was asked for on a machine without the `sglang` package."""
+
+    def __init__(self):
+        super().__init__(SGLANG_MISSING)
+
+
+class ChildExited(RuntimeError):
+    """The SGLang child process exited before it became healthy."""
+
+
+def parse_version(text: str | None) -> tuple[int, int, int]:
+    """'0.5.1rc0' -> (0, 5, 1); None or garbage -> (0, 0, 0)."""
+    nums = [int(n) for n in re.findall(r"\d+", text or "")[:3]]
+    return tuple(nums + [0] * (3 - len(nums)))  # type: ignore[return-value]
+
+
+def installed_sglang_version() -> str | None:
+    """The version of the importable `sglang` package, or None when it is not installed."""
+    if importlib.util.find_spec("sglang") is None:
+        return None
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LaunchConfig:
+    """How to start the SGLang server."""
+
+    model_path: str
+    """HuggingFace model directory served first (the base model of the experiment)."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0: pick a free port once; restarts reuse it so the URL stays the same."""
+    tp_size: int = 1
+    """Tensor-parallel GPUs of this server (`--tp-size`)."""
+    mem_fraction: float = 0.8
+    """Fraction of GPU memory for weights + KV cache (`--mem-fraction-static`)."""
+    random_seed: int = 1
+    weight_version: int | None = None
+    """Version label of `model_path` (`--weight-version`, SGLang >= 0.5.1)."""
+    extra_args: list[str] = field(default_factory=list)
+    """More `sglang.launch_server` flags, passed through verbatim."""
+    launch_cmd: list[str] | None = None
+    """Replaces `python -m sglang.launch_server` (tests launch the HTTP fake this way)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for the child (on top of this process's and CHILD_ENV)."""
+
+
+def build_command(cfg: LaunchConfig, sglang_version: tuple[int, int, int]) -> list[str]:
+    """The child's argv for `cfg` against an SGLang of `sglang_version`."""
+    cmd = list(cfg.launch_cmd or [sys.executable, "-m", "sglang.launch_server"])
+    cmd += [
+        "--model-path",
+        cfg.model_path,
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.port),
+        "--tp-size",
+        str(cfg.tp_size),
+        "--mem-fraction-static",
+        str(cfg.mem_fraction),
+        "--random-seed",
+        str(cfg.random_seed),
+        "--skip-server-warmup",
+    ]
+    if cfg.weight_version is not None and sglang_version >= (0, 5, 1):
+        cmd += ["--weight-version", str(cfg.weight_version)]
+    return cmd + list(cfg.extra_args)
+
+
+async def wait_healthy(
+    url: str, timeout_s: float, proc: asyncio.subprocess.Process | None = None
+) -> None:
+    """Poll `GET {url}/health_generate` until it answers 200 (503 and refused connections
+    mean "still starting"). Raises ChildExited if `proc` exits, TimeoutError after timeout_s."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    delay = 0.1
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        while True:
+            if proc is not None and proc.returncode is not None:
+                raise ChildExited(
+                    f"SGLang server exited with code {proc.returncode} before it became healthy"
+                )
+            try:
+                async with session.get(f"{url}/health_generate") as resp:
+                    if resp.status == 200:
+                        return
+            except (TimeoutError, aiohttp.ClientError):
+                pass
+            if loop.time() > deadline:
+                raise TimeoutError(f"SGLang server at {url} not healthy after {timeout_s:.0f}s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 2.0)
+
+
+class SGLangProcess:
+    """One supervised SGLang server child."""
+
+    def __init__(
+        self,
+        cfg: LaunchConfig,
+        sglang_version: tuple[int, int, int],
+        *,
+        on_restart: Callable[[], Awaitable[None]] | None = None,
+        startup_timeout_s: float = 900.0,
+        max_restarts: int = 5,
+        log_path: str | None = None,
+    ):
+        if cfg.port == 0:
+            cfg.port = free_port(cfg.host)
+        self.cfg = cfg
+        self.sglang_version = sglang_version
+        self.on_restart = on_restart
+        self.startup_timeout_s = startup_timeout_s
+        self.max_restarts = max_restarts
+        self.log_path = log_path
+        self.ready = asyncio.Event()
+        """Set while the server is up and serving the engine's current weights."""
+        self.restarts = 0
+        self.failure: BaseException | None = None
+        """Why supervision gave up (set together with `ready`, so waiters wake up)."""
+        self._proc: asyncio.subprocess.Process | None = None
+        self._watcher: asyncio.Task | None = None
+        self._stopping = False
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.cfg.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    async def start(self) -> None:
+        """Start the child and return once it is healthy (raises if it does not get there)."""
+        self._stopping = False
+        await self._spawn_until_healthy()
+        self.ready.set()
+        self._watcher = asyncio.create_task(self._watch(), name="sglang-watch")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self.ready.clear()
+        if self._watcher:
+            self._watcher.cancel()
+            try:
+                await self._watcher
+            except asyncio.CancelledError:
+                pass
+            self._watcher = None
+        await self._kill(graceful=True)
+
+    async def _spawn(self) -> None:
+        cmd = build_command(self.cfg, self.sglang_version)
+        out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+                env={**os.environ, **CHILD_ENV, **self.cfg.env},
+            )
+        finally:
+            if out:
+                out.close()  # the child holds its own descriptor
+        log.info("sglang_started", pid=self._proc.pid, url=self.url, cmd=" ".join(cmd))
+
+    async def _spawn_until_healthy(self) -> None:
+        await self._spawn()
+        try:
+            await wait_healthy(self.url, self.startup_timeout_s, self._proc)
+        except BaseException:
+            await self._kill(graceful=False)
+            raise
+
+    async def _kill(self, graceful: bool) -> None:
+        """Kill the child's whole process group (SGLang forks scheduler/detokenizer)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        sig = signal.SIGTERM if graceful and proc.returncode is None else signal.SIGKILL
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            await asyncio.wait_for(proc.wait(), timeout=15 if sig == signal.SIGTERM else 5)
+        except TimeoutError:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            await proc.wait()
+        if sig == signal.SIGTERM:  # leftovers of the group, if any
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    async def _watch(self) -> None:
+        """Restart the child whenever it dies; give up after max_restarts failed starts."""
+        while not self._stopping:
+            code = await self._proc.wait()
+            if self._stopping:
+                return
+            self.ready.clear()
+            log.warning("sglang_died", code=code, url=self.url)
+            await self._kill(graceful=False)
+            failures = 0
+            while True:
+                self.restarts += 1
+                try:
+                    await self._spawn_until_healthy()
+                    if self.on_restart:
+                        await self.on_restart()
+                    break
+                except Exception as exc:  # noqa: BLE001 - retried, then reported via failure
+                    failures += 1
+                    log.warning("sglang_restart_failed", attempt=failures, error=str(exc))
+                    await self._kill(graceful=False)
+                    if failures >= self.max_restarts:
+                        self.failure = exc
+                        self.ready.set()  # wake waiters; they check `failure`
+                        return
+                    await asyncio.sleep(min(2.0**failures, 30.0))
+            log.info("sglang_restarted", restarts=self.restarts, pid=self.pid)
+            self.ready.set()

@@ -1,0 +1,290 @@
+"""The rollout service end to end: a real nats-server, the real reward service, and the rollout
+gRPC server with the torch engine on a tiny model, all on port 0."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
+from transformers import AutoTokenizer
+
+from asyncrl.convert import group_from_bytes
+from asyncrl.grpcutil import channel
+from asyncrl.natsutil import STREAM, eval_subject, free_port, train_subject, wait_until
+from asyncrl.tiny import build_tiny_model
+from asyncrl.types import RewardStatus
+from asyncrl.v1 import common_pb2, experiment_pb2, rollout_pb2, rollout_pb2_grpc
+from asyncrl.weights import path_to_uri
+from services.reward.server import create_reward
+from services.rollout.server import create_rollout
+from services.rollout.torch_engine import TorchEngine
+
+EXP = "exp1"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    build_tiny_model(root / "v0", seed=0)
+    build_tiny_model(root / "v1", seed=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def no_eos_tokenizer(models, tmp_path_factory):
+    """The tiny tokenizer without an EOS token: samples then always run to max_new_tokens, so
+    tests can act while a long group is in flight."""
+    tok = AutoTokenizer.from_pretrained(str(models / "v0"))
+    tok.eos_token = None
+    out = tmp_path_factory.mktemp("no_eos")
+    tok.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture
+async def reward_address():
+    server, port, service = await create_reward(port=0, workers=1, register=False)
+    yield f"127.0.0.1:{port}"
+    await service.stop(grace=0)
+
+
+@pytest.fixture
+async def rollout(nats_server, models):
+    server, port, service = await create_rollout(
+        nats_server.url, TorchEngine(seed=0), port=0, register=False
+    )
+    async with channel(f"127.0.0.1:{port}") as ch:
+        stub = rollout_pb2_grpc.RolloutStub(ch)
+        await stub.UpdateWeights(
+            rollout_pb2.UpdateWeightsRequest(
+                experiment_id=EXP, version=0, uri=path_to_uri(models / "v0"), engine="torch"
+            ),
+            timeout=30,
+        )
+        yield stub, service
+    await service.stop(grace=0)
+
+
+def _request(
+    group_id: str,
+    reward_addresses: list[str],
+    n: int = 3,
+    max_new_tokens: int = 8,
+    filter: str = "none",
+    eval: bool = False,
+    experiment_id: str = EXP,
+) -> rollout_pb2.GenerateGroupRequest:
+    return rollout_pb2.GenerateGroupRequest(
+        experiment_id=experiment_id,
+        group_id=group_id,
+        prompt_id="p-" + group_id,
+        prompt="1+1=",
+        answer="2",
+        n=n,
+        eval=eval,
+        filter=filter,
+        reward_addresses=reward_addresses,
+        epoch=1,
+        gconfig=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens),
+        reward=experiment_pb2.RewardSpec(function="exact_match", timeout_s=5.0),
+    )
+
+
+async def _read_back(js, subject: str, n: int):
+    cfg = ConsumerConfig(
+        durable_name="reader", ack_policy=AckPolicy.EXPLICIT, filter_subject=subject
+    )
+    sub = await js.pull_subscribe(subject, durable="reader", config=cfg)
+    msgs = await sub.fetch(n, timeout=5)
+    for m in msgs:
+        await m.ack()
+    return [group_from_bytes(m.data) for m in msgs]
+
+
+async def test_generate_group_publishes_group_readable_from_jetstream(
+    rollout, reward_address, js, models
+):
+    stub, _ = rollout
+    summary = await stub.GenerateGroup(_request("g1", [reward_address]), timeout=60)
+    assert summary.status == rollout_pb2.GROUP_STATUS_ACCEPTED and summary.published
+    assert summary.failed_samples == 0
+    assert list(summary.rewards) == [0.0, 0.0, 0.0]
+    assert (summary.start_version, summary.end_version) == (0, 0)
+    [group] = await _read_back(js, train_subject(EXP), 1)
+    tok = AutoTokenizer.from_pretrained(str(models / "v0"))
+    assert group.group_id == "g1" and group.prompt_id == "p-g1" and group.epoch == 1
+    assert group.prompt_ids == tok("1+1=", add_special_tokens=False).input_ids
+    assert len(group.prompt_ids) == 4 and len(group.samples) == 3
+    assert summary.tokens == sum(len(s.output_ids) for s in group.samples)
+    for s in group.samples:  # 8 tokens, or fewer when the tokenizer's EOS was sampled
+        n = len(s.output_ids)
+        assert n == len(s.logprobs) == len(s.versions) and 0 < n <= 8
+        assert s.finish_reason == ("length" if n == 8 else "stop")
+        assert s.versions == [0] * n and s.reward_status is RewardStatus.OK
+        assert s.text == tok.decode(s.output_ids, skip_special_tokens=True)
+    assert group.rollout_worker == summary.worker != ""
+
+
+async def test_generate_group_constant_reward_is_rejected_and_not_published(
+    rollout, reward_address, js
+):
+    stub, _ = rollout
+    summary = await stub.GenerateGroup(
+        _request("g2", [reward_address], filter="nonconstant_reward"), timeout=60
+    )
+    assert summary.status == rollout_pb2.GROUP_STATUS_REJECTED and not summary.published
+    assert summary.reason == "constant reward 0 across 3 scored samples"
+    assert (await js.stream_info(STREAM)).state.messages == 0
+
+
+async def test_generate_group_eval_constant_reward_is_published_to_eval_subject(
+    rollout, reward_address, js
+):
+    stub, _ = rollout
+    summary = await stub.GenerateGroup(
+        _request("e1", [reward_address], filter="nonconstant_reward", eval=True), timeout=60
+    )
+    assert summary.status == rollout_pb2.GROUP_STATUS_ACCEPTED and summary.published
+    [group] = await _read_back(js, eval_subject(EXP), 1)
+    assert group.eval and group.group_id == "e1"
+
+
+async def test_generate_group_dead_reward_address_fails_over_to_live_one(rollout, reward_address):
+    stub, _ = rollout
+    dead = f"127.0.0.1:{free_port()}"
+    # round-robin: one of the two groups necessarily tries the dead address first
+    for gid in ("f1", "f2"):
+        summary = await stub.GenerateGroup(_request(gid, [dead, reward_address]), timeout=60)
+        assert summary.status == rollout_pb2.GROUP_STATUS_ACCEPTED, summary.reason
+        assert summary.failed_samples == 0
+
+
+async def test_generate_group_no_live_reward_service_is_failed_with_reason(rollout, js):
+    stub, _ = rollout
+    summary = await stub.GenerateGroup(_request("f3", [f"127.0.0.1:{free_port()}"]), timeout=60)
+    assert summary.status == rollout_pb2.GROUP_STATUS_FAILED and not summary.published
+    assert summary.failed_samples == 3 and list(summary.rewards) == []
+    assert "UNAVAILABLE" in summary.reason
+    assert (await js.stream_info(STREAM)).state.messages == 0
+
+
+async def test_update_weights_mismatched_engine_is_failed_precondition(rollout, models):
+    stub, _ = rollout
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.UpdateWeights(
+            rollout_pb2.UpdateWeightsRequest(
+                experiment_id=EXP, version=1, uri=path_to_uri(models / "v1"), engine="sglang"
+            ),
+            timeout=10,
+        )
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "runs the 'torch' engine" in e.value.details()
+
+
+async def test_generate_group_unknown_experiment_is_failed_precondition(rollout, reward_address):
+    stub, _ = rollout
+    req = _request("x1", [reward_address])
+    req.experiment_id = "other"
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.GenerateGroup(req, timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_generate_group_bad_sampling_param_is_invalid_argument(rollout, reward_address):
+    stub, _ = rollout
+    req = _request("x2", [reward_address])
+    req.gconfig.top_p = 1.5
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.GenerateGroup(req, timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "gconfig.top_p" in e.value.details()
+
+
+async def _serve_long(stub, models, no_eos_tokenizer) -> str:
+    """Switch the rollout to experiment 'long' (no EOS: every sample runs to its length)."""
+    await stub.UpdateWeights(
+        rollout_pb2.UpdateWeightsRequest(
+            experiment_id="long",
+            version=0,
+            uri=path_to_uri(models / "v0"),
+            tokenizer_path=str(no_eos_tokenizer),
+            engine="torch",
+        ),
+        timeout=30,
+    )
+    return "long"
+
+
+async def test_update_weights_mid_group_interrupts_and_group_spans_versions(
+    rollout, reward_address, js, models, no_eos_tokenizer
+):
+    stub, service = rollout
+    exp = await _serve_long(stub, models, no_eos_tokenizer)
+    call = asyncio.ensure_future(
+        stub.GenerateGroup(
+            _request("w1", [reward_address], n=2, max_new_tokens=150, experiment_id=exp), timeout=60
+        )
+    )
+    await wait_until(lambda: service.engine.tokens_generated >= 10, timeout=30, interval=0.001)
+    resp = await stub.UpdateWeights(
+        rollout_pb2.UpdateWeightsRequest(
+            experiment_id=exp, version=1, uri=path_to_uri(models / "v1"), engine="torch"
+        ),
+        timeout=30,
+    )
+    assert resp.version == 1 and resp.interrupted == 2
+    summary = await call
+    assert (summary.start_version, summary.end_version) == (0, 1) and summary.tokens == 300
+    [group] = await _read_back(js, train_subject(exp), 1)
+    assert group.start_version == 0
+    for s in group.samples:  # 5+ tokens at v0, the rest at v1, in order, none lost
+        k = s.versions.count(0)
+        assert s.versions == [0] * k + [1] * (150 - k) and 5 <= k < 150
+    status = await stub.GetStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=5)
+    assert (status.experiment_id, status.version, status.engine) == (exp, 1, "torch")
+    assert status.tokens_generated == 300 and status.running_groups == 0
+
+
+async def test_cancelled_generate_group_stops_engine_requests_and_publishes_nothing(
+    rollout, reward_address, js, models, no_eos_tokenizer
+):
+    stub, service = rollout
+    exp = await _serve_long(stub, models, no_eos_tokenizer)
+    call = stub.GenerateGroup(
+        _request("c1", [reward_address], n=2, max_new_tokens=200, experiment_id=exp), timeout=60
+    )
+    await wait_until(lambda: service.engine.tokens_generated >= 4, timeout=30, interval=0.001)
+    call.cancel()  # what the scheduler does to a stale group
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await wait_until(lambda: service.engine.running == 0 and service.running_groups == 0, timeout=5)
+    tokens = service.engine.tokens_generated
+    await asyncio.sleep(0.2)
+    assert service.engine.tokens_generated <= tokens + 2  # at most the step in flight
+    assert (await js.stream_info(STREAM)).state.messages == 0
+
+
+async def test_update_weights_new_experiment_aborts_running_groups(
+    rollout, reward_address, models, no_eos_tokenizer
+):
+    stub, service = rollout
+    exp = await _serve_long(stub, models, no_eos_tokenizer)
+    call = asyncio.ensure_future(
+        stub.GenerateGroup(
+            _request("a1", [reward_address], n=2, max_new_tokens=200, experiment_id=exp), timeout=60
+        )
+    )
+    await wait_until(lambda: service.engine.tokens_generated >= 4, timeout=30, interval=0.001)
+    resp = await stub.UpdateWeights(
+        rollout_pb2.UpdateWeightsRequest(
+            experiment_id="exp2", version=3, uri=path_to_uri(models / "v1")
+        ),
+        timeout=30,
+    )
+    assert (resp.version, resp.interrupted) == (3, 0)
+    summary = await call
+    assert summary.status == rollout_pb2.GROUP_STATUS_FAILED and not summary.published
+    assert "switched from experiment 'long' to 'exp2'" in summary.reason
+    assert service.experiment_id == "exp2" and service.engine.running == 0
