@@ -31,4 +31,24 @@ lint: venv ## ruff check + format check
 	.venv/bin/ruff check libs services tests examples
 	.venv/bin/ruff format --check libs services tests examples
 
-.PHONY: help venv protos test lint
+# --- local cluster (asyncrl.supervisor); state, logs and weights live under $(VAR)/
+VAR ?= var
+SUPERVISOR := $(PY) -m asyncrl.supervisor
+
+up: venv protos ## start nats + all services (SERVICES=a,b to pick); returns when healthy
+	$(SUPERVISOR) start --var $(VAR) $(if $(SERVICES),--services $(SERVICES))
+
+down: ## stop the services started by `make up`, then nats
+	@if [ -x $(PY) ]; then $(SUPERVISOR) stop --var $(VAR); else echo "asyncrl is not running"; fi
+
+ps: ## list the supervised processes (pid, restarts, uptime, log)
+	@$(SUPERVISOR) ps --var $(VAR)
+
+logs: ## show logs (SERVICE=rollout for one service, FOLLOW=1 to follow)
+	@$(SUPERVISOR) logs $(SERVICE) $(if $(FOLLOW),-f) --var $(VAR)
+
+scale: ## change replicas at runtime: make scale SERVICE=rollout N=3
+	@test -n "$(SERVICE)" -a -n "$(N)" || { echo "usage: make scale SERVICE=rollout N=3"; exit 2; }
+	@$(SUPERVISOR) scale $(SERVICE) $(N) --var $(VAR)
+
+.PHONY: help venv protos test lint up down ps logs scale

@@ -1,0 +1,451 @@
+"""`asyncrl`: submit, watch and inspect experiments on a scheduler.
+
+Exit codes: 0 success; 1 a watched experiment ended other than COMPLETED; 2 a bad request
+(bad spec file, or a gRPC error, printed as `CODE: details`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import nats.errors
+import typer
+import yaml
+from google.protobuf import json_format
+from rich.console import Console, Group
+from rich.live import Live
+from rich.markup import escape
+from rich.table import Table
+
+from asyncrl import report
+from asyncrl.client import (
+    AsyncrlClient,
+    AsyncrlError,
+    default_address,
+    group_record,
+    read_groups,
+    state_name,
+)
+from asyncrl.natsutil import nats_url
+from asyncrl.spec import SpecError, apply_overrides, dict_to_proto
+from asyncrl.v1 import common_pb2, experiment_pb2, scheduler_pb2
+
+app = typer.Typer(
+    help="asyncrl: asynchronous RL post-training (talks gRPC to the scheduler).",
+    no_args_is_help=True,
+    add_completion=False,
+)
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+# Spec fields that name local files: a relative path that exists here is sent as absolute, so
+# the scheduler (whatever its working directory) reads the same file.
+LOCAL_PATH_FIELDS = (
+    ("model", "path"),
+    ("model", "tokenizer_path"),
+    ("dataset", "path"),
+    ("eval", "dataset_path"),
+)
+
+
+# ---------------------------------------------------------------- spec loading (pure)
+
+
+def load_spec_dict(path: str | Path, overrides: list[str] | None = None) -> dict:
+    """Read a YAML spec, apply `a.b=value` overrides, absolutize local relative paths."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise SpecError("spec", f"cannot read {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise SpecError("spec", f"invalid YAML in {path}: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError("spec", f"{path} must hold a mapping, got {type(data).__name__}")
+    apply_overrides(data, list(overrides or []))
+    for section, key in LOCAL_PATH_FIELDS:
+        value = (data.get(section) or {}).get(key) if isinstance(data.get(section), dict) else None
+        if (
+            isinstance(value, str)
+            and value
+            and not Path(value).is_absolute()
+            and Path(value).exists()
+        ):
+            data[section][key] = str(Path(value).resolve())
+    return data
+
+
+def load_spec(
+    path: str | Path, overrides: list[str] | None = None
+) -> experiment_pb2.ExperimentSpec:
+    """The wire form of a spec file plus overrides (unknown fields raise SpecError)."""
+    return dict_to_proto(load_spec_dict(path, overrides))
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _address(ctx: typer.Context) -> str:
+    return ctx.obj or default_address()
+
+
+def _run(coro):
+    """Run a coroutine; turn the errors a user can cause into a message and exit code 2."""
+    try:
+        return asyncio.run(coro)
+    except AsyncrlError as e:
+        err.print(f"[red]{e.code.name}[/red]: {e.details}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    except SpecError as e:
+        err.print(f"[red]bad spec[/red]: {e}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    except (OSError, nats.errors.Error) as e:
+        err.print(f"[red]error[/red]: {type(e).__name__}: {e}", soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
+def _to_dict(msg) -> dict:
+    return json_format.MessageToDict(msg, preserving_proto_field_name=True)
+
+
+def _print_json(msg) -> None:
+    out.print_json(json.dumps(_to_dict(msg)))
+
+
+def _ago(unix_s: float) -> str:
+    if not unix_s:
+        return "-"
+    return f"{max(0.0, time.time() - unix_s):.1f}s ago"
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+class ProgressView:
+    """The latest known state of one experiment, folded from ProgressEvents."""
+
+    def __init__(self, experiment_id: str):
+        self.experiment_id = experiment_id
+        self.experiment = scheduler_pb2.Experiment(id=experiment_id)
+        self.last_step: common_pb2.StepMetrics | None = None
+        self.last_eval: scheduler_pb2.EvalResult | None = None
+
+    def update(self, event: scheduler_pb2.ProgressEvent) -> None:
+        if event.HasField("experiment"):
+            self.experiment = event.experiment
+            p = event.experiment.progress
+            if p.HasField("last_step"):
+                self.last_step = p.last_step
+            if p.evals:
+                self.last_eval = max(p.evals, key=lambda e: e.version)
+        if event.HasField("step"):
+            self.last_step = event.step
+        if event.HasField("eval"):
+            self.last_eval = event.eval
+
+    def line(self, kind: str) -> str:
+        """A one-line summary (for logs and non-terminal output)."""
+        p, step, ev = self.experiment.progress, self.last_step, self.last_eval
+        return (
+            f"[{kind}] {state_name(self.experiment.state)} v{p.version}"
+            f" accepted={p.accepted} rejected={p.rejected} failed={p.failed}"
+            f" stale_dropped={p.stale_dropped} running={p.running}"
+            f" reward={_fmt(step.reward_mean if step else None)}"
+            f" eval={_fmt(ev.accuracy if ev else None)}"
+            f" staleness_max={max(p.staleness_max, step.staleness_max if step else 0)}"
+        )
+
+    def render(self) -> Table:
+        exp, p = self.experiment, self.experiment.progress
+        step = self.last_step
+        table = Table(
+            title=escape(f"experiment {exp.id} {exp.name}"), show_header=False, min_width=60
+        )
+        table.add_column("field", style="cyan")
+        table.add_column("value")
+        table.add_row(
+            "state", state_name(exp.state) + (f"  ({escape(exp.message)})" if exp.message else "")
+        )
+        table.add_row(
+            "version / step",
+            f"{p.version} / {step.step if step else 0}   epoch {p.epoch} cursor {p.cursor}",
+        )
+        table.add_row(
+            "groups",
+            f"accepted {p.accepted}  rejected {p.rejected}  failed {p.failed}"
+            f"  stale_dropped {p.stale_dropped}  running {p.running}"
+            f"  trained {p.trained_groups}",
+        )
+        table.add_row("reward mean", _fmt(step.reward_mean if step else None))
+        table.add_row(
+            "eval accuracy",
+            "-"
+            if self.last_eval is None
+            else f"{self.last_eval.accuracy:.3f} (v{self.last_eval.version})",
+        )
+        table.add_row(
+            "staleness",
+            f"max {max(p.staleness_max, step.staleness_max if step else 0)}"
+            f"  mean {_fmt(step.staleness_mean if step else None, '.2f')}"
+            f"  (η = {exp.spec.rollout.max_head_offpolicyness})",
+        )
+        table.add_row(
+            "tokens/s",
+            f"rollout {p.rollout_tokens_per_s:.1f}  trainer "
+            f"{_fmt(step.tokens_per_s if step else None, '.1f')}",
+        )
+        return table
+
+
+async def _watch(address: str, experiment_id: str, as_json: bool) -> int:
+    view = ProgressView(experiment_id)
+    async with AsyncrlClient(address) as client:
+        if as_json:
+            async for event in client.watch(experiment_id):
+                view.update(event)
+                out.print(json.dumps(_to_dict(event)), soft_wrap=True)
+        elif not out.is_terminal:  # a log file: one line per change instead of a live table
+            first = True
+            async for event in client.watch(experiment_id):
+                view.update(event)
+                if first or event.kind != "snapshot":
+                    out.print(view.line(event.kind), soft_wrap=True, markup=False)
+                first = False
+        else:
+            with Live(view.render(), console=out, refresh_per_second=4) as live:
+                async for event in client.watch(experiment_id):
+                    view.update(event)
+                    live.update(view.render())
+    if not as_json:
+        out.print(f"{experiment_id}: {state_name(view.experiment.state)}")
+    return 0 if view.experiment.state == scheduler_pb2.EXPERIMENT_STATE_COMPLETED else 1
+
+
+# ---------------------------------------------------------------- commands
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    scheduler: Annotated[
+        str, typer.Option("--scheduler", envvar="ASYNCRL_SCHEDULER", help="Scheduler HOST:PORT.")
+    ] = "127.0.0.1:50051",
+) -> None:
+    ctx.obj = scheduler
+
+
+@app.command()
+def submit(
+    ctx: typer.Context,
+    spec: Annotated[Path, typer.Argument(help="Experiment spec (YAML).")],
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a field: --set trainer.lr=1e-5 (repeatable)."),
+    ] = None,
+    watch: Annotated[bool, typer.Option("--watch", help="Watch until it ends.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Submit an experiment; print its id."""
+
+    async def go() -> tuple[str, int]:
+        proto = load_spec(spec, set_)
+        async with AsyncrlClient(_address(ctx)) as client:
+            exp = await client.submit(proto)
+        if as_json:
+            _print_json(exp)
+        else:
+            out.print(exp.id)
+        code = await _watch(_address(ctx), exp.id, as_json) if watch else 0
+        return exp.id, code
+
+    _, code = _run(go())
+    raise typer.Exit(code)
+
+
+@app.command()
+def watch(
+    ctx: typer.Context,
+    experiment_id: str,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON event per line.")] = False,
+) -> None:
+    """Live progress until the experiment ends (exit 0 if COMPLETED, else 1)."""
+    raise typer.Exit(_run(_watch(_address(ctx), experiment_id, as_json)))
+
+
+@app.command()
+def status(
+    ctx: typer.Context,
+    experiment_id: str,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """One experiment: state, progress, evals (with --json: everything, history included)."""
+
+    async def go():
+        async with AsyncrlClient(_address(ctx)) as client:
+            return await client.get(experiment_id, with_history=True)
+
+    exp = _run(go())
+    if as_json:
+        _print_json(exp)
+        return
+    view = ProgressView(experiment_id)
+    view.update(scheduler_pb2.ProgressEvent(kind="snapshot", experiment=exp))
+    evals = Table(title="evals")
+    for col in ("version", "accuracy", "reward mean", "prompts", "failed"):
+        evals.add_column(col, justify="right")
+    for e in report.sorted_evals(exp):
+        evals.add_row(
+            str(e.version),
+            f"{e.accuracy:.3f}",
+            f"{e.reward_mean:.3f}",
+            str(e.n_prompts),
+            str(e.failed),
+        )
+    out.print(Group(view.render(), evals))
+
+
+@app.command("list")
+def list_(
+    ctx: typer.Context, as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False
+) -> None:
+    """All experiments the scheduler knows."""
+
+    async def go():
+        async with AsyncrlClient(_address(ctx)) as client:
+            return await client.list()
+
+    exps = _run(go())
+    if as_json:
+        out.print_json(json.dumps([_to_dict(e) for e in exps]))
+        return
+    table = Table(title="experiments")
+    for col in ("id", "name", "state", "version", "trained", "created"):
+        table.add_column(col, overflow="fold")
+    for e in exps:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.created_unix_ms / 1000))
+        table.add_row(
+            e.id,
+            escape(e.name),
+            state_name(e.state),
+            str(e.progress.version),
+            str(e.progress.trained_groups),
+            created,
+        )
+    out.print(table)
+
+
+@app.command()
+def cancel(ctx: typer.Context, experiment_id: str) -> None:
+    """Cancel an experiment."""
+
+    async def go():
+        async with AsyncrlClient(_address(ctx)) as client:
+            return await client.cancel(experiment_id)
+
+    exp = _run(go())
+    out.print(f"{exp.id}: {state_name(exp.state)}")
+
+
+@app.command()
+def workers(
+    ctx: typer.Context, as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False
+) -> None:
+    """Registered rollout, reward and trainer workers."""
+
+    async def go():
+        async with AsyncrlClient(_address(ctx)) as client:
+            return await client.workers()
+
+    ws = _run(go())
+    if as_json:
+        out.print_json(json.dumps([_to_dict(w) for w in ws]))
+        return
+    table = Table(title="workers")
+    for col in ("id", "kind", "address", "experiment", "running", "version", "last seen"):
+        table.add_column(col, overflow="fold")
+    for w in sorted(ws, key=lambda w: (w.kind, w.worker_id)):
+        kind = common_pb2.WorkerKind.Name(w.kind).removeprefix("WORKER_KIND_").lower()
+        table.add_row(
+            w.worker_id,
+            kind,
+            w.address,
+            w.experiment_id or "-",
+            str(w.running),
+            str(w.version) if w.version >= 0 else "-",
+            _ago(w.last_seen_unix),
+        )
+    out.print(table)
+
+
+@app.command()
+def dump(
+    experiment_id: str,
+    out_file: Annotated[Path, typer.Option("--out", help="Output JSONL file.")],
+    include_eval: Annotated[bool, typer.Option("--eval", help="Include eval groups.")] = False,
+    limit: Annotated[int | None, typer.Option("--limit", help="At most N groups.")] = None,
+    nats_server: Annotated[
+        str | None, typer.Option("--nats", help="NATS URL (default: env NATS_URL).")
+    ] = None,
+) -> None:
+    """Write the experiment's trajectory groups from JetStream to JSONL."""
+
+    async def go() -> int:
+        n = 0
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        with out_file.open("w") as f:
+            async for group in read_groups(
+                experiment_id, nats_server or nats_url(), include_eval, limit
+            ):
+                f.write(json.dumps(group_record(group)) + "\n")
+                n += 1
+        return n
+
+    n = _run(go())
+    out.print(f"wrote {n} groups to {out_file}")
+
+
+async def _get_with_history(address: str, experiment_id: str) -> scheduler_pb2.Experiment:
+    async with AsyncrlClient(address) as client:
+        return await client.get(experiment_id, with_history=True)
+
+
+@app.command()
+def plot(
+    ctx: typer.Context,
+    experiment_id: str,
+    out_file: Annotated[Path, typer.Option("--out", help="Output PNG.")],
+) -> None:
+    """Plot reward mean, eval accuracy and staleness against version."""
+    exp = _run(_get_with_history(_address(ctx), experiment_id))
+    report.plot_experiment(exp, out_file)
+    out.print(f"wrote {out_file}")
+
+
+@app.command("report")
+def report_(
+    ctx: typer.Context,
+    experiment_id: str,
+    out_dir: Annotated[Path, typer.Option("--out", help="Output directory.")],
+    wall_seconds: Annotated[
+        float | None,
+        typer.Option("--wall-seconds", help="Wall time of the run (default: updated - created)."),
+    ] = None,
+) -> None:
+    """Write summary.json and reward.png for an experiment and print the summary."""
+    exp = _run(_get_with_history(_address(ctx), experiment_id))
+    if wall_seconds is None:
+        wall_seconds = max(0.0, (exp.updated_unix_ms - exp.created_unix_ms) / 1000)
+    report.write_summary(exp, wall_seconds, out_dir, console=out)
+    out.print(f"wrote {out_dir / 'summary.json'} and {out_dir / 'reward.png'}")
+
+
+if __name__ == "__main__":
+    sys.exit(app())

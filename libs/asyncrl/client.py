@@ -1,0 +1,240 @@
+"""Python SDK: an asyncio client for the scheduler's experiment and worker API.
+
+    async with AsyncrlClient("127.0.0.1:50051") as client:
+        exp = await client.submit({"model": {"path": ...}, "dataset": {"path": ...}})
+        async for event in client.watch(exp.id):
+            ...
+
+Every call has a deadline. Idempotent calls (get, list, workers) retry transient errors through
+`asyncrl.retry.idempotent_rpc`; submit and cancel never retry. A failed call raises
+`AsyncrlError` carrying the gRPC status code and details. `read_groups` reads an experiment's
+trajectory groups back from JetStream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+
+import grpc
+import nats
+from nats.js.api import DeliverPolicy
+
+from asyncrl import natsutil
+from asyncrl.convert import group_from_bytes
+from asyncrl.grpcutil import channel
+from asyncrl.retry import RETRYABLE_CODES, idempotent_rpc
+from asyncrl.spec import dict_to_proto
+from asyncrl.types import TrajectoryGroup
+from asyncrl.v1 import experiment_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+DEFAULT_SCHEDULER = "127.0.0.1:50051"
+TERMINAL_STATES = frozenset(
+    {
+        scheduler_pb2.EXPERIMENT_STATE_COMPLETED,
+        scheduler_pb2.EXPERIMENT_STATE_FAILED,
+        scheduler_pb2.EXPERIMENT_STATE_CANCELLED,
+    }
+)
+
+
+def default_address() -> str:
+    return os.environ.get("ASYNCRL_SCHEDULER", DEFAULT_SCHEDULER)
+
+
+def state_name(state: int) -> str:
+    """`EXPERIMENT_STATE_RUNNING` -> `RUNNING`."""
+    return scheduler_pb2.ExperimentState.Name(state).removeprefix("EXPERIMENT_STATE_")
+
+
+def is_terminal(experiment: scheduler_pb2.Experiment) -> bool:
+    return experiment.state in TERMINAL_STATES
+
+
+class AsyncrlError(Exception):
+    """A scheduler call failed. `code` is the grpc.StatusCode, `details` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+    @classmethod
+    def from_rpc(cls, err: grpc.aio.AioRpcError) -> AsyncrlError:
+        return cls(err.code(), err.details() or "")
+
+
+class AsyncrlClient:
+    """Client for one scheduler. Use as `async with`, or call `close()` when done."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        timeout_s: float = 10.0,
+        watch_stream_timeout_s: float = 300.0,
+    ):
+        self.address = address or default_address()
+        self.timeout_s = timeout_s
+        self.watch_stream_timeout_s = watch_stream_timeout_s
+        self._channel = channel(self.address)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+
+    async def __aenter__(self) -> AsyncrlClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _once(self, method, request):
+        try:
+            return await method(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise AsyncrlError.from_rpc(e) from None
+
+    async def _idempotent(self, method, request):
+        try:
+            async for attempt in idempotent_rpc(attempts=4, max_delay_s=3 * self.timeout_s):
+                with attempt:
+                    return await method(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise AsyncrlError.from_rpc(e) from None
+
+    async def submit(self, spec: dict | experiment_pb2.ExperimentSpec) -> scheduler_pb2.Experiment:
+        """Submit a spec (a YAML-shaped dict or the proto). Not retried: it is not idempotent."""
+        if isinstance(spec, dict):
+            spec = dict_to_proto(spec)
+        return await self._once(
+            self._stub.SubmitExperiment, scheduler_pb2.SubmitExperimentRequest(spec=spec)
+        )
+
+    async def get(self, experiment_id: str, with_history: bool = False) -> scheduler_pb2.Experiment:
+        return await self._idempotent(
+            self._stub.GetExperiment,
+            scheduler_pb2.GetExperimentRequest(
+                experiment_id=experiment_id, with_history=with_history
+            ),
+        )
+
+    async def list(self) -> list[scheduler_pb2.Experiment]:
+        resp = await self._idempotent(
+            self._stub.ListExperiments, scheduler_pb2.ListExperimentsRequest()
+        )
+        return list(resp.experiments)
+
+    async def cancel(self, experiment_id: str) -> scheduler_pb2.Experiment:
+        return await self._once(
+            self._stub.CancelExperiment,
+            scheduler_pb2.CancelExperimentRequest(experiment_id=experiment_id),
+        )
+
+    async def workers(self) -> list[scheduler_pb2.WorkerInfo]:
+        resp = await self._idempotent(self._stub.ListWorkers, scheduler_pb2.ListWorkersRequest())
+        return list(resp.workers)
+
+    async def watch(self, experiment_id: str) -> AsyncIterator[scheduler_pb2.ProgressEvent]:
+        """Progress events until the experiment is terminal.
+
+        Each stream has a deadline (`watch_stream_timeout_s`); when it expires or the scheduler
+        restarts, the watch reconnects (the server starts every stream with a snapshot), so a
+        watch may last as long as the run.
+        """
+        request = scheduler_pb2.WatchExperimentRequest(experiment_id=experiment_id)
+        while True:
+            terminal = False
+            try:
+                stream = self._stub.WatchExperiment(request, timeout=self.watch_stream_timeout_s)
+                async for event in stream:
+                    yield event
+                    if event.HasField("experiment") and is_terminal(event.experiment):
+                        terminal = True
+                        stream.cancel()
+                        break
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in RETRYABLE_CODES:
+                    raise AsyncrlError.from_rpc(e) from None
+            if terminal:
+                return
+            # The stream ended or broke without a terminal state: ask once, then re-watch.
+            exp = await self.get(experiment_id)
+            if is_terminal(exp):
+                yield scheduler_pb2.ProgressEvent(kind="state", experiment=exp)
+                return
+            await asyncio.sleep(0.5)
+
+
+async def read_groups(
+    experiment_id: str,
+    nats_url: str | None = None,
+    include_eval: bool = False,
+    limit: int | None = None,
+    timeout_s: float = 10.0,
+) -> AsyncIterator[TrajectoryGroup]:
+    """The experiment's trajectory groups from JetStream, oldest first, until caught up.
+
+    Uses an ephemeral ordered consumer (nothing is acked or left behind on the server). Eval
+    groups are skipped unless `include_eval`; `limit` caps how many groups are yielded.
+    """
+
+    async def quiet(exc: Exception) -> None:  # connection errors surface as the raised error
+        pass
+
+    nc = await nats.connect(
+        nats_url or natsutil.nats_url(),
+        connect_timeout=timeout_s,
+        max_reconnect_attempts=2,
+        error_cb=quiet,
+    )
+    try:
+        js = nc.jetstream(timeout=timeout_s)
+        subject = natsutil.experiment_subjects(experiment_id)
+        try:
+            info = await js.stream_info(natsutil.STREAM, subjects_filter=subject)
+        except nats.js.errors.NotFoundError:
+            return
+        if not sum((info.state.subjects or {}).values()):
+            return
+        sub = await js.subscribe(
+            subject, stream=natsutil.STREAM, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+        )
+        yielded = 0
+        while limit is None or yielded < limit:
+            msg = await sub.next_msg(timeout=timeout_s)
+            group = group_from_bytes(msg.data)
+            if include_eval or not group.eval:
+                yielded += 1
+                yield group
+            if msg.metadata.num_pending == 0:
+                break
+        await sub.unsubscribe()
+    finally:
+        await nc.close()
+
+
+def group_record(group: TrajectoryGroup) -> dict:
+    """One JSON-ready line of `asyncrl dump`."""
+    return {
+        "group_id": group.group_id,
+        "prompt_id": group.prompt_id,
+        "prompt": group.prompt,
+        "answer": group.answer,
+        "start_version": group.start_version,
+        "eval": group.eval,
+        "epoch": group.epoch,
+        "samples": [
+            {
+                "text": s.text,
+                "reward": s.reward,
+                "reward_status": s.reward_status.value,
+                "reward_reason": s.reward_reason,
+                "finish_reason": s.finish_reason,
+                "versions": s.versions,
+                "output_ids": s.output_ids,
+                "logprobs": s.logprobs,
+            }
+            for s in group.samples
+        ],
+    }

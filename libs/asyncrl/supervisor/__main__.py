@@ -1,0 +1,3 @@
+from asyncrl.supervisor.commands import app
+
+app()

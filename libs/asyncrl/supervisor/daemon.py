@@ -1,0 +1,363 @@
+"""The supervisor daemon: runs nats-server and the services as restarted processes.
+
+State lives under the var directory: var/run/supervisor.pid, var/run/state.json (what runs,
+for `ps`), var/run/replicas.json (desired replica counts, written by `scale` and polled here),
+var/log/<service>-<replica>.log (each process's stdout+stderr).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asyncrl.logging import get_logger
+from asyncrl.natsutil import LocalNatsServer
+
+SERVICES = ("scheduler", "reward", "rollout", "trainer")  # start order; stop is the reverse
+SINGLETONS = ("nats", "scheduler")
+POLL_S = 0.2
+GRACE_S = 15.0
+
+log = get_logger()
+
+
+# ---------------------------------------------------------------- pure policy
+
+
+def backoff_s(consecutive_failures: int) -> float:
+    """Delay before restarting a process that failed `consecutive_failures` times in a row."""
+    return min(30.0, 0.5 * 2 ** max(0, consecutive_failures - 1))
+
+
+HEALTHY_UPTIME_S = 30.0
+"""A process that ran this long before exiting starts a fresh backoff sequence."""
+
+
+def free_index(used: set[int]) -> int:
+    """The lowest replica index not in use (so rollout-1 comes back as rollout-1)."""
+    i = 0
+    while i in used:
+        i += 1
+    return i
+
+
+# ---------------------------------------------------------------- files under var/
+
+
+@dataclass(frozen=True)
+class Paths:
+    var: Path
+
+    @property
+    def run(self) -> Path:
+        return self.var / "run"
+
+    @property
+    def logs(self) -> Path:
+        return self.var / "log"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.run / "supervisor.pid"
+
+    @property
+    def state(self) -> Path:
+        return self.run / "state.json"
+
+    @property
+    def replicas(self) -> Path:
+        return self.run / "replicas.json"
+
+    @property
+    def supervisor_log(self) -> Path:
+        return self.logs / "supervisor.log"
+
+    def log(self, service: str, index: int) -> Path:
+        return self.logs / f"{service}-{index}.log"
+
+
+def write_json(path: Path, data) -> None:
+    """Atomic write: readers never see a half-written file."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path, default=None):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return default
+
+
+def pid_alive(pid: int | None) -> bool:
+    """True if the process exists and is not a zombie (exited, waiting to be reaped)."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs: trust kill(0)
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def supervisor_pid(paths: Paths) -> int | None:
+    """The running daemon's pid, or None."""
+    try:
+        pid = int(paths.pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if pid_alive(pid) else None
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM if the supervisor dies (Linux), so nothing is orphaned."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ---------------------------------------------------------------- the daemon
+
+
+@dataclass
+class Replica:
+    service: str
+    index: int
+    log: Path
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    failures: int = 0  # consecutive quick failures, for backoff
+    restart_at: float | None = None
+    stop_deadline: float | None = None
+    last_exit: int | None = None
+
+    @property
+    def status(self) -> str:
+        if self.stop_deadline is not None:
+            return "stopping"
+        if self.proc is not None and self.proc.poll() is None:
+            return "running"
+        return "restarting" if self.restart_at is not None else "exited"
+
+    def as_dict(self) -> dict:
+        return {
+            "service": self.service,
+            "replica": self.index,
+            "pid": self.proc.pid if self.proc else None,
+            "status": self.status,
+            "restarts": self.restarts,
+            "started_at": self.started_at,
+            "last_exit": self.last_exit,
+            "log": str(self.log),
+        }
+
+
+@dataclass
+class Supervisor:
+    paths: Paths
+    services: list[str]
+    nats_port: int
+    scheduler_port: int
+    grace_s: float = GRACE_S
+    replicas: dict[str, list[Replica]] = field(default_factory=dict)
+    stopping: bool = False
+    started_at: float = field(default_factory=time.time)
+    _last_state: str = ""
+
+    @property
+    def nats_url(self) -> str:
+        return f"nats://127.0.0.1:{self.nats_port}"
+
+    @property
+    def scheduler_address(self) -> str:
+        return f"127.0.0.1:{self.scheduler_port}"
+
+    def command(self, service: str) -> list[str]:
+        if service == "nats":
+            return LocalNatsServer(self.paths.var / "nats", port=self.nats_port).command()
+        cmd = [sys.executable, "-m", f"services.{service}"]
+        if service == "scheduler":
+            cmd += ["--port", str(self.scheduler_port)]
+        if service == "rollout":
+            cmd += ["--engine", os.environ.get("ASYNCRL_ROLLOUT_ENGINE", "torch")]
+        return cmd
+
+    def env(self, service: str, index: int) -> dict[str, str]:
+        var = self.paths.var.resolve()
+        env = dict(os.environ)
+        env.update(
+            NATS_URL=self.nats_url,
+            ASYNCRL_SCHEDULER=self.scheduler_address,
+            ASYNCRL_VAR=str(var),
+            PYTHONUNBUFFERED="1",
+            ASYNCRL_SERVICE=service,
+            ASYNCRL_REPLICA=str(index),
+        )
+        env.setdefault("ASYNCRL_WEIGHTS", str(var / "weights"))
+        return env
+
+    def spawn(self, r: Replica) -> None:
+        with open(r.log, "ab") as logf:
+            r.proc = subprocess.Popen(
+                self.command(r.service),
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=self.env(r.service, r.index),
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        r.started_at = time.time()
+        r.restart_at = None
+        log.info("process_started", process=f"{r.service}-{r.index}", pid=r.proc.pid)
+
+    def add_replica(self, service: str) -> Replica:
+        group = self.replicas.setdefault(service, [])
+        index = free_index({r.index for r in group})
+        r = Replica(service, index, self.paths.log(service, index))
+        group.append(r)
+        self.spawn(r)
+        return r
+
+    def start_nats(self, timeout: float = 30.0) -> None:
+        r = self.add_replica("nats")
+        deadline = time.monotonic() + timeout
+        while not port_in_use(self.nats_port):
+            if r.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"nats-server did not start; see {r.log}")
+            time.sleep(0.05)
+
+    def desired(self) -> dict[str, int]:
+        want = read_json(self.paths.replicas, {}) or {}
+        counts = {}
+        for s in self.services:
+            n = want.get(s, 1)
+            counts[s] = 1 if s in SINGLETONS else max(0, int(n))
+        return counts
+
+    def stop_replica(self, r: Replica, sig: int = signal.SIGTERM) -> None:
+        if r.stop_deadline is None:
+            r.stop_deadline = time.monotonic() + self.grace_s
+            r.restart_at = None
+            if r.proc is not None and r.proc.poll() is None:
+                signal_group(r.proc.pid, sig)
+            log.info(
+                "process_stopping",
+                process=f"{r.service}-{r.index}",
+                pid=r.proc.pid if r.proc else None,
+            )
+
+    def reconcile(self) -> None:
+        """Match the running replicas to replicas.json: add new ones, stop the newest extras."""
+        for service, n in self.desired().items():
+            live = [r for r in self.replicas.get(service, []) if r.stop_deadline is None]
+            for _ in range(n - len(live)):
+                self.add_replica(service)
+            for r in sorted(live, key=lambda r: r.index)[n:]:
+                self.stop_replica(r)
+
+    def check(self) -> None:
+        """Reap exits: drop stopped replicas, schedule and perform restarts, kill overdue ones."""
+        now = time.monotonic()
+        for service, group in self.replicas.items():
+            for r in list(group):
+                code = r.proc.poll() if r.proc else None
+                if r.stop_deadline is not None:
+                    if r.proc is None or code is not None:
+                        if r.proc is not None:
+                            signal_group(r.proc.pid, signal.SIGKILL)  # stragglers in its group
+                        group.remove(r)
+                    elif now > r.stop_deadline:
+                        signal_group(r.proc.pid, signal.SIGKILL)
+                    continue
+                if r.restart_at is None and code is not None:
+                    signal_group(r.proc.pid, signal.SIGKILL)  # stragglers in its group
+                    r.last_exit = code
+                    uptime = time.time() - r.started_at
+                    r.failures = 1 if uptime > HEALTHY_UPTIME_S else r.failures + 1
+                    r.restart_at = now + backoff_s(r.failures)
+                    log.warning(
+                        "process_exited",
+                        process=f"{service}-{r.index}",
+                        code=code,
+                        uptime_s=round(uptime, 1),
+                        restart_in_s=backoff_s(r.failures),
+                    )
+                if r.restart_at is not None and now >= r.restart_at and not self.stopping:
+                    r.restarts += 1
+                    self.spawn(r)
+
+    def write_state(self, status: str = "running") -> None:
+        procs = [r.as_dict() for s in ("nats", *self.services) for r in self.replicas.get(s, [])]
+        state = {
+            "supervisor_pid": os.getpid(),
+            "status": status,
+            "started_at": self.started_at,
+            "var": str(self.paths.var.resolve()),
+            "nats_url": self.nats_url,
+            "scheduler": self.scheduler_address,
+            "services": self.services,
+            "processes": procs,
+        }
+        text = json.dumps(state, sort_keys=True)
+        if text != self._last_state:
+            write_json(self.paths.state, state)
+            self._last_state = text
+
+    def shutdown(self) -> None:
+        """Stop the services in reverse start order, then nats; each gets `grace_s`."""
+        self.stopping = True
+        self.write_state("stopping")
+        for service in [*reversed(self.services), "nats"]:
+            group = self.replicas.get(service, [])
+            for r in group:
+                self.stop_replica(r)
+            while group:
+                self.check()
+                time.sleep(0.05)
+            log.info("service_stopped", process_group=service)
+        self.write_state("stopped")
+
+    def run(self) -> None:
+        def request_stop(signum, frame):
+            self.stopping = True
+
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
+        try:
+            self.start_nats()
+            while not self.stopping:
+                self.reconcile()
+                self.check()
+                self.write_state()
+                time.sleep(POLL_S)
+        finally:
+            self.shutdown()

@@ -1,0 +1,191 @@
+"""The local supervisor (`make up`) with a reduced service set: nats + scheduler + reward.
+
+One supervisor per module (starting it costs seconds); the tests run in file order and the last
+one stops it. The module fixture stops it again and kills leftovers whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from asyncrl.cli import app as cli_app
+from asyncrl.client import AsyncrlClient
+from asyncrl.natsutil import free_port
+from asyncrl.supervisor import pid_alive, port_in_use
+from asyncrl.v1 import common_pb2
+
+SERVICES = "scheduler,reward"
+FRESH_S = 5.0  # a worker heartbeating within this many seconds counts as alive
+
+
+class Cluster:
+    def __init__(self, var: Path):
+        self.var = var
+        self.nats_port = free_port()
+        self.scheduler_port = free_port()
+        self.env = {
+            **os.environ,
+            "ASYNCRL_NATS_PORT": str(self.nats_port),
+            "ASYNCRL_SCHEDULER_PORT": str(self.scheduler_port),
+        }
+        self.seen_pids: set[int] = set()
+
+    @property
+    def scheduler(self) -> str:
+        return f"127.0.0.1:{self.scheduler_port}"
+
+    def sup(self, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "asyncrl.supervisor", *args, "--var", str(self.var)],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def state(self) -> dict:
+        state = json.loads((self.var / "run" / "state.json").read_text())
+        self.seen_pids |= {p["pid"] for p in state["processes"] if p["pid"]}
+        self.seen_pids.add(state["supervisor_pid"])
+        return state
+
+    def procs(self, service: str) -> list[dict]:
+        return [p for p in self.state()["processes"] if p["service"] == service]
+
+    def reward_workers(self) -> list:
+        async def go():
+            async with AsyncrlClient(self.scheduler) as client:
+                return await client.workers()
+
+        now = time.time()
+        return [
+            w
+            for w in asyncio.run(go())
+            if w.kind == common_pb2.WORKER_KIND_REWARD and now - w.last_seen_unix < FRESH_S
+        ]
+
+
+def wait_for(pred, timeout: float = 60.0, interval: float = 0.25):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met in {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("var"))
+    c.started = c.sup("start", "--services", SERVICES, "--timeout", "120")
+    yield c
+    c.sup("stop")
+    for pid in c.seen_pids:  # never leave processes behind, even when a test failed
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_start_reduced_services_returns_healthy(cluster):
+    assert cluster.started.returncode == 0, cluster.started.stdout + cluster.started.stderr
+    assert "asyncrl is up" in cluster.started.stdout
+    assert len(cluster.reward_workers()) == 1
+
+
+def test_start_again_while_running_says_so_exit_0(cluster):
+    again = cluster.sup("start", "--services", SERVICES)
+    assert again.returncode == 0
+    assert "already running" in again.stdout
+
+
+def test_ps_lists_nats_scheduler_reward_running(cluster):
+    result = cluster.sup("ps")
+    assert result.returncode == 0
+    for name in ("nats", "scheduler", "reward"):
+        assert name in result.stdout
+    state = cluster.state()
+    assert [(p["service"], p["status"]) for p in state["processes"]] == [
+        ("nats", "running"),
+        ("scheduler", "running"),
+        ("reward", "running"),
+    ]
+    assert all(pid_alive(p["pid"]) for p in state["processes"])
+    assert Path(cluster.procs("reward")[0]["log"]).name == "reward-0.log"
+
+
+def test_cli_workers_and_bad_spec_against_real_scheduler(cluster, tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(cli_app, ["--scheduler", cluster.scheduler, "workers"])
+    assert result.exit_code == 0, result.output
+    assert "reward" in result.output
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("model: {path: /nope}\ndataset: {path: /nope.jsonl}\n")
+    result = runner.invoke(
+        cli_app, ["--scheduler", cluster.scheduler, "submit", str(spec), "--set", "trainer.lr=-1"]
+    )
+    assert result.exit_code == 2
+    assert "INVALID_ARGUMENT" in result.output and "trainer.lr" in result.output
+
+
+def test_killed_reward_process_is_restarted(cluster):
+    old = cluster.procs("reward")[0]
+    os.kill(old["pid"], signal.SIGKILL)
+    new = wait_for(
+        lambda: next(
+            (p for p in cluster.procs("reward") if p["restarts"] == 1 and p["status"] == "running"),
+            None,
+        )
+    )
+    assert new["pid"] != old["pid"] and pid_alive(new["pid"])
+    assert new["last_exit"] == -signal.SIGKILL
+    # the new process registers itself; the dead one stops heartbeating
+    wait_for(
+        lambda: (
+            len(cluster.reward_workers()) == 1
+            and cluster.reward_workers()[0].last_seen_unix > new["started_at"]
+        )
+    )
+
+
+def test_scale_reward_2_then_1_workers_follow(cluster):
+    result = cluster.sup("scale", "reward", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [p["replica"] for p in cluster.procs("reward")] == [0, 1]
+    wait_for(lambda: len(cluster.reward_workers()) == 2)
+
+    survivor = cluster.procs("reward")[0]
+    newest = cluster.procs("reward")[1]
+    result = cluster.sup("scale", "reward", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [p["pid"] for p in cluster.procs("reward")] == [survivor["pid"]]
+    wait_for(lambda: not pid_alive(newest["pid"]), timeout=20)
+    wait_for(lambda: len(cluster.reward_workers()) == 1)
+
+
+def test_scale_scheduler_refused(cluster):
+    result = cluster.sup("scale", "scheduler", "2")
+    assert result.returncode != 0
+    assert "exactly one" in result.stdout + result.stderr
+
+
+def test_stop_leaves_no_process_behind(cluster):
+    state = cluster.state()
+    result = cluster.sup("stop")
+    assert result.returncode == 0 and "stopped" in result.stdout
+    pids = {p["pid"] for p in state["processes"]} | cluster.seen_pids
+    assert not [pid for pid in pids if pid_alive(pid)]
+    for pid in {p["pid"] for p in state["processes"]}:  # no stragglers in their groups either
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
+    assert not port_in_use(cluster.nats_port) and not port_in_use(cluster.scheduler_port)
+    assert "not running" in cluster.sup("ps").stdout
