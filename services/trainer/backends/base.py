@@ -39,3 +39,8 @@ class TrainerBackend(ABC):
     @abstractmethod
     def logprobs(self, groups: list[TrajectoryGroup]) -> list[list[list[float]]]:
         """Per group, per sample, the current model's logprobs of the output tokens."""
+
+    def close(self) -> None:
+        """Release what the backend holds beyond this process (e.g. follower ranks under
+        torchrun). Called once when the trainer shuts down; a no-op by default."""
+        return None

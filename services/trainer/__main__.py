@@ -1,0 +1,66 @@
+"""`python -m services.trainer [--port 0]`: run one trainer worker until SIGINT/SIGTERM.
+
+Multi-GPU megatron: `torchrun --nproc_per_node N -m services.trainer`; rank 0 is the service,
+the other ranks follow its backend calls."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+
+import torch
+
+from asyncrl.logging import configure_logging, get_logger
+from asyncrl.natsutil import nats_url
+from services.trainer.server import create_trainer
+
+
+async def main(args: argparse.Namespace) -> None:
+    log = get_logger()
+    server, port, service = await create_trainer(
+        args.nats_url,
+        port=args.port,
+        scheduler=args.scheduler,
+        register=not args.no_register,
+        host=args.host,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("trainer_shutting_down", port=port)
+    await server.health_servicer.enter_graceful_shutdown()
+    await service.close()  # final checkpoint at the step boundary
+    await server.stop(5)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.trainer", description=__doc__)
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for other hosts)")
+    p.add_argument("--nats-url", default=nats_url(), help="NATS server (env NATS_URL)")
+    p.add_argument(
+        "--scheduler",
+        default=None,
+        help="scheduler host:port (env ASYNCRL_SCHEDULER, default 127.0.0.1:50051)",
+    )
+    p.add_argument("--no-register", action="store_true", help="do not register with a scheduler")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    configure_logging("trainer")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if int(os.environ.get("RANK", "0")) > 0:
+        # under torchrun (megatron backend, TP/DP > 1) only rank 0 serves; the others follow it
+        from services.trainer.backends.megatron_backend import follow
+
+        follow()
+    else:
+        asyncio.run(main(args))

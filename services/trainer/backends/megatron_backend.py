@@ -1,0 +1,313 @@
+"""The megatron-core trainer backend: a GPTModel built from the HuggingFace config, TP x DP.
+
+Same objective as the torch backend (decoupled PPO on GRPO advantages, optional k3 KL to the
+initial model, `trainer.minibatches` updates per version), computed with vocab-parallel
+logprobs. Each minibatch's rows are dealt round-robin to the DP ranks and run in micro-batches
+of `micro_batch_size` rows; every micro-batch loss is normalised by the minibatch's *global*
+token count, so the summed gradients equal one big batch's exactly.
+
+Under torchrun, rank 0 is the trainer (the service drives it like any backend) and every other
+rank runs `follow()`: each collective method called on rank 0 first broadcasts its name and
+arguments, the followers run the same call on their own shards, and `close()` ends them.
+In-process (one rank, TP=1) nothing is broadcast.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from asyncrl.algo import PackedBatch, kl_k3, pack_groups, ppo_decoupled_loss
+from asyncrl.types import TrajectoryGroup
+from asyncrl.weights import copy_tokenizer
+from services.trainer.backends.base import TrainerBackend
+from services.trainer.megatron import model as mg
+from services.trainer.megatron.optim import build_optimizer
+from services.trainer.megatron.parallel import (
+    ParallelInfo,
+    dp_group,
+    init_default_group,
+    init_parallel,
+    tp_group,
+)
+
+STATE_FILE = "backend_state.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class MegatronBackend(TrainerBackend):
+    def __init__(self, spec, micro_batch_size: int = 8):
+        super().__init__(spec)
+        self.micro_batch_size = micro_batch_size
+        self.par: ParallelInfo | None = None
+        self.built: mg.BuiltModel | None = None
+        self.ref: mg.BuiltModel | None = None
+        self.opt = None
+        self.model_dir: Path | None = None
+        self.pad_id = 0
+        self.steps = 0
+
+    # -- setup ----------------------------------------------------------------------------
+    def load(self, model_dir: str) -> None:
+        t = self.spec.trainer
+        init_default_group()
+        _announce("load", self.spec, self.micro_batch_size, model_dir)
+        self.par = init_parallel(t.tp_size, t.dp_size, self.spec.seed)
+        self.model_dir = Path(model_dir)
+        cfg = mg.read_hf_config(model_dir)
+        self.pad_id = cfg.get("pad_token_id") or 0
+        cuda = self.par.device.type == "cuda"
+        hf = mg.read_hf_weights(model_dir)
+        self.built = mg.build_model(cfg, self.par.tp_rank, self.par.tp_size, cuda=cuda)
+        mg.load_hf_weights(self.built, hf)
+        if t.kl_coef > 0:
+            self.ref = mg.build_model(cfg, self.par.tp_rank, self.par.tp_size, cuda=cuda)
+            mg.load_hf_weights(self.ref, hf)
+            self.ref.model.requires_grad_(False)
+        self.opt = build_optimizer(self.built, t, self.par)
+        self.steps = 0
+
+    def _vocab(self) -> int:
+        return self.built.layout.vocab_size
+
+    def _pack(self, groups: list[TrajectoryGroup]) -> PackedBatch:
+        batch = pack_groups(groups, pad_id=self.pad_id)
+        dev = self.par.device
+        return PackedBatch(
+            **{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in vars(batch).items()}
+        )
+
+    @torch.no_grad()
+    def _logprobs_rows(
+        self, built: mg.BuiltModel, batch: PackedBatch, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """[N, T-1] logprobs, filled at `rows` (zero elsewhere), micro-batched, no grad."""
+        out = torch.zeros_like(batch.loss_mask)
+        for micro in rows.split(self.micro_batch_size):
+            mb = batch.select(micro)
+            logits = mg.forward_logits(built.model, mb.input_ids, mb.attention_mask)
+            out[micro] = mg.token_logprobs(logits, mb.targets, self._vocab(), built.tp_rank)
+        return out
+
+    # -- training -------------------------------------------------------------------------
+    def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        assert self.built is not None, "load() first"
+        t = self.spec.trainer
+        _announce("train_step", groups)
+        batch = self._pack(groups)
+        n = batch.input_ids.shape[0]
+        chunks = [c for c in torch.arange(n).chunk(min(t.minibatches, n)) if len(c)]
+        mine = [c[self.par.dp_rank :: self.par.dp_size] for c in chunks]
+        own = torch.cat(mine)
+        # proximal (and reference) logprobs: the weights before this version's first update
+        prox = self._logprobs_rows(self.built, batch, own)
+        ref = self._logprobs_rows(self.ref, batch, own) if self.ref is not None else None
+
+        totals: dict[str, float] = defaultdict(float)
+        for rows in mine:
+            for k, v in self._train_minibatch(batch, rows, prox, ref).items():
+                totals[k] += v
+        self.steps += 1
+        metrics = {k: v / len(chunks) for k, v in totals.items()}
+        metrics["tokens"] = float(batch.n_tokens)
+        metrics["reward_mean"] = batch.rewards.mean().item()
+        return metrics
+
+    def _token_counts(
+        self, batch: PackedBatch, rows: torch.Tensor, prox: torch.Tensor
+    ) -> tuple[float, float]:
+        """Global (all DP ranks) loss-token counts of a minibatch: (kept by the behaviour
+        weight cap, all), each at least 1 -- the denominators of the PPO and KL means."""
+        cap = self.spec.trainer.behav_imp_weight_cap
+        mask = batch.loss_mask[rows]
+        keep = mask
+        if cap is not None:
+            behav_w = torch.exp(prox[rows] - batch.behav_logp[rows])
+            keep = mask * (behav_w <= cap).float()
+        counts = torch.stack([keep.sum(), mask.sum()])
+        if self.par.dp_size > 1:
+            dist.all_reduce(counts, group=dp_group())
+        n_keep, n_tok = counts.clamp(min=1).tolist()
+        return n_keep, n_tok
+
+    def _train_minibatch(self, batch, rows, prox, ref) -> dict[str, float]:
+        t = self.spec.trainer
+        n_keep, n_tok = self._token_counts(batch, rows, prox)
+        # loss, clip_fraction, behav_weight_mean, entropy, kl: sums of already-normalised parts
+        sums = torch.zeros(5, dtype=torch.float64)
+        self.opt.zero_grad()
+        for micro in rows.split(self.micro_batch_size):
+            mb = batch.select(micro)
+            logits = mg.forward_logits(self.opt.module, mb.input_ids, mb.attention_mask)
+            logp = mg.token_logprobs(logits, mb.targets, self._vocab(), self.par.tp_rank)
+            pg, stats = ppo_decoupled_loss(
+                logp,
+                prox[micro],
+                mb.behav_logp,
+                mb.advantages,
+                mb.loss_mask,
+                eps_clip=t.eps_clip,
+                behav_imp_weight_cap=t.behav_imp_weight_cap,
+            )
+            share = max(stats["masked_tokens"], 1.0) / n_keep
+            loss = pg * share
+            kl = torch.zeros((), device=logp.device)
+            if ref is not None:
+                kl = (kl_k3(logp, ref[micro]) * mb.loss_mask).sum() / n_tok
+                loss = loss + t.kl_coef * kl
+            loss.backward()
+            ent = mg.token_entropy(logits.detach(), self._vocab(), self.par.tp_rank, tp_group())
+            sums += torch.tensor(
+                [
+                    loss.item(),
+                    stats["clip_fraction"] * share,
+                    stats["behav_weight_mean"] * share,
+                    ((ent * mb.loss_mask).sum() / n_tok).item(),
+                    kl.item(),
+                ],
+                dtype=torch.float64,
+            )
+        grad_norm = self.opt.step()
+        if self.par.dp_size > 1:
+            sums = sums.to(self.par.device)
+            dist.all_reduce(sums, group=dp_group())
+        loss, clip, behav_w, entropy, kl = sums.tolist()
+        return {
+            "loss": loss,
+            "clip_fraction": clip,
+            "behav_weight_mean": behav_w,
+            "entropy": entropy,
+            "kl": kl,
+            "grad_norm": grad_norm,
+        }
+
+    def logprobs(self, groups: list[TrajectoryGroup]) -> list[list[list[float]]]:
+        assert self.built is not None, "load() first"
+        _announce("logprobs", groups)
+        batch = self._pack(groups)
+        logp = self._logprobs_rows(self.built, batch, torch.arange(batch.input_ids.shape[0])).cpu()
+        out, row = [], 0
+        for g in groups:
+            p = len(g.prompt_ids)
+            per_sample = []
+            for s in g.samples:
+                per_sample.append(logp[row, p - 1 : p - 1 + len(s.output_ids)].tolist())
+                row += 1
+            out.append(per_sample)
+        return out
+
+    # -- persistence ----------------------------------------------------------------------
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model in HuggingFace names and shapes, in the source model's dtype (all ranks)."""
+        dtype = DTYPES.get(
+            self.built.hf_config.get("dtype") or self.built.hf_config.get("torch_dtype"),
+            torch.float32,
+        )
+        return {k: v.to(dtype) for k, v in mg.gather_hf_weights(self.built, tp_group()).items()}
+
+    def save_hf(self, out_dir: Path) -> None:
+        """config.json (copied from the source) + model.safetensors + tokenizer files. All
+        ranks must call it (the TP shards are gathered); rank 0 writes."""
+        from safetensors.torch import save_file
+
+        assert self.built is not None, "load() first"
+        _announce("save_hf", out_dir)
+        weights = self.hf_state_dict()
+        if self.par.is_writer:
+            out_dir = Path(out_dir)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+            shutil.copy2(self.model_dir / "config.json", out_dir / "config.json")
+            copy_tokenizer(self.model_dir, out_dir)
+        dist.barrier()
+
+    def save_checkpoint(self, ckpt_dir: Path) -> None:
+        assert self.built is not None, "load() first"
+        _announce("save_checkpoint", ckpt_dir)
+        ckpt_dir = Path(ckpt_dir)
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.opt.save(ckpt_dir)
+        torch.save(_rng_state(), ckpt_dir / f"rng_rank{self.par.rank:03d}.pt")
+        if self.par.is_writer:
+            state = {"steps": self.steps, "tp_size": self.par.tp_size, "dp_size": self.par.dp_size}
+            (ckpt_dir / STATE_FILE).write_text(json.dumps(state))
+        dist.barrier()
+
+    def load_checkpoint(self, ckpt_dir: Path) -> None:
+        """Restore into a backend built with `load(model_dir)` under the same TP and DP sizes."""
+        assert self.built is not None, "load() first"
+        _announce("load_checkpoint", ckpt_dir)
+        ckpt_dir = Path(ckpt_dir)
+        state = json.loads((ckpt_dir / STATE_FILE).read_text())
+        if (state["tp_size"], state["dp_size"]) != (self.par.tp_size, self.par.dp_size):
+            raise ValueError(
+                f"trainer.tp_size/dp_size: checkpoint was written with tp={state['tp_size']} "
+                f"dp={state['dp_size']}, running tp={self.par.tp_size} dp={self.par.dp_size}"
+            )
+        self.opt.load(ckpt_dir)
+        _set_rng_state(torch.load(ckpt_dir / f"rng_rank{self.par.rank:03d}.pt", weights_only=False))
+        self.steps = state["steps"]
+
+    def close(self) -> None:
+        """Release the follower ranks (they return from `follow()`); a no-op in-process."""
+        _announce("close")
+
+
+# -- torchrun: rank 0 leads, the other ranks follow ---------------------------------------------
+
+
+def _announce(op: str, *args) -> None:
+    """On rank 0 of a multi-rank run: tell the followers which call comes next."""
+    if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() == 0:
+        dist.broadcast_object_list([(op, args)], src=0)
+
+
+def follow() -> None:
+    """The loop of every rank but 0 under torchrun: run the calls rank 0's backend announces
+    (`load` builds a new backend from rank 0's spec) until rank 0 calls `close()`."""
+    init_default_group()
+    backend: MegatronBackend | None = None
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        op, args = box[0]
+        if op == "close":
+            return
+        if op == "load":
+            spec, micro_batch_size, model_dir = args
+            backend = MegatronBackend(spec, micro_batch_size=micro_batch_size)
+            backend.load(model_dir)
+        else:
+            getattr(backend, op)(*args)
+
+
+def _rng_state() -> dict:
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state:
+        from megatron.core import tensor_parallel
+
+        torch.cuda.set_rng_state(state["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])

@@ -1,0 +1,195 @@
+"""The reference trainer backend: a HuggingFace causal LM in fp32 trained with torch AdamW.
+
+One `train_step` is one policy version: the groups are packed, the proximal logprobs are
+recomputed with the current weights, and the samples are split into `trainer.minibatches`
+minibatches with one optimizer update each (decoupled PPO on GRPO advantages, optional k3 KL
+to a frozen copy of the initial model). Logprobs use unscaled logits (temperature 1), exactly
+as the rollout engines report behaviour logprobs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from asyncrl.algo import (
+    PackedBatch,
+    kl_k3,
+    masked_mean,
+    pack_groups,
+    ppo_decoupled_loss,
+    token_entropy,
+    token_logprobs,
+)
+from asyncrl.types import TrajectoryGroup
+from asyncrl.weights import copy_tokenizer
+from services.trainer.backends.base import TrainerBackend
+
+MODEL_FILE = "model.pt"
+OPTIM_FILE = "optimizer.pt"
+RNG_FILE = "rng.pt"
+STATE_FILE = "backend_state.json"
+
+
+def _forward_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """Logits in target space: [N, T-1, V], position t predicts input_ids[:, t+1]."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    return out.logits[:, :-1].float()
+
+
+def _rng_state() -> dict:
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+class TorchBackend(TrainerBackend):
+    """HuggingFace `AutoModelForCausalLM` + AdamW on one process (CPU or one GPU)."""
+
+    def __init__(self, spec, device: str | None = None):
+        super().__init__(spec)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model: torch.nn.Module | None = None
+        self.ref_model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.model_dir: Path | None = None
+        self.pad_id = 0
+        self.steps = 0  # optimizer versions trained so far (train_step calls)
+
+    # -- setup ----------------------------------------------------------------------------
+    def load(self, model_dir: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        t = self.spec.trainer
+        self.model_dir = Path(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.to(self.device)
+        # RL on policy logprobs: no dropout, so prox logprobs equal the first update's logprobs.
+        self.model.eval()
+        self.pad_id = self.model.config.pad_token_id or 0
+        if t.kl_coef > 0:
+            self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=t.lr,
+            betas=(t.adam_beta1, t.adam_beta2),
+            weight_decay=t.weight_decay,
+        )
+        self.steps = 0
+
+    def _pack(self, groups: list[TrajectoryGroup]) -> PackedBatch:
+        batch = pack_groups(groups, pad_id=self.pad_id)
+        return PackedBatch(
+            **{
+                k: (v.to(self.device) if isinstance(v, torch.Tensor) else v)
+                for k, v in vars(batch).items()
+            }
+        )
+
+    @torch.no_grad()
+    def _frozen_logprobs(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+        return token_logprobs(_forward_logits(model, batch), batch.targets)
+
+    # -- training -------------------------------------------------------------------------
+    def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        assert self.model is not None and self.optimizer is not None, "load() first"
+        t = self.spec.trainer
+        batch = self._pack(groups)
+        prox_logp = self._frozen_logprobs(self.model, batch)
+        ref_logp = self._frozen_logprobs(self.ref_model, batch) if t.kl_coef > 0 else None
+
+        n = batch.input_ids.shape[0]
+        chunks = [c for c in torch.arange(n).chunk(min(t.minibatches, n)) if len(c)]
+        totals = {"loss": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "kl": 0.0, "grad_norm": 0.0}
+        behav_w = 0.0
+        for idx in chunks:
+            mb = batch.select(idx)
+            logits = _forward_logits(self.model, mb)
+            logp = token_logprobs(logits, mb.targets)
+            loss, stats = ppo_decoupled_loss(
+                logp,
+                prox_logp[idx],
+                mb.behav_logp,
+                mb.advantages,
+                mb.loss_mask,
+                eps_clip=t.eps_clip,
+                behav_imp_weight_cap=t.behav_imp_weight_cap,
+            )
+            kl = torch.zeros((), device=self.device)
+            if ref_logp is not None:
+                kl = masked_mean(kl_k3(logp, ref_logp[idx]), mb.loss_mask)
+                loss = loss + t.kl_coef * kl
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+            self.optimizer.step()
+            with torch.no_grad():
+                entropy = masked_mean(token_entropy(logits.detach()), mb.loss_mask)
+            totals["loss"] += loss.item()
+            totals["clip_fraction"] += stats["clip_fraction"]
+            totals["entropy"] += entropy.item()
+            totals["kl"] += kl.item()
+            totals["grad_norm"] += grad_norm.item()
+            behav_w += stats["behav_weight_mean"]
+        self.steps += 1
+        metrics = {k: v / len(chunks) for k, v in totals.items()}
+        metrics["behav_weight_mean"] = behav_w / len(chunks)
+        metrics["tokens"] = float(batch.n_tokens)
+        metrics["reward_mean"] = batch.rewards.mean().item()
+        return metrics
+
+    @torch.no_grad()
+    def logprobs(self, groups: list[TrajectoryGroup]) -> list[list[list[float]]]:
+        assert self.model is not None, "load() first"
+        batch = self._pack(groups)
+        logp = self._frozen_logprobs(self.model, batch).cpu()
+        out, row = [], 0
+        for g in groups:
+            p = len(g.prompt_ids)
+            per_sample = []
+            for s in g.samples:
+                per_sample.append(logp[row, p - 1 : p - 1 + len(s.output_ids)].tolist())
+                row += 1
+            out.append(per_sample)
+        return out
+
+    # -- persistence ----------------------------------------------------------------------
+    def save_hf(self, out_dir: Path) -> None:
+        assert self.model is not None, "load() first"
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(str(out_dir), safe_serialization=True)
+        if self.model_dir is not None:
+            copy_tokenizer(self.model_dir, out_dir)
+
+    def save_checkpoint(self, ckpt_dir: Path) -> None:
+        assert self.model is not None and self.optimizer is not None, "load() first"
+        ckpt_dir = Path(ckpt_dir)
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(self.model.state_dict(), ckpt_dir / MODEL_FILE)
+        torch.save(self.optimizer.state_dict(), ckpt_dir / OPTIM_FILE)
+        torch.save(_rng_state(), ckpt_dir / RNG_FILE)
+        (ckpt_dir / STATE_FILE).write_text(json.dumps({"steps": self.steps}))
+
+    def load_checkpoint(self, ckpt_dir: Path) -> None:
+        """Restore a checkpoint into a backend already built with `load(model_dir)` (the
+        initial model, which also serves as the KL reference)."""
+        assert self.model is not None and self.optimizer is not None, "load() first"
+        ckpt_dir = Path(ckpt_dir)
+        self.model.load_state_dict(torch.load(ckpt_dir / MODEL_FILE, map_location=self.device))
+        self.optimizer.load_state_dict(torch.load(ckpt_dir / OPTIM_FILE, map_location=self.device))
+        _set_rng_state(torch.load(ckpt_dir / RNG_FILE, weights_only=False))
+        self.steps = json.loads((ckpt_dir / STATE_FILE).read_text())["steps"]

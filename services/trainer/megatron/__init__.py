@@ -1,0 +1,1 @@
+"""megatron-core pieces of the trainer: HF<->Megatron conversion, model building, process groups."""

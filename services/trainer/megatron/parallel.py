@@ -1,0 +1,118 @@
+"""Process groups for the megatron backend: torchrun (any world size) or one in-process rank.
+
+`init_parallel(tp, dp, seed)` is idempotent. Under torchrun (RANK / WORLD_SIZE set) it joins the
+default group; otherwise it starts a one-process group on 127.0.0.1 and a free port, which is
+how the trainer service runs the backend in-process with TP=1. NCCL on CUDA, gloo on CPU. On
+CPU, megatron-core's `torch.cuda.current_device()` calls are redirected to the CPU and the
+model-parallel RNG tracker is the inference one (it never touches CUDA RNG state).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """Where this process sits in the TP x DP grid."""
+
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    device: torch.device
+
+    @property
+    def is_writer(self) -> bool:
+        """The one rank that writes files shared by all ranks (HF export, metadata)."""
+        return self.rank == 0
+
+
+def use_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def apply_cpu_shims() -> None:
+    """megatron-core allocates buffers on `torch.cuda.current_device()`: point it at the CPU."""
+    torch.cuda.current_device = _cpu_device  # type: ignore[assignment]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_default_group() -> None:
+    """torch.distributed's default group: torchrun's env, or one in-process rank."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if use_cuda() else "gloo"
+    if "RANK" not in os.environ:  # in-process, single rank
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group(backend, rank=0, world_size=1)
+        return
+    if use_cuda():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+
+
+def init_parallel(tp_size: int, dp_size: int, seed: int) -> ParallelInfo:
+    """Initialise torch.distributed and megatron's model-parallel state for TP x DP.
+
+    Raises ValueError when the world size is not tp_size * dp_size."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not use_cuda():
+        apply_cpu_shims()
+    init_default_group()
+    world = dist.get_world_size()
+    if world != tp_size * dp_size:
+        raise ValueError(
+            f"world size {world} != trainer.tp_size {tp_size} * trainer.dp_size {dp_size}"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        if parallel_state.get_tensor_model_parallel_world_size() != tp_size:
+            parallel_state.destroy_model_parallel()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=1
+        )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        seed, inference_rng_tracker=not use_cuda(), force_reset_rng=True
+    )
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda() else _cpu_device()
+    return ParallelInfo(
+        rank=dist.get_rank(),
+        world_size=world,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=tp_size,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        device=device,
+    )
+
+
+def tp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def dp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group()

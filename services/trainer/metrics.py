@@ -1,0 +1,93 @@
+"""Pure step accounting for the trainer: which pulled groups are too stale to train, and the
+metrics of one optimizer step. No grpc, no nats: unit-tested with exact values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncrl.types import RewardStatus, TrajectoryGroup
+
+
+@dataclass
+class StepMetrics:
+    """One optimizer step; field names mirror `asyncrl.v1.StepMetrics`."""
+
+    step: int
+    version: int
+    """The version this step produced."""
+    loss: float
+    reward_mean: float
+    """Mean reward over OK samples (FAILED samples are excluded, not scored as 0)."""
+    accuracy: float
+    """Fraction of OK samples with reward >= 1."""
+    staleness_max: int
+    staleness_mean: float
+    clip_fraction: float
+    entropy: float
+    tokens_per_s: float
+    """Loss tokens per second of `step_time_s`."""
+    step_time_s: float
+    """Wall time of the backend's train_step."""
+    groups: int
+    stale_dropped: int
+    """Groups dropped as too stale while collecting this step's batch."""
+    grad_norm: float
+    kl: float
+    stale_groups: int
+    """Trained groups with staleness >= 1."""
+
+
+def is_too_stale(group: TrajectoryGroup, trainer_version: int, eta: int) -> bool:
+    """A group may lag the trainer by at most eta versions (DESIGN invariant 1)."""
+    return group.staleness(trainer_version) > eta
+
+
+def partition_by_staleness(
+    groups: list[TrajectoryGroup], trainer_version: int, eta: int
+) -> tuple[list[TrajectoryGroup], list[TrajectoryGroup]]:
+    """Split pulled groups into (trainable, too stale), keeping their order."""
+    fresh = [g for g in groups if not is_too_stale(g, trainer_version, eta)]
+    stale = [g for g in groups if is_too_stale(g, trainer_version, eta)]
+    return fresh, stale
+
+
+def drop_reason(group: TrajectoryGroup, trainer_version: int, eta: int) -> str:
+    return f"staleness {group.staleness(trainer_version)} > eta {eta}"
+
+
+def step_metrics(
+    *,
+    step: int,
+    version: int,
+    groups: list[TrajectoryGroup],
+    trainer_version: int,
+    backend_stats: dict[str, float],
+    step_time_s: float,
+    stale_dropped: int,
+) -> StepMetrics:
+    """Metrics of the step that trained `groups` at `trainer_version` and produced `version`.
+
+    `backend_stats` is what `TrainerBackend.train_step` returned (loss, clip_fraction, entropy,
+    kl, grad_norm, tokens); a key a backend does not report counts as 0.
+    """
+    ok = [s for g in groups for s in g.samples if s.reward_status == RewardStatus.OK]
+    staleness = [g.staleness(trainer_version) for g in groups]
+    tokens = backend_stats.get("tokens", 0.0)
+    return StepMetrics(
+        step=step,
+        version=version,
+        loss=float(backend_stats.get("loss", 0.0)),
+        reward_mean=sum(s.reward for s in ok) / len(ok) if ok else 0.0,
+        accuracy=sum(s.reward >= 1.0 for s in ok) / len(ok) if ok else 0.0,
+        staleness_max=max(staleness, default=0),
+        staleness_mean=sum(staleness) / len(staleness) if staleness else 0.0,
+        clip_fraction=float(backend_stats.get("clip_fraction", 0.0)),
+        entropy=float(backend_stats.get("entropy", 0.0)),
+        tokens_per_s=tokens / step_time_s if step_time_s > 0 else 0.0,
+        step_time_s=step_time_s,
+        groups=len(groups),
+        stale_dropped=stale_dropped,
+        grad_norm=float(backend_stats.get("grad_norm", 0.0)),
+        kl=float(backend_stats.get("kl", 0.0)),
+        stale_groups=sum(s >= 1 for s in staleness),
+    )

@@ -1,0 +1,90 @@
+"""A local asyncrl cluster driven through the supervisor (the `make up` entry point), for
+integration and end-to-end tests. Free ports, a temporary var dir, and no process left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from asyncrl.client import AsyncrlClient
+from asyncrl.natsutil import free_port
+from asyncrl.supervisor import pid_alive
+from asyncrl.v1 import common_pb2
+
+FRESH_S = 5.0  # a worker heartbeating within this many seconds counts as alive
+
+
+class Cluster:
+    def __init__(self, var: Path):
+        self.var = var
+        self.nats_port = free_port()
+        self.scheduler_port = free_port()
+        self.env = {
+            **os.environ,
+            "ASYNCRL_NATS_PORT": str(self.nats_port),
+            "ASYNCRL_SCHEDULER_PORT": str(self.scheduler_port),
+        }
+        self.seen_pids: set[int] = set()
+
+    @property
+    def scheduler(self) -> str:
+        return f"127.0.0.1:{self.scheduler_port}"
+
+    def sup(self, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "asyncrl.supervisor", *args, "--var", str(self.var)],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def state(self) -> dict:
+        state = json.loads((self.var / "run" / "state.json").read_text())
+        self.seen_pids |= {p["pid"] for p in state["processes"] if p["pid"]}
+        self.seen_pids.add(state["supervisor_pid"])
+        return state
+
+    def procs(self, service: str) -> list[dict]:
+        return [p for p in self.state()["processes"] if p["service"] == service]
+
+    def reward_workers(self) -> list:
+        return self.workers(common_pb2.WORKER_KIND_REWARD)
+
+    def workers(self, kind: int | None = None) -> list:
+        async def go():
+            async with AsyncrlClient(self.scheduler) as client:
+                return await client.workers()
+
+        now = time.time()
+        return [
+            w
+            for w in asyncio.run(go())
+            if (kind is None or w.kind == kind) and now - w.last_seen_unix < FRESH_S
+        ]
+
+    def kill_all(self) -> None:
+        """Stop the supervisor and SIGKILL anything it started that is still alive."""
+        try:
+            self.sup("stop", timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in self.seen_pids:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def wait_for(pred, timeout: float = 60.0, interval: float = 0.25):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met in {timeout}s")

@@ -1,0 +1,308 @@
+"""The trainer service against a real nats-server, a real trainer gRPC server on port 0 and a
+tiny real model (torch backend). The scheduler side is a small recording servicer: these tests
+check the trainer's own logic (batching, staleness drops, weight commits, checkpoint/resume)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from asyncrl.algo import token_logprobs
+from asyncrl.grpcutil import channel, create_server
+from asyncrl.natsutil import STREAM, publish_group, wait_until
+from asyncrl.spec import (
+    DatasetSpec,
+    ExperimentSpec,
+    ModelSpec,
+    RolloutSpec,
+    TrainerSpec,
+    spec_to_proto,
+)
+from asyncrl.tiny import build_tiny_model
+from asyncrl.types import RewardStatus, Sample, TrajectoryGroup
+from asyncrl.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from asyncrl.weights import uri_to_path
+from services.trainer.consumer import durable_name
+from services.trainer.server import create_trainer
+
+EXP = "exp-trainer"
+
+
+class RecordingScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    """Registers workers and records CommitWeights / ReportDropped; says stop from a version."""
+
+    def __init__(self):
+        self.commits: list[scheduler_pb2.CommitWeightsRequest] = []
+        self.dropped: list[scheduler_pb2.DroppedGroup] = []
+        self.workers: list[scheduler_pb2.RegisterWorkerRequest] = []
+        self.stop_at_version: int | None = None
+
+    async def RegisterWorker(self, request, context):
+        self.workers.append(request)
+        return scheduler_pb2.RegisterWorkerResponse(
+            worker_id=f"trainer-{len(self.workers)}", lease_ttl_s=10, heartbeat_interval_s=1
+        )
+
+    async def Heartbeat(self, request, context):
+        return scheduler_pb2.HeartbeatResponse(known=True)
+
+    async def CommitWeights(self, request, context):
+        self.commits.append(request)
+        stop = self.stop_at_version is not None and request.version >= self.stop_at_version
+        return scheduler_pb2.CommitWeightsResponse(fleet_version=request.version, stop=stop)
+
+    async def ReportDropped(self, request, context):
+        self.dropped.extend(request.groups)
+        return scheduler_pb2.ReportDroppedResponse()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model dir, the loaded base model, tokenizer) built once for the module."""
+    d = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(d)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    return d, model, AutoTokenizer.from_pretrained(d)
+
+
+@pytest.fixture
+async def scheduler():
+    servicer = RecordingScheduler()
+    server, port = await create_server(
+        [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer)], ["asyncrl.v1.Scheduler"]
+    )
+    servicer.address = f"127.0.0.1:{port}"
+    yield servicer
+    await server.stop(0)
+
+
+@pytest.fixture
+async def start_trainer(nats_server, scheduler, tmp_path):
+    """Factory: a trainer gRPC server + a stub to it, sharing var and weight dirs per test."""
+    started = []
+
+    async def start():
+        server, port, service = await create_trainer(
+            nats_server.url,
+            scheduler=scheduler.address,
+            var_dir=tmp_path / "var",
+            weights_dir=tmp_path / "weights",
+        )
+        ch = channel(f"127.0.0.1:{port}")
+        started.append((server, service, ch))
+        return service, trainer_pb2_grpc.TrainerStub(ch)
+
+    yield start
+    for server, service, ch in started:
+        await ch.close()
+        await service.close(checkpoint=False)
+        await server.stop(0)
+
+
+def _spec(model_dir: Path, eta: int = 0, batch_size: int = 2, checkpoint_every: int = 1):
+    return spec_to_proto(
+        ExperimentSpec(
+            model=ModelSpec(path=str(model_dir)),
+            dataset=DatasetSpec(path="unused-by-the-trainer.jsonl"),
+            rollout=RolloutSpec(n_samples=2, max_head_offpolicyness=eta),
+            trainer=TrainerSpec(
+                backend="torch", batch_size=batch_size, lr=1e-3, checkpoint_every=checkpoint_every
+            ),
+        )
+    )
+
+
+def _group(tiny, gid: str, start_version: int, completions=("4", "5x")) -> TrajectoryGroup:
+    """A group whose behaviour logprobs come from the base model; rewards 1 and 0."""
+    _, model, tok = tiny
+    prompt_ids = tok("2+2=")["input_ids"]
+    samples = []
+    for i, text in enumerate(completions):
+        out = tok(text)["input_ids"]
+        ids = torch.tensor([prompt_ids + out])
+        with torch.no_grad():
+            lp = token_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])[0]
+        samples.append(
+            Sample(
+                output_ids=out,
+                logprobs=lp[len(prompt_ids) - 1 :].tolist(),
+                versions=[start_version] * len(out),
+                reward=1.0 - i,
+                reward_status=RewardStatus.OK,
+                text=text,
+            )
+        )
+    return TrajectoryGroup(
+        experiment_id=EXP,
+        group_id=gid,
+        prompt_id="p-" + gid,
+        prompt="2+2=",
+        answer="4",
+        prompt_ids=prompt_ids,
+        samples=samples,
+        start_version=start_version,
+    )
+
+
+async def _status(stub) -> trainer_pb2.TrainerStatus:
+    return await stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=5)
+
+
+async def _wait_commits(scheduler, n: int, timeout: float = 30.0) -> None:
+    await wait_until(lambda: len(scheduler.commits) >= n, timeout=timeout)
+
+
+async def test_trainer_b_groups_one_step_commits_version_1_loadable_weights(
+    tiny, scheduler, start_trainer, js
+):
+    service, stub = await start_trainer()
+    resp = await stub.StartExperiment(
+        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec=_spec(tiny[0])), timeout=60
+    )
+    assert (resp.version, resp.resumed) == (0, False)
+    again = await stub.StartExperiment(  # idempotent for the running experiment
+        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec=_spec(tiny[0])), timeout=60
+    )
+    assert (again.version, again.resumed) == (0, False)
+    assert scheduler.workers[0].kind == common_pb2.WORKER_KIND_TRAINER
+
+    await publish_group(js, _group(tiny, "g0", 0))
+    await asyncio.sleep(0.5)
+    assert scheduler.commits == []  # one group < B: no step
+    await publish_group(js, _group(tiny, "g1", 0))
+    await _wait_commits(scheduler, 1)
+
+    commit = scheduler.commits[0]
+    assert (commit.experiment_id, commit.version, commit.trainer_id) == (EXP, 1, "trainer-1")
+    assert (commit.metrics.step, commit.metrics.groups, commit.metrics.stale_dropped) == (1, 2, 0)
+    assert commit.metrics.reward_mean == pytest.approx(0.5)
+    assert commit.metrics.accuracy == pytest.approx(0.5)
+    weights = uri_to_path(commit.uri)
+    assert weights.name == "v000001"
+    trained = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+    AutoTokenizer.from_pretrained(weights)
+    base = tiny[1].state_dict()
+    assert any(not torch.equal(v, base[k]) for k, v in trained.state_dict().items())
+
+    st = await _status(stub)
+    assert (st.version, st.step, st.backend, st.experiment_id) == (1, 1, "torch", EXP)
+    assert st.last_step.version == 1
+    await wait_until(lambda: service.state == "waiting")
+
+
+async def test_trainer_group_staler_than_eta_is_dropped_acked_not_trained(
+    tiny, scheduler, start_trainer, js
+):
+    service, stub = await start_trainer()
+    await stub.StartExperiment(
+        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec=_spec(tiny[0], eta=0)),
+        timeout=60,
+    )
+    # step 1 trains g0, g1 at v0; then at v1 "old" (started at v0) has staleness 1 > eta 0
+    for gid, v in [("g0", 0), ("g1", 0), ("old", 0), ("g2", 1), ("g3", 1)]:
+        await publish_group(js, _group(tiny, gid, v))
+    await _wait_commits(scheduler, 2)
+
+    assert [
+        (d.group_id, d.prompt_id, d.start_version, d.trainer_version) for d in scheduler.dropped
+    ] == [("old", "p-old", 0, 1)]
+    assert scheduler.dropped[0].reason == "staleness 1 > eta 0"
+    m = scheduler.commits[1].metrics
+    assert (m.version, m.groups, m.stale_dropped, m.staleness_max) == (2, 2, 1, 0)
+    assert list(service.trained_group_ids) == ["g0", "g1", "g2", "g3"]
+    info = await js.consumer_info(STREAM, durable_name(EXP))
+    assert (info.num_pending, info.num_ack_pending) == (0, 0)  # the stale one was acked too
+
+
+async def test_trainer_crash_restart_resumes_checkpoint_and_retrains_only_later_groups(
+    tiny, scheduler, start_trainer, js
+):
+    service, stub = await start_trainer()
+    await stub.StartExperiment(
+        trainer_pb2.StartExperimentRequest(
+            experiment_id=EXP, spec=_spec(tiny[0], eta=2, checkpoint_every=2)
+        ),
+        timeout=60,
+    )
+    for i in range(6):
+        await publish_group(js, _group(tiny, f"g{i}", 0))
+    await _wait_commits(scheduler, 3)
+    await wait_until(lambda: service.state == "waiting")
+    await service.close(checkpoint=False)  # a crash: step 3 (g4, g5) is not checkpointed
+
+    service2, stub2 = await start_trainer()
+    resp = await stub2.StartExperiment(
+        trainer_pb2.StartExperimentRequest(
+            experiment_id=EXP, spec=_spec(tiny[0], eta=2, checkpoint_every=2)
+        ),
+        timeout=60,
+    )
+    assert (resp.version, resp.resumed) == (2, True)
+    await _wait_commits(scheduler, 4)
+    assert [c.version for c in scheduler.commits] == [1, 2, 3, 3]
+    await asyncio.sleep(1.5)  # nothing else is re-consumed
+    assert len(scheduler.commits) == 4
+    assert list(service2.trained_group_ids) == ["g4", "g5"]
+
+    ck = await stub2.CheckpointNow(trainer_pb2.CheckpointNowRequest(experiment_id=EXP), timeout=30)
+    assert (Path(ck.path).name, ck.step) == ("step_000003", 3)
+    await stub2.StopExperiment(trainer_pb2.StopExperimentRequest(experiment_id=EXP), timeout=30)
+    st = await _status(stub2)
+    assert (st.state, st.version) == ("stopped", 3)
+
+
+async def test_trainer_commit_says_stop_final_checkpoint_and_stopped(
+    tiny, scheduler, start_trainer, js
+):
+    scheduler.stop_at_version = 1
+    service, stub = await start_trainer()
+    await stub.StartExperiment(
+        trainer_pb2.StartExperimentRequest(
+            experiment_id=EXP, spec=_spec(tiny[0], checkpoint_every=5)
+        ),
+        timeout=60,
+    )
+    for i in range(4):
+        await publish_group(js, _group(tiny, f"g{i}", 0))
+    await wait_until(lambda: service.state == "stopped", timeout=30)
+    assert [c.version for c in scheduler.commits] == [1]
+    ckpts = sorted(p.name for p in (service.var_dir / "checkpoints" / EXP).iterdir())
+    assert ckpts == ["step_000001"]
+
+
+async def test_trainer_backend_error_marks_failed_with_message(tiny, scheduler, start_trainer, js):
+    service, stub = await start_trainer()
+    await stub.StartExperiment(
+        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec=_spec(tiny[0])), timeout=60
+    )
+    bad = _group(tiny, "bad", 0)
+    bad.samples[0].output_ids = [10_000]  # outside the vocabulary: the forward pass raises
+    bad.samples[0].logprobs, bad.samples[0].versions = [-1.0], [0]
+    await publish_group(js, bad)
+    await publish_group(js, _group(tiny, "g1", 0))
+    await wait_until(lambda: service.state == "failed", timeout=30)
+    st = await _status(stub)
+    assert st.state == "failed"
+    assert st.message.startswith("training: IndexError")
+    assert scheduler.commits == []
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.CheckpointNow(trainer_pb2.CheckpointNowRequest(experiment_id=EXP), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_trainer_start_invalid_spec_invalid_argument_names_field(tiny, start_trainer):
+    _, stub = await start_trainer()
+    spec = _spec(tiny[0])
+    spec.trainer.batch_size = 0
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.StartExperiment(
+            trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec=spec), timeout=10
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "trainer.batch_size" in err.value.details()
+    assert (await _status(stub)).state == "idle"
