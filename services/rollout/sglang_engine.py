@@ -135,6 +135,7 @@ class SGLangEngine(Engine):
         launch_cmd: list[str] | None = None,
         extra_args: list[str] | None = None,
         log_path: str | None = None,
+        env: dict[str, str] | None = None,
         sglang_version: str | None = None,
         weight_sync: str = "disk",
         nccl_master: str | None = None,
@@ -148,7 +149,8 @@ class SGLangEngine(Engine):
     ):
         """url: attach to this server. Otherwise launch a managed child: model_path (or the
         first `load`), tp_size, mem_fraction, host, port (0: free), random_seed, extra_args,
-        log_path (child output), launch_cmd (replaces `python -m sglang.launch_server`).
+        log_path (child output), env (child environment, e.g. CUDA_VISIBLE_DEVICES),
+        launch_cmd (replaces `python -m sglang.launch_server`).
         sglang_version: skip detection (`/get_server_info`, or the installed package).
         weight_sync: "disk" (`/update_weights_from_disk`) or "nccl" (broadcast from the
         trainer at nccl_master="host:port"; see sglang_sync)."""
@@ -179,6 +181,7 @@ class SGLangEngine(Engine):
                 random_seed=random_seed,
                 extra_args=list(extra_args or []),
                 launch_cmd=launch_cmd,
+                env=dict(env or {}),
             )
             if launch
             else None
@@ -242,6 +245,9 @@ class SGLangEngine(Engine):
         model_dir = str(model_dir)
         if self._weights == (model_dir, version):
             return
+        if self.process and self._weights is None and self.launch_cfg.model_path == model_dir:
+            self._weights, self._version = (model_dir, version), version  # launched with it
+            return
         if self.launch_cfg is not None and (
             self.process is None or self.launch_cfg.model_path != model_dir
         ):
@@ -295,6 +301,8 @@ class SGLangEngine(Engine):
         versions: list[int] = []
         segment = 0
         finish = "length"
+        lost_since: float | None = None  # first of consecutive connection failures
+        loop = asyncio.get_running_loop()
         self._running += 1
         try:
             while len(out_ids) < p.max_new_tokens:
@@ -318,9 +326,16 @@ class SGLangEngine(Engine):
                 try:
                     ids, seg_lps, finish, meta, served = await self._generate_segment(rid, body)
                 except aiohttp.ClientConnectionError as exc:
+                    # The server died (a managed child is being restarted) or the network
+                    # failed: resubmit prompt + the tokens we have once it answers again.
+                    lost_since = lost_since or loop.time()
+                    if loop.time() - lost_since > self.startup_timeout_s:
+                        raise SGLangUnavailable(f"/generate {rid}: {exc}") from exc
                     log.warning("generate_connection_lost", rid=rid, error=str(exc))
+                    await asyncio.sleep(min(0.05 * 2**segment, 2.0))
                     await self._wait_server()
                     continue
+                lost_since = None
                 out_ids += ids
                 lps += seg_lps
                 versions += [self._segment_version(meta, served)] * len(ids)
@@ -456,6 +471,8 @@ class SGLangEngine(Engine):
                 except TimeoutError as exc:
                     raise SGLangUnavailable(str(exc)) from exc
                 self._down = False
+        elif self._session is None:
+            raise RuntimeError("sglang engine stopped")
         else:
             raise RuntimeError("no model loaded: call load() first")
 
