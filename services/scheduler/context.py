@@ -1,0 +1,70 @@
+"""What the scheduler shares with its experiment runners: settings, the registry, gRPC channels,
+the state store and a way to say "workers changed, re-bind"."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from asyncrl.grpcutil import channel
+from services.scheduler.registry import Registry
+from services.scheduler.state import StateStore
+
+
+@dataclass
+class SchedulerConfig:
+    lease_ttl_s: float = 10.0
+    """A worker that has not heartbeated for this long is gone; its work is reassigned."""
+    heartbeat_interval_s: float = 1.0
+    """How often workers are told to heartbeat."""
+    update_weights_timeout_s: float = 30.0
+    """Deadline for a bound rollout to take a committed version; a laggard is fenced."""
+    bind_timeout_s: float = 300.0
+    """Deadline for a newly bound rollout to load the current weights (may load a model)."""
+    trainer_start_timeout_s: float = 600.0
+    """Deadline for the trainer's StartExperiment (it loads the model and checkpoint)."""
+    trainer_stop_timeout_s: float = 10.0
+    max_start_failures: int = 5
+    """Failed StartExperiment calls (any trainer) before the experiment is FAILED."""
+    snapshot_interval_s: float = 2.0
+    """WatchExperiment sends a snapshot at least this often."""
+    save_interval_s: float = 0.2
+    """Minimum time between two KV writes of one experiment."""
+
+    @property
+    def fence_cooldown_s(self) -> float:
+        """A fenced worker is not bound again for this long (it may be dead)."""
+        return self.lease_ttl_s
+
+
+class ChannelPool:
+    """One gRPC channel per worker address, closed when the worker is gone."""
+
+    def __init__(self):
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = channel(address)
+        return self._channels[address]
+
+    async def close(self, address: str) -> None:
+        ch = self._channels.pop(address, None)
+        if ch is not None:
+            await ch.close()
+
+    async def close_all(self) -> None:
+        for address in list(self._channels):
+            await self.close(address)
+
+
+@dataclass
+class RunnerContext:
+    config: SchedulerConfig
+    registry: Registry
+    channels: ChannelPool
+    store: StateStore
+    workers_changed: Callable[[], None]
+    """Call after binding changes (a worker freed or fenced) so the scheduler re-binds."""

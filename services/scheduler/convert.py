@@ -1,0 +1,113 @@
+"""Scheduler records <-> protobuf messages (the only place the two meet in this service)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from asyncrl.spec import spec_to_proto, validate_spec
+from asyncrl.v1 import common_pb2, scheduler_pb2
+from services.scheduler.records import (
+    EvalResult,
+    ExperimentRecord,
+    ExperimentState,
+    Progress,
+    StepMetrics,
+)
+from services.scheduler.registry import Worker, WorkerKind
+
+_STATE_TO_PB = {
+    ExperimentState.PENDING: scheduler_pb2.EXPERIMENT_STATE_PENDING,
+    ExperimentState.RUNNING: scheduler_pb2.EXPERIMENT_STATE_RUNNING,
+    ExperimentState.COMPLETED: scheduler_pb2.EXPERIMENT_STATE_COMPLETED,
+    ExperimentState.FAILED: scheduler_pb2.EXPERIMENT_STATE_FAILED,
+    ExperimentState.CANCELLED: scheduler_pb2.EXPERIMENT_STATE_CANCELLED,
+}
+_STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
+
+_KIND_TO_PB = {
+    WorkerKind.ROLLOUT: common_pb2.WORKER_KIND_ROLLOUT,
+    WorkerKind.REWARD: common_pb2.WORKER_KIND_REWARD,
+    WorkerKind.TRAINER: common_pb2.WORKER_KIND_TRAINER,
+}
+_KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
+
+
+def kind_from_proto(kind: int) -> WorkerKind:
+    if kind not in _KIND_FROM_PB:
+        raise ValueError(f"kind: unknown worker kind {kind}")
+    return _KIND_FROM_PB[kind]
+
+
+def kind_to_proto(kind: WorkerKind) -> int:
+    return _KIND_TO_PB[kind]
+
+
+def state_to_proto(state: ExperimentState) -> int:
+    return _STATE_TO_PB[state]
+
+
+def state_from_proto(state: int) -> ExperimentState:
+    return _STATE_FROM_PB[state]
+
+
+def step_to_proto(m: StepMetrics) -> common_pb2.StepMetrics:
+    return common_pb2.StepMetrics(**{f.name: getattr(m, f.name) for f in fields(StepMetrics)})
+
+
+def step_from_proto(msg: common_pb2.StepMetrics) -> StepMetrics:
+    return StepMetrics(**{f.name: getattr(msg, f.name) for f in fields(StepMetrics)})
+
+
+def eval_to_proto(e: EvalResult) -> scheduler_pb2.EvalResult:
+    return scheduler_pb2.EvalResult(**{f.name: getattr(e, f.name) for f in fields(EvalResult)})
+
+
+def eval_from_proto(msg: scheduler_pb2.EvalResult) -> EvalResult:
+    return EvalResult(**{f.name: getattr(msg, f.name) for f in fields(EvalResult)})
+
+
+def progress_to_proto(
+    p: Progress, history: list[StepMetrics], evals: list[EvalResult]
+) -> scheduler_pb2.Progress:
+    msg = scheduler_pb2.Progress(**{f.name: getattr(p, f.name) for f in fields(Progress)})
+    if history:
+        msg.last_step.CopyFrom(step_to_proto(history[-1]))
+    msg.evals.extend(eval_to_proto(e) for e in evals)
+    return msg
+
+
+def progress_from_proto(msg: scheduler_pb2.Progress) -> Progress:
+    return Progress(**{f.name: getattr(msg, f.name) for f in fields(Progress)})
+
+
+def experiment_to_proto(
+    r: ExperimentRecord, with_history: bool = False
+) -> scheduler_pb2.Experiment:
+    msg = scheduler_pb2.Experiment(
+        id=r.id,
+        name=r.name,
+        spec=spec_to_proto(validate_spec(r.spec)),
+        state=state_to_proto(r.state),
+        progress=progress_to_proto(r.progress, r.history, r.evals),
+        message=r.message,
+        created_unix_ms=r.created_unix_ms,
+        updated_unix_ms=r.updated_unix_ms,
+    )
+    if with_history:
+        msg.history.extend(step_to_proto(m) for m in r.history)
+    return msg
+
+
+def worker_to_proto(w: Worker) -> scheduler_pb2.WorkerInfo:
+    return scheduler_pb2.WorkerInfo(
+        worker_id=w.worker_id,
+        kind=kind_to_proto(w.kind),
+        address=w.address,
+        name=w.name,
+        experiment_id=w.experiment_id or "",
+        running=w.running,
+        groups_done=w.groups_done,
+        last_seen_unix=w.last_seen_unix,
+        version=w.version,
+        capacity=w.capacity,
+    )

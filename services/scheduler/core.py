@@ -1,0 +1,310 @@
+"""The scheduler: experiments (one runner each), the worker registry, and who is bound where.
+
+Binding rules (`_reconcile`, run after every registry or experiment change):
+- a trainer is bound exclusively to one experiment, oldest waiting experiment first; a trainer
+  that says (GetStatus) it is already running an experiment goes back to that one;
+- an idle rollout is bound to the live experiment with a trainer that has the fewest rollouts;
+  an experiment with none takes one from an experiment that has two or more;
+- reward workers are shared: every GenerateGroup carries all their addresses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+import time
+
+import grpc
+
+from asyncrl.grpcutil import NotFound
+from asyncrl.logging import get_logger
+from asyncrl.natsutil import connect
+from asyncrl.retry import connect_policy
+from asyncrl.rewards import validate_reward_function
+from asyncrl.spec import ExperimentSpec, SpecError, check_files, spec_from_proto, validate_spec
+from asyncrl.v1 import experiment_pb2, trainer_pb2, trainer_pb2_grpc
+from services.scheduler.context import ChannelPool, RunnerContext, SchedulerConfig
+from services.scheduler.dataset import Prompt, load_prompts
+from services.scheduler.experiments import ExperimentRunner
+from services.scheduler.records import CommitResult, ExperimentRecord, ExperimentState, StepMetrics
+from services.scheduler.registry import Registry, Worker, WorkerKind
+from services.scheduler.state import StateStore
+
+log = get_logger()
+TRAINER_PROBE_TIMEOUT_S = 5.0
+ACTIVE_TRAINER_STATES = ("loading", "waiting", "training")
+
+
+def new_experiment_id(name: str) -> str:
+    """slug(name)-<6 hex>, only [a-z0-9-] (the id is a NATS subject token)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40].strip("-") or "experiment"
+    return f"{slug}-{secrets.token_hex(3)}"
+
+
+def load_datasets(spec: ExperimentSpec) -> tuple[list[Prompt], list[Prompt]]:
+    """The train prompts and the eval prompts (empty without eval.dataset_path)."""
+    ds = spec.dataset
+    prompts = load_prompts(ds.path, ds.prompt_key, ds.answer_key, ds.max_prompts)
+    eval_prompts = []
+    if spec.eval.dataset_path:
+        eval_prompts = load_prompts(
+            spec.eval.dataset_path,
+            ds.prompt_key,
+            ds.answer_key,
+            spec.eval.max_prompts,
+            field="eval.dataset_path",
+        )
+    return prompts, eval_prompts
+
+
+class Scheduler:
+    def __init__(self, nats_url: str | None = None, config: SchedulerConfig | None = None):
+        self.nats_url = nats_url
+        self.config = config or SchedulerConfig()
+        self.registry = Registry(self.config.lease_ttl_s, self.config.heartbeat_interval_s)
+        self.channels = ChannelPool()
+        self.runners: dict[str, ExperimentRunner] = {}
+        self.store: StateStore | None = None
+        self.server: grpc.aio.Server | None = None
+        self._nc = None
+        self._ctx: RunnerContext | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._reconcile_scheduled = False
+
+    # ---- start / stop ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        async for attempt in connect_policy():
+            with attempt:
+                self._nc = await connect(self.nats_url)
+        self.store = await StateStore.open(self._nc.jetstream(), self.config.save_interval_s)
+        self._ctx = RunnerContext(
+            self.config, self.registry, self.channels, self.store, self._reconcile_soon
+        )
+        for record in await self.store.load_all():
+            await self._restore(record)
+        self.store.start()
+        self._spawn(self._sweep_forever())
+        log.info(
+            "scheduler_started",
+            experiments=len(self.runners),
+            nats=self.nats_url,
+            lease_ttl_s=self.config.lease_ttl_s,
+        )
+
+    async def stop(self, grace: float = 1.0) -> None:
+        """Stop serving, stop the runners (their state stays in KV and resumes), flush, close."""
+        if self.server is not None:
+            await self.server.health_servicer.enter_graceful_shutdown()
+            await self.server.stop(grace)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for runner in self.runners.values():
+            await runner.shutdown()
+        if self.store is not None:
+            await self.store.close()
+        await self.channels.close_all()
+        if self._nc is not None:
+            await self._nc.drain()
+        log.info("scheduler_stopped")
+
+    async def _restore(self, record: ExperimentRecord) -> None:
+        spec = validate_spec(record.spec)
+        prompts: list[Prompt] = []
+        eval_prompts: list[Prompt] = []
+        if not record.state.terminal:
+            try:
+                prompts, eval_prompts = await asyncio.to_thread(load_datasets, spec)
+            except (SpecError, OSError) as e:
+                record.state, record.message = ExperimentState.FAILED, f"cannot resume: {e}"
+                log.error("experiment_resume_failed", experiment=record.id, error=str(e))
+                await self.store.save(record)
+        runner = ExperimentRunner(record, spec, prompts, eval_prompts, self._ctx)
+        self.runners[record.id] = runner
+        if not record.state.terminal:
+            log.info("experiment_resuming", experiment=record.id, version=record.progress.version)
+            runner.start()
+
+    # ---- experiments -------------------------------------------------------------------------
+
+    async def submit(self, spec_pb: experiment_pb2.ExperimentSpec) -> ExperimentRunner:
+        """Validate (SpecError names the field), persist, and start waiting for workers."""
+        spec = spec_from_proto(spec_pb)
+        check_files(spec)
+        validate_reward_function(spec.reward.function, spec.reward.kwargs)
+        prompts, eval_prompts = await asyncio.to_thread(load_datasets, spec)
+        now_ms = int(time.time() * 1000)
+        record = ExperimentRecord(
+            id=new_experiment_id(spec.name),
+            name=spec.name,
+            spec=spec.model_dump(),
+            created_unix_ms=now_ms,
+            updated_unix_ms=now_ms,
+            fleet_uri=spec.model.path,
+            weight_uris={0: spec.model.path},
+        )
+        runner = ExperimentRunner(record, spec, prompts, eval_prompts, self._ctx)
+        await self.store.save(runner.snapshot())
+        self.runners[record.id] = runner
+        log.info(
+            "experiment_submitted",
+            experiment=record.id,
+            name=spec.name,
+            prompts=len(prompts),
+            eval_prompts=len(eval_prompts),
+            total_steps=spec.trainer.total_steps,
+            batch_size=spec.trainer.batch_size,
+            eta=spec.rollout.max_head_offpolicyness,
+        )
+        runner.start()
+        self._reconcile()
+        return runner
+
+    def get(self, experiment_id: str) -> ExperimentRunner:
+        runner = self.runners.get(experiment_id)
+        if runner is None:
+            raise NotFound(f"experiment_id: no experiment {experiment_id!r}")
+        return runner
+
+    def list(self) -> list[ExperimentRunner]:
+        return sorted(self.runners.values(), key=lambda r: r.record.created_unix_ms)
+
+    async def cancel(self, experiment_id: str) -> ExperimentRunner:
+        runner = self.get(experiment_id)
+        await runner.cancel()
+        return runner
+
+    async def commit(
+        self, experiment_id: str, version: int, uri: str, metrics: StepMetrics, trainer_id: str = ""
+    ) -> CommitResult:
+        if not uri:
+            raise ValueError("uri: required")
+        return await self.get(experiment_id).commit(version, uri, metrics, trainer_id)
+
+    def report_dropped(self, experiment_id: str, group_ids: list[str]) -> int:
+        return self.get(experiment_id).report_dropped(group_ids)
+
+    # ---- workers -----------------------------------------------------------------------------
+
+    def register(self, kind: WorkerKind, address: str, name: str, capacity: int) -> Worker:
+        if not address:
+            raise ValueError("address: required (host:port of the worker's gRPC server)")
+        worker, is_new = self.registry.register(kind, address, name, capacity)
+        log.info(
+            "worker_registered",
+            worker=worker.worker_id,
+            kind=kind.value,
+            address=address,
+            capacity=capacity,
+            again=not is_new,
+        )
+        runner = self.runners.get(worker.experiment_id or "")
+        if kind == WorkerKind.TRAINER and is_new:
+            worker.probed = False
+            self._spawn(self._probe_trainer(worker))
+        elif kind == WorkerKind.ROLLOUT and runner is not None:
+            runner.attach_rollout(worker)  # it may have restarted: load the weights again
+        self._reconcile()
+        return worker
+
+    def heartbeat(self, worker_id: str, load: int = 0) -> bool:
+        return self.registry.heartbeat(worker_id, load)
+
+    def workers(self) -> list[Worker]:
+        return self.registry.workers()
+
+    async def _probe_trainer(self, worker: Worker) -> None:
+        """Ask a new trainer what it runs: after a scheduler restart it goes back to that."""
+        stub = trainer_pb2_grpc.TrainerStub(self.channels.get(worker.address))
+        try:
+            status = await stub.GetStatus(
+                trainer_pb2.GetTrainerStatusRequest(), timeout=TRAINER_PROBE_TIMEOUT_S
+            )
+            if status.experiment_id and status.state in ACTIVE_TRAINER_STATES:
+                worker.affinity = status.experiment_id
+        except grpc.aio.AioRpcError as e:
+            log.warning("trainer_probe_failed", worker=worker.worker_id, code=e.code().name)
+        worker.probed = True
+        self._reconcile()
+
+    async def _sweep_forever(self) -> None:
+        interval = min(1.0, max(0.05, self.config.lease_ttl_s / 4))
+        while True:
+            await asyncio.sleep(interval)
+            gone = self.registry.expire()
+            for worker in gone:
+                await self._worker_gone(worker)
+            idle = self.registry.idle(WorkerKind.ROLLOUT) or self.registry.idle(WorkerKind.TRAINER)
+            if gone or idle:  # idle includes fenced workers whose cooldown just ended
+                self._reconcile()
+
+    async def _worker_gone(self, worker: Worker) -> None:
+        log.warning(
+            "worker_expired",
+            worker=worker.worker_id,
+            kind=worker.kind.value,
+            address=worker.address,
+            experiment=worker.experiment_id,
+            running=worker.running,
+        )
+        runner = self.runners.get(worker.experiment_id or "")
+        if runner is not None:
+            if worker.kind == WorkerKind.ROLLOUT:
+                runner.rollout_lost(worker)
+            elif worker.kind == WorkerKind.TRAINER:
+                worker.experiment_id = None
+                runner.trainer_lost(worker)
+        if not any(w.address == worker.address for w in self.registry.workers()):
+            await self.channels.close(worker.address)
+
+    # ---- binding -----------------------------------------------------------------------------
+
+    def _reconcile_soon(self) -> None:
+        if not self._reconcile_scheduled:
+            self._reconcile_scheduled = True
+            asyncio.get_running_loop().call_soon(self._reconcile)
+
+    def _reconcile(self) -> None:
+        self._reconcile_scheduled = False
+        live = [r for r in self.list() if not r.terminal]
+        self._bind_trainers(live)
+        self._bind_rollouts(live)
+        for runner in live:
+            runner.wake()
+
+    def _bind_trainers(self, live: list[ExperimentRunner]) -> None:
+        waiting = {r.id: r for r in live if r.trainer() is None}
+        idle = [t for t in self.registry.idle(WorkerKind.TRAINER) if t.probed]
+        for trainer in sorted(idle, key=lambda t: t.affinity not in waiting):  # affine first
+            runner = waiting.pop(trainer.affinity, None) if trainer.affinity else None
+            if runner is None and waiting:
+                runner = waiting.pop(next(iter(waiting)))
+            if runner is None:
+                return
+            self.registry.bind(trainer, runner.id)
+            log.info("worker_bound", worker=trainer.worker_id, kind="trainer", experiment=runner.id)
+
+    def _bind_rollouts(self, live: list[ExperimentRunner]) -> None:
+        eligible = [r for r in live if r.trainer() is not None or r.finishing]
+        if not eligible:
+            return
+        counts = {r.id: len(r.rollouts()) for r in eligible}
+        for runner in eligible:  # a starving experiment takes one from a rich one
+            if counts[runner.id] == 0 and not self.registry.idle(WorkerKind.ROLLOUT):
+                donor = max(eligible, key=lambda r: counts[r.id])
+                if counts[donor.id] >= 2:
+                    donor.release_rollout(donor.rollouts()[-1], f"rebalanced to {runner.id}")
+                    counts[donor.id] -= 1
+        for worker in self.registry.idle(WorkerKind.ROLLOUT):
+            runner = min(eligible, key=lambda r: (counts[r.id], r.record.created_unix_ms))
+            self.registry.bind(worker, runner.id)
+            counts[runner.id] += 1
+            log.info("worker_bound", worker=worker.worker_id, kind="rollout", experiment=runner.id)
+            runner.attach_rollout(worker)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,144 @@
+"""The dataset an experiment iterates: JSONL prompts and a resumable cursor over epochs.
+
+A `Ticket` names one dispatch of one prompt: (epoch, row index, attempt). Its group id is
+`<experiment>-e<epoch>-p<index>-a<attempt>`; a re-queued prompt gets the next attempt number so
+JetStream's dedup (Nats-Msg-Id = group id) never swallows the retry.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from asyncrl.spec import SpecError
+
+_GROUP_ID = re.compile(r"-e(\d+)-p(\d+)-a(\d+)$")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    index: int
+    prompt: str
+    answer: str
+
+    @property
+    def prompt_id(self) -> str:
+        return f"p{self.index}"
+
+
+def load_prompts(
+    path: str,
+    prompt_key: str,
+    answer_key: str,
+    max_prompts: int | None = None,
+    field: str = "dataset.path",
+) -> list[Prompt]:
+    """Read a JSONL file; SpecError(field, "line N: ...") for a bad row, or no rows at all."""
+    prompts: list[Prompt] = []
+    with open(Path(path), encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SpecError(field, f"line {line_no}: invalid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise SpecError(field, f"line {line_no}: expected a JSON object")
+            for key in (prompt_key, answer_key):
+                if key not in row:
+                    raise SpecError(field, f"line {line_no}: missing key {key!r}")
+            prompts.append(Prompt(len(prompts), str(row[prompt_key]), str(row[answer_key])))
+            if max_prompts is not None and len(prompts) >= max_prompts:
+                break
+    if not prompts:
+        raise SpecError(field, f"no prompts in {path}")
+    return prompts
+
+
+@dataclass(frozen=True)
+class Ticket:
+    epoch: int
+    index: int
+    attempt: int = 0
+
+    def group_id(self, experiment_id: str) -> str:
+        return f"{experiment_id}-e{self.epoch}-p{self.index}-a{self.attempt}"
+
+    def retry(self) -> Ticket:
+        return Ticket(self.epoch, self.index, self.attempt + 1)
+
+    @staticmethod
+    def parse(group_id: str) -> Ticket | None:
+        m = _GROUP_ID.search(group_id)
+        return Ticket(*(int(g) for g in m.groups())) if m else None
+
+
+class DatasetCursor:
+    """Walks `n_prompts` rows for `epochs` epochs; a requeue list takes priority.
+
+    Each epoch's order is a shuffle seeded with seed + epoch, so it can be recomputed on resume
+    from (epoch, position) alone.
+    """
+
+    def __init__(
+        self, n_prompts: int, epochs: int, shuffle: bool, seed: int, state: dict | None = None
+    ):
+        self.n_prompts = n_prompts
+        self.epochs = epochs
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self.requeued: deque[Ticket] = deque()
+        self._order: tuple[int, list[int]] | None = None
+        if state:
+            self.epoch = int(state["epoch"])
+            self.position = int(state["position"])
+            self.requeued.extend(Ticket(*t) for t in state.get("requeue", []))
+
+    def order(self, epoch: int) -> list[int]:
+        """Row indices in the order epoch `epoch` visits them."""
+        if self._order is None or self._order[0] != epoch:
+            rows = list(range(self.n_prompts))
+            if self.shuffle:
+                random.Random(self.seed + epoch).shuffle(rows)
+            self._order = (epoch, rows)
+        return self._order[1]
+
+    def next(self) -> Ticket | None:
+        """The next prompt to dispatch, re-queued ones first; None when all epochs are done."""
+        if self.requeued:
+            return self.requeued.popleft()
+        if self.epoch >= self.epochs:
+            return None
+        ticket = Ticket(self.epoch, self.order(self.epoch)[self.position])
+        self.position += 1
+        if self.position >= self.n_prompts:
+            self.epoch += 1
+            self.position = 0
+        return ticket
+
+    def requeue(self, ticket: Ticket, new_attempt: bool = True, front: bool = False) -> None:
+        """Put a prompt back (stale-dropped, or its RPC failed)."""
+        item = ticket.retry() if new_attempt else ticket
+        if front:
+            self.requeued.appendleft(item)
+        else:
+            self.requeued.append(item)
+
+    @property
+    def exhausted(self) -> bool:
+        return not self.requeued and self.epoch >= self.epochs
+
+    def state(self) -> dict:
+        """JSON-serialisable state; DatasetCursor(..., state=state) resumes from it."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "requeue": [[t.epoch, t.index, t.attempt] for t in self.requeued],
+        }

@@ -1,0 +1,291 @@
+"""Admission and accounting of one experiment's groups: what to dispatch next and where, and
+what each outcome means for the staleness budget, the dataset cursor and the eval rounds.
+
+Every group in flight is an `InFlight` whose accounting happens exactly once, in `settle`, by
+whoever ends it first: its own RPC returning, a stale abort, a fenced or expired worker, or the
+end of the run. Cancelling a call makes the rollout abort the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from asyncrl.spec import ExperimentSpec
+from asyncrl.v1 import rollout_pb2
+from services.scheduler.calls import InFlight, WorkerCalls
+from services.scheduler.dataset import DatasetCursor, Prompt, Ticket
+from services.scheduler.evaluation import EvalRound, Evaluator
+from services.scheduler.policy import RolloutLoad, StalenessManager, must_abort, pick_rollout
+from services.scheduler.records import EvalResult, ExperimentRecord
+from services.scheduler.registry import Worker
+
+THROUGHPUT_WINDOW_S = 30.0
+
+
+@dataclass
+class DispatchHooks:
+    """What the dispatcher tells its experiment runner."""
+
+    changed: Callable[[], None]
+    """Something was dispatched or settled: wake the loop, persist."""
+    fence: Callable[[Worker, str], None]
+    """A worker's call failed: unbind it (its other groups come back through `requeue`)."""
+    eval_done: Callable[[EvalResult], None]
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        record: ExperimentRecord,
+        spec: ExperimentSpec,
+        prompts: list[Prompt],
+        eval_prompts: list[Prompt],
+        calls: WorkerCalls,
+        hooks: DispatchHooks,
+        log,
+        version: Callable[[], int],
+    ):
+        self.record = record
+        self.spec = spec
+        self.prompts = prompts
+        self.eval_prompts = eval_prompts
+        self.calls = calls
+        self.hooks = hooks
+        self.log = log
+        self.version = version
+        self.eta = spec.rollout.max_head_offpolicyness
+        self.staleness = StalenessManager(
+            spec.rollout.max_concurrent_rollouts, spec.trainer.batch_size, self.eta, version
+        )
+        self.staleness.load_counters(vars(record.progress))
+        self.cursor = DatasetCursor(
+            len(prompts),
+            spec.dataset.epochs,
+            spec.dataset.shuffle,
+            spec.seed,
+            record.cursor or None,
+        )
+        # Groups in flight when the record was saved go first with the same attempt: if the
+        # lost call had published, JetStream dedup drops the duplicate.
+        for t in reversed(record.inflight):
+            self.cursor.requeue(Ticket(*t), new_attempt=False, front=True)
+        self.evaluator = Evaluator(
+            len(eval_prompts),
+            spec.eval.every_versions,
+            spec.eval.n_samples,
+            {e.version for e in record.evals},
+        )
+        self.inflight: dict[str, InFlight] = {}
+        self._aborted: set[str] = set()
+        self._drops_seen: set[str] = set()
+        self._tokens: deque[tuple[float, int]] = deque()
+
+    def snapshot_into(self, record: ExperimentRecord) -> None:
+        p = record.progress
+        for name, value in self.staleness.counters().items():
+            setattr(p, name, value)
+        p.epoch, p.cursor = self.cursor.epoch, self.cursor.position
+        p.rollout_tokens_per_s = self.throughput()
+        record.cursor = self.cursor.state()
+        record.inflight = [
+            [i.ticket.epoch, i.ticket.index, i.ticket.attempt]
+            for i in self.inflight.values()
+            if i.ticket
+        ]
+
+    def dataset_done(self) -> bool:
+        """No prompt left, none in flight, and fewer untrained accepted groups than a batch."""
+        batch = self.spec.trainer.batch_size
+        untrained = self.staleness.accepted - self.version() * batch
+        return self.cursor.exhausted and self.staleness.running == 0 and untrained < batch
+
+    # ---- dispatch ----------------------------------------------------------------------------
+
+    def dispatch_one(
+        self, rollouts: list[Worker], reward_addresses: list[str], training: bool
+    ) -> bool:
+        """Start one group (eval first) on the least loaded of `rollouts` (those serving the
+        fleet version) if one has a free slot and the rules allow it."""
+        chosen = pick_rollout([RolloutLoad(w.worker_id, w.running, w.capacity) for w in rollouts])
+        if not reward_addresses or chosen is None:
+            return False
+        worker = next(w for w in rollouts if w.worker_id == chosen)
+        version = self.version()
+        if self.evaluator.running < self.spec.rollout.max_concurrent_rollouts:
+            nxt = self.evaluator.next()
+            if nxt is not None:
+                eval_round, index, attempt = nxt
+                request = self.calls.eval_request(
+                    self.eval_prompts[index], eval_round, attempt, version, reward_addresses
+                )
+                self.evaluator.running += 1
+                self._start(
+                    InFlight(
+                        request.group_id,
+                        worker,
+                        version,
+                        eval_round=eval_round,
+                        eval_index=index,
+                        eval_attempt=attempt,
+                    ),
+                    request,
+                )
+                return True
+        if not training or self.staleness.capacity() <= 0:
+            return False
+        ticket = self.cursor.next()
+        if ticket is None:
+            return False
+        request = self.calls.train_request(
+            self.prompts[ticket.index], ticket, version, reward_addresses
+        )
+        self.staleness.on_submit()
+        self.record.progress.dispatched += 1
+        self._start(InFlight(request.group_id, worker, version, ticket=ticket), request)
+        return True
+
+    def _start(self, item: InFlight, request: rollout_pb2.GenerateGroupRequest) -> None:
+        assert item.group_id not in self.inflight, f"group {item.group_id} dispatched twice"
+        item.worker.running += 1
+        self.inflight[item.group_id] = item
+        item.task = asyncio.create_task(self._run(item, request), name=item.group_id)
+        self.hooks.changed()
+
+    async def _run(self, item: InFlight, request: rollout_pb2.GenerateGroupRequest) -> None:
+        try:
+            summary = await self.calls.generate_group(item.worker, request)
+        except grpc.aio.AioRpcError as e:
+            if self.settle(item):
+                self._rpc_failed(item, e.code(), e.details() or "")
+            return
+        except Exception as e:  # noqa: BLE001 - treated as a failed call, logged with its trace
+            self.log.exception("group_call_error", group=item.group_id)
+            if self.settle(item):
+                self._rpc_failed(item, grpc.StatusCode.UNKNOWN, str(e))
+            return
+        if self.settle(item):
+            self._done(item, summary)
+
+    def settle(self, item: InFlight) -> bool:
+        """End `item` once: False if someone else (abort, fence, finish) already did."""
+        if self.inflight.get(item.group_id) is not item:
+            return False
+        del self.inflight[item.group_id]
+        item.worker.running -= 1
+        if item.eval_round is not None:
+            self.evaluator.running -= 1
+        self.hooks.changed()
+        return True
+
+    # ---- outcomes ----------------------------------------------------------------------------
+
+    def _done(self, item: InFlight, summary: rollout_pb2.GroupSummary) -> None:
+        item.worker.groups_done += 1
+        self._tokens.append((time.monotonic(), summary.tokens))
+        if item.eval_round is not None:
+            item.eval_round.add(
+                list(summary.rewards),
+                summary.failed_samples,
+                summary.status == rollout_pb2.GROUP_STATUS_FAILED,
+            )
+            self._eval_progress(item.eval_round)
+        elif summary.status == rollout_pb2.GROUP_STATUS_ACCEPTED:
+            self.staleness.on_accept()
+        elif summary.status == rollout_pb2.GROUP_STATUS_REJECTED:
+            self.staleness.on_reject()
+        else:
+            self.staleness.on_fail()
+            reason = summary.reason or "unspecified"
+            self.record.failure_reasons[reason] = self.record.failure_reasons.get(reason, 0) + 1
+            self.log.warning(
+                "group_failed", group=item.group_id, worker=item.worker.worker_id, reason=reason
+            )
+
+    def _rpc_failed(self, item: InFlight, code: grpc.StatusCode, details: str) -> None:
+        """The call failed (worker died, deadline, error): re-queue the prompt, and fence the
+        worker unless the group merely ran past its deadline."""
+        self.log.warning(
+            "group_rpc_failed",
+            group=item.group_id,
+            worker=item.worker.worker_id,
+            code=code.name,
+            details=details,
+        )
+        self._requeue(item)
+        if code != grpc.StatusCode.DEADLINE_EXCEEDED:
+            self.hooks.fence(item.worker, f"GenerateGroup failed: {code.name}")
+
+    def _requeue(self, item: InFlight) -> None:
+        if item.ticket is not None:
+            self.staleness.on_requeue()
+            self.cursor.requeue(item.ticket)
+        else:
+            item.eval_round.retry(item.eval_index, item.eval_attempt)
+            self._eval_progress(item.eval_round)
+
+    def _eval_progress(self, eval_round: EvalRound) -> None:
+        result = self.evaluator.pop_finished(eval_round)
+        if result is not None:
+            self.hooks.eval_done(result)
+
+    def _end(self, pred: Callable[[InFlight], bool], how: str) -> int:
+        """Settle and cancel the matching groups.
+        how: requeue (worker gone) | abort (too stale) | cancel (the run is over)."""
+        items = [i for i in self.inflight.values() if pred(i)]
+        for item in items:
+            self.settle(item)
+            if how == "requeue":
+                self._requeue(item)
+            elif how == "abort":
+                self.staleness.on_abort()
+                self.cursor.requeue(item.ticket)
+                self._aborted.add(item.group_id)
+            elif item.ticket is not None:
+                self.staleness.on_cancel()
+            item.task.cancel()
+        return len(items)
+
+    def requeue_worker(self, worker: Worker) -> int:
+        """`worker` is gone or fenced: its groups count as failed calls, prompts re-queued."""
+        return self._end(lambda i: i.worker is worker, "requeue")
+
+    def abort_stale(self, new_version: int) -> int:
+        """Abort training groups that can no longer be trained within eta at `new_version`."""
+        return self._end(
+            lambda i: i.ticket is not None and must_abort(i.start_version, new_version, self.eta),
+            "abort",
+        )
+
+    def cancel(self, training_only: bool) -> int:
+        """The run is over: cancel groups in flight; not counted as drops, not re-queued."""
+        return self._end(lambda i: i.ticket is not None or not training_only, "cancel")
+
+    def report_dropped(self, group_ids: list[str]) -> int:
+        """The trainer dropped accepted groups as too stale: free capacity, re-queue prompts."""
+        requeued = 0
+        for group_id in group_ids:
+            if group_id in self._drops_seen or group_id in self._aborted:
+                continue  # reported twice, or already re-queued when the scheduler aborted it
+            self._drops_seen.add(group_id)
+            self.staleness.on_trainer_drop()
+            ticket = Ticket.parse(group_id)
+            if ticket is not None:
+                self.cursor.requeue(ticket)
+                requeued += 1
+        return requeued
+
+    def tasks(self) -> list[asyncio.Task]:
+        return [i.task for i in self.inflight.values() if i.task is not None]
+
+    def throughput(self) -> float:
+        """Rollout tokens per second over the last THROUGHPUT_WINDOW_S."""
+        now = time.monotonic()
+        while self._tokens and self._tokens[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._tokens.popleft()
+        return sum(n for _, n in self._tokens) / THROUGHPUT_WINDOW_S

@@ -1,0 +1,122 @@
+"""Eval rounds: which versions are evaluated, and how a round's groups become an EvalResult.
+
+Pure bookkeeping; the experiment runner dispatches the groups. accuracy = fraction of samples
+with reward >= 1.0; FAILED samples count as wrong and are reported in `failed`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from services.scheduler.records import EvalResult
+
+MAX_EVAL_ATTEMPTS = 3
+"""An eval prompt whose RPC fails this many times counts as all-failed samples."""
+
+
+def eval_due(
+    version: int, every_versions: int, *, start: bool = False, final: bool = False
+) -> bool:
+    """Eval runs at the start version, every K versions (K = every_versions > 0), and at the end."""
+    return start or final or (every_versions > 0 and version % every_versions == 0)
+
+
+class EvalRound:
+    """One eval of `n_prompts` prompts at `version`, `n_samples` samples each."""
+
+    def __init__(self, version: int, n_prompts: int, n_samples: int):
+        self.version = version
+        self.n_prompts = n_prompts
+        self.n_samples = n_samples
+        self.pending: deque[tuple[int, int]] = deque((i, 0) for i in range(n_prompts))
+        self.outstanding = 0
+        self.correct = 0
+        self.samples = 0
+        self.failed = 0
+        self.reward_sum = 0.0
+        self.reward_count = 0
+
+    def next(self) -> tuple[int, int] | None:
+        """(prompt index, attempt) to dispatch next, or None."""
+        if not self.pending:
+            return None
+        self.outstanding += 1
+        return self.pending.popleft()
+
+    def retry(self, index: int, attempt: int) -> None:
+        """The prompt's RPC failed: try again, or count it all-failed after MAX_EVAL_ATTEMPTS."""
+        self.outstanding -= 1
+        if attempt + 1 >= MAX_EVAL_ATTEMPTS:
+            self.samples += self.n_samples
+            self.failed += self.n_samples
+        else:
+            self.pending.append((index, attempt + 1))
+
+    def add(self, rewards: list[float], failed_samples: int, group_failed: bool) -> None:
+        """A scored group. `rewards` are the samples' rewards (failed ones, if listed, are < 1)."""
+        self.outstanding -= 1
+        if group_failed and not rewards:
+            failed_samples = max(failed_samples, self.n_samples)
+        self.samples += max(self.n_samples, len(rewards))
+        self.failed += failed_samples
+        self.correct += sum(1 for r in rewards if r >= 1.0)
+        self.reward_sum += sum(rewards)
+        self.reward_count += len(rewards)
+
+    @property
+    def done(self) -> bool:
+        return not self.pending and self.outstanding == 0
+
+    def result(self) -> EvalResult:
+        return EvalResult(
+            version=self.version,
+            accuracy=self.correct / self.samples if self.samples else 0.0,
+            reward_mean=self.reward_sum / self.reward_count if self.reward_count else 0.0,
+            n_prompts=self.n_prompts,
+            n_samples=self.samples,
+            failed=self.failed,
+        )
+
+
+class Evaluator:
+    """An experiment's eval rounds: which are due, which prompt goes next, what finished."""
+
+    def __init__(
+        self, n_prompts: int, every_versions: int, n_samples: int, done_versions: set[int]
+    ):
+        self.n_prompts = n_prompts
+        self.every_versions = every_versions
+        self.n_samples = n_samples
+        self.versions = set(done_versions)
+        """Versions evaluated or being evaluated (each at most once)."""
+        self.rounds: list[EvalRound] = []
+        self.running = 0
+
+    def schedule(self, version: int, *, start: bool = False, final: bool = False) -> bool:
+        """Open a round for `version` if eval is configured, due, and not done yet."""
+        if not self.n_prompts or version in self.versions:
+            return False
+        if not eval_due(version, self.every_versions, start=start, final=final):
+            return False
+        self.versions.add(version)
+        self.rounds.append(EvalRound(version, self.n_prompts, self.n_samples))
+        return True
+
+    def next(self) -> tuple[EvalRound, int, int] | None:
+        """(round, prompt index, attempt) to dispatch next, oldest round first."""
+        for eval_round in self.rounds:
+            nxt = eval_round.next()
+            if nxt is not None:
+                return eval_round, *nxt
+        return None
+
+    def pop_finished(self, eval_round: EvalRound) -> EvalResult | None:
+        """The round's result once all its groups are in (then it is closed), else None."""
+        if not eval_round.done or eval_round not in self.rounds:
+            return None
+        self.rounds.remove(eval_round)
+        return eval_round.result()
+
+    @property
+    def idle(self) -> bool:
+        return not self.rounds

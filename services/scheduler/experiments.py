@@ -1,0 +1,472 @@
+"""One asyncio runner per experiment: wait for workers, start the trainer, dispatch groups under
+the staleness rule, broadcast committed weights, abort what became too stale, evaluate, finish.
+
+The loop top to bottom (`_run`): wait until a trainer, a rollout and a reward worker are there;
+`StartExperiment` tells the version to resume from; then dispatch (`Dispatcher`) while the
+staleness manager has capacity, woken by every event (a group finished, a commit, a worker
+joined) -- never by polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from asyncrl.logging import get_logger
+from asyncrl.spec import ExperimentSpec
+from services.scheduler.calls import FleetWeights, WorkerCalls
+from services.scheduler.context import RunnerContext
+from services.scheduler.dataset import Prompt
+from services.scheduler.dispatch import Dispatcher, DispatchHooks
+from services.scheduler.policy import StalenessManager
+from services.scheduler.records import (
+    CommitResult,
+    EvalResult,
+    Event,
+    ExperimentRecord,
+    ExperimentState,
+    StepMetrics,
+)
+from services.scheduler.registry import Worker, WorkerKind
+
+
+class ExperimentRunner:
+    def __init__(
+        self,
+        record: ExperimentRecord,
+        spec: ExperimentSpec,
+        prompts: list[Prompt],
+        eval_prompts: list[Prompt],
+        ctx: RunnerContext,
+    ):
+        self.record = record
+        self.spec = spec
+        self.eval_prompts = eval_prompts
+        self.ctx = ctx
+        self.config = ctx.config
+        self.registry = ctx.registry
+        self.log = get_logger(experiment=record.id)
+        self.calls = WorkerCalls(record.id, spec, ctx.channels)
+        self.fleet = FleetWeights(self.calls, lambda: (self.version, self.record.fleet_uri))
+        hooks = DispatchHooks(changed=self._changed, fence=self._fence, eval_done=self._eval_done)
+        self.dispatcher = Dispatcher(
+            record, spec, prompts, eval_prompts, self.calls, hooks, self.log, lambda: self.version
+        )
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+        self._subscribers: set[asyncio.Queue] = set()
+        self._finishing = False
+        self._finish_reason = ""
+        self._start_failures = 0
+
+    # ---- views -------------------------------------------------------------------------------
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def version(self) -> int:
+        """The fleet version: the weights the rollouts serve."""
+        return self.record.progress.version
+
+    @property
+    def state(self) -> ExperimentState:
+        return self.record.state
+
+    @property
+    def terminal(self) -> bool:
+        return self.record.state.terminal
+
+    @property
+    def finishing(self) -> bool:
+        return self._finishing
+
+    def trainer(self) -> Worker | None:
+        bound = self.registry.bound(self.id, WorkerKind.TRAINER)
+        return bound[0] if bound else None
+
+    def rollouts(self) -> list[Worker]:
+        return self.registry.bound(self.id, WorkerKind.ROLLOUT)
+
+    @property
+    def staleness(self) -> StalenessManager:
+        return self.dispatcher.staleness
+
+    def snapshot(self) -> ExperimentRecord:
+        """The record with live counters copied in (what is persisted and served)."""
+        self.dispatcher.snapshot_into(self.record)
+        return self.record
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if not self.terminal:
+            self._task = asyncio.create_task(self._run(), name=f"experiment-{self.id}")
+
+    async def cancel(self) -> None:
+        await self._end(ExperimentState.CANCELLED, "cancelled by user")
+
+    async def shutdown(self) -> None:
+        """The scheduler is stopping: stop all tasks and keep the state as it is (it resumes,
+        and the groups in flight are in the snapshot)."""
+        tasks = [t for t in (self._task, *self._background) if t is not None]
+        tasks += self.dispatcher.tasks()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._subscribers.clear()
+
+    async def _run(self) -> None:
+        try:
+            while not self.terminal:
+                await self._wait_for_workers()
+                if await self._start_trainer():
+                    await self._dispatch_loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug must fail the experiment visibly
+            self.log.exception("experiment_runner_crashed")
+            await self._end(ExperimentState.FAILED, f"scheduler error: {type(e).__name__}: {e}")
+
+    def _missing_workers(self) -> list[str]:
+        missing = []
+        if self.trainer() is None:
+            missing.append("a trainer")
+        if not self.rollouts():
+            missing.append("a rollout worker")
+        if not self.registry.workers(WorkerKind.REWARD):
+            missing.append("a reward worker")
+        return missing
+
+    async def _wait_for_workers(self) -> None:
+        self._set_state(ExperimentState.PENDING)
+        while True:
+            self._wake.clear()
+            missing = self._missing_workers()
+            if not missing:
+                return
+            message = "waiting for " + ", ".join(missing)
+            if message != self.record.message:
+                self.record.message = message
+                self.log.info("experiment_waiting", missing=missing)
+                self._persist()
+            await self._wake.wait()
+
+    async def _start_trainer(self) -> bool:
+        """StartExperiment -> version k (0 or a checkpoint): the fleet resumes at k."""
+        trainer = self.trainer()
+        if trainer is None:
+            return False
+        self.record.message = f"starting trainer {trainer.worker_id}"
+        self._persist()
+        try:
+            resp = await self.calls.start_trainer(trainer, self.config.trainer_start_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            await self._trainer_start_failed(trainer, e)
+            return False
+        if self.trainer() is not trainer:
+            return False  # its lease lapsed while it was starting
+        self._start_failures = 0
+        k = resp.version
+        async with self.fleet.lock:
+            if k != self.version:
+                self.record.progress.version = k
+                self.record.fleet_uri = self._uri_for(k)
+                self.fleet.ready.clear()
+            self.staleness.recover(k)
+        self._set_state(ExperimentState.RUNNING, "")
+        self.log.info(
+            "experiment_started", version=k, resumed=resp.resumed, worker=trainer.worker_id
+        )
+        for w in self.rollouts():
+            if w.worker_id not in self.fleet.ready:
+                self._spawn(self._sync_rollout(w))
+        self._maybe_eval(k, start=True)
+        if k >= self.spec.trainer.total_steps:
+            self._begin_finish(f"trainer is at version {k} >= total_steps")
+        return True
+
+    async def _trainer_start_failed(self, trainer: Worker, e: grpc.aio.AioRpcError) -> None:
+        """INVALID_ARGUMENT fails the experiment; a busy trainer (FAILED_PRECONDITION) is only
+        unbound; other errors fail it after max_start_failures."""
+        if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            self._start_failures += 1
+        self.log.warning(
+            "trainer_start_failed",
+            worker=trainer.worker_id,
+            code=e.code().name,
+            details=e.details(),
+            failures=self._start_failures,
+        )
+        if (
+            e.code() == grpc.StatusCode.INVALID_ARGUMENT
+            or self._start_failures >= self.config.max_start_failures
+        ):
+            await self._end(
+                ExperimentState.FAILED, f"trainer could not start the experiment: {e.details()}"
+            )
+            return
+        self.registry.unbind(trainer, self.config.fence_cooldown_s)
+        self.record.message = f"trainer {trainer.worker_id} failed to start: {e.details()}"
+        self.ctx.workers_changed()
+
+    def _uri_for(self, version: int) -> str:
+        if version in self.record.weight_uris:
+            return self.record.weight_uris[version]
+        return self.spec.model.path if version == 0 else self.record.fleet_uri
+
+    # ---- dispatch ----------------------------------------------------------------------------
+
+    async def _dispatch_loop(self) -> None:
+        """Dispatch until the experiment ends or its trainer is lost."""
+        dispatched = 0
+        while True:
+            self._wake.clear()
+            if self.terminal:
+                return
+            if self._finishing:
+                if self.dispatcher.evaluator.idle:
+                    await self._end(ExperimentState.COMPLETED, self._finish_reason)
+                    return
+            elif self.trainer() is None:
+                self.log.warning(
+                    "trainer_lost", version=self.version, running=len(self.dispatcher.inflight)
+                )
+                return
+            elif self.dispatcher.dataset_done():
+                self._begin_finish("dataset exhausted")
+                continue
+            ready = [w for w in self.rollouts() if w.worker_id in self.fleet.ready]
+            training = not self._finishing and self.state == ExperimentState.RUNNING
+            if self.dispatcher.dispatch_one(ready, self.registry.reward_addresses(), training):
+                dispatched += 1
+                if dispatched % 32 == 0:
+                    await asyncio.sleep(0)  # let the started calls go out
+                continue
+            await self._wake.wait()
+
+    def _changed(self) -> None:
+        self._wake.set()
+        self._persist()
+
+    # ---- workers -----------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _fence(self, worker: Worker, reason: str) -> None:
+        self.release_rollout(worker, reason, self.config.fence_cooldown_s)
+
+    def attach_rollout(self, worker: Worker) -> None:
+        """`worker` was bound here (or registered again): it loads the fleet's weights first."""
+        self.fleet.ready.discard(worker.worker_id)
+        if self.state == ExperimentState.RUNNING:
+            self._spawn(self._sync_rollout(worker))
+
+    async def _sync_rollout(self, worker: Worker) -> None:
+        try:
+            version = await self.fleet.sync(
+                worker, lambda: worker.experiment_id == self.id, self.config.bind_timeout_s
+            )
+        except grpc.aio.AioRpcError as e:
+            self._fence(worker, f"UpdateWeights failed: {e.code().name}")
+            return
+        if version is not None:
+            self.log.info(
+                "rollout_bound", worker=worker.worker_id, address=worker.address, version=version
+            )
+            self._wake.set()
+
+    def release_rollout(self, worker: Worker, reason: str, cooldown_s: float = 0.0) -> None:
+        """Unbind (fence) a rollout; its in-flight groups are cancelled and re-queued."""
+        if worker.experiment_id != self.id:
+            return
+        self.registry.unbind(worker, cooldown_s)
+        self.fleet.ready.discard(worker.worker_id)
+        requeued = self.dispatcher.requeue_worker(worker)
+        self.log.warning(
+            "rollout_fenced", worker=worker.worker_id, reason=reason, requeued=requeued
+        )
+        self._wake.set()
+        self._persist()
+        self.ctx.workers_changed()
+
+    def rollout_lost(self, worker: Worker) -> None:
+        """Its lease lapsed: in-flight groups count as failed RPCs (prompts re-queued)."""
+        self.release_rollout(worker, "lease expired")
+
+    def trainer_lost(self, worker: Worker) -> None:
+        self.log.warning("trainer_lease_expired", worker=worker.worker_id, version=self.version)
+        self._wake.set()
+
+    # ---- trainer calls -----------------------------------------------------------------------
+
+    async def commit(
+        self, version: int, uri: str, metrics: StepMetrics, trainer_id: str = ""
+    ) -> CommitResult:
+        """Broadcast `version` to the bound rollouts (fencing laggards), move the fleet to it,
+        abort groups that can no longer be trained within eta, and finish at total_steps."""
+        trainer = self.trainer()
+        if trainer is not None and trainer_id and trainer_id != trainer.worker_id:
+            self.log.warning("commit_from_unbound_trainer", worker=trainer_id, version=version)
+        async with self.fleet.lock:
+            if self.terminal or self._finishing or version <= self.version:  # a retry, or late
+                return CommitResult(self.version, 0, 0, self.terminal or self._finishing)
+            workers = [w for w in self.rollouts() if w.worker_id in self.fleet.ready]
+            failed = await self.fleet.broadcast(
+                workers, version, uri, self.config.update_weights_timeout_s
+            )
+            for w, reason in failed:
+                self._fence(w, f"UpdateWeights v{version} failed: {reason}")
+            self.record.progress.version = version
+            self.record.fleet_uri = uri
+            self.record.weight_uris[version] = uri
+        aborted = self.dispatcher.abort_stale(version)
+        if aborted:
+            self.log.info(
+                "groups_aborted_stale",
+                version=version,
+                aborted=aborted,
+                eta=self.spec.rollout.max_head_offpolicyness,
+            )
+        self._record_step(metrics)
+        updated = len(workers) - len(failed)
+        self.log.info(
+            "version_committed",
+            version=version,
+            uri=uri,
+            updated=updated,
+            fenced=len(failed),
+            loss=metrics.loss,
+            reward_mean=metrics.reward_mean,
+            groups=metrics.groups,
+        )
+        if version >= self.spec.trainer.total_steps:
+            self._begin_finish(f"reached total_steps={self.spec.trainer.total_steps}")
+        elif self.dispatcher.dataset_done():
+            self._begin_finish("dataset exhausted")
+        else:
+            self._maybe_eval(version)
+        self._wake.set()
+        self._persist()
+        return CommitResult(version, updated, len(failed), self._finishing or self.terminal)
+
+    def _record_step(self, metrics: StepMetrics) -> None:
+        p = self.record.progress
+        self.record.history.append(metrics)
+        p.trained_groups += metrics.groups
+        p.staleness_max = max(p.staleness_max, metrics.staleness_max)
+        p.stale_groups += metrics.stale_groups
+        self._emit(Event("step", step=metrics))
+
+    def report_dropped(self, group_ids: list[str]) -> int:
+        """The trainer dropped accepted groups as too stale: free capacity, re-queue prompts."""
+        requeued = self.dispatcher.report_dropped(group_ids)
+        if requeued:
+            self.log.info("groups_dropped_by_trainer", requeued=requeued, version=self.version)
+        self._changed()
+        return requeued
+
+    # ---- eval and the end --------------------------------------------------------------------
+
+    def _maybe_eval(self, version: int, *, start: bool = False, final: bool = False) -> None:
+        if self.dispatcher.evaluator.schedule(version, start=start, final=final):
+            self.log.info("eval_started", version=version, prompts=len(self.eval_prompts))
+            self._wake.set()
+
+    def _eval_done(self, result: EvalResult) -> None:
+        self.record.evals.append(result)
+        self.log.info(
+            "eval_done",
+            version=result.version,
+            accuracy=round(result.accuracy, 4),
+            reward_mean=round(result.reward_mean, 4),
+            samples=result.n_samples,
+            failed=result.failed,
+        )
+        self._emit(Event("eval", eval=result))
+        self._persist()
+
+    def _begin_finish(self, reason: str) -> None:
+        """Stop training dispatch, cancel training groups in flight (not counted as drops), and
+        run the final eval; the dispatch loop completes the experiment once evals are done."""
+        if self._finishing:
+            return
+        self._finishing = True
+        self._finish_reason = reason
+        cancelled = self.dispatcher.cancel(training_only=True)
+        self.log.info(
+            "experiment_finishing", reason=reason, version=self.version, cancelled=cancelled
+        )
+        self._maybe_eval(self.version, final=True)
+        self._wake.set()
+        self._persist()
+
+    async def _end(self, state: ExperimentState, message: str) -> None:
+        """Enter a terminal state: stop everything, free the workers, tell the trainer."""
+        if self.terminal:
+            return
+        self._finishing = False
+        self.dispatcher.cancel(training_only=False)
+        current = asyncio.current_task()
+        for t in (self._task, *self._background):
+            if t is not None and t is not current:
+                t.cancel()
+        for w in self.rollouts():
+            self.registry.unbind(w)
+        self.fleet.ready.clear()
+        self._set_state(state, message)
+        self.log.info("experiment_ended", state=state.value, message=message, version=self.version)
+        trainer = self.trainer()
+        if trainer is not None:  # stopped before it is freed, so no other experiment races it
+            try:
+                await self.calls.stop_trainer(trainer, self.config.trainer_stop_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                self.log.warning(
+                    "trainer_stop_failed", worker=trainer.worker_id, code=e.code().name
+                )
+            self.registry.unbind(trainer)
+        self.ctx.workers_changed()
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    def _set_state(self, state: ExperimentState, message: str | None = None) -> None:
+        changed = state != self.record.state
+        self.record.state = state
+        if message is not None:
+            self.record.message = message
+        if changed:
+            self._persist()
+            self._emit(Event("state"))
+
+    def _persist(self) -> None:
+        self.record.updated_unix_ms = int(time.time() * 1000)
+        self.ctx.store.mark_dirty(self.id, self.snapshot)
+
+    def _emit(self, event: Event) -> None:
+        for q in self._subscribers:
+            q.put_nowait(event)
+
+    def subscribe(self) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        self._subscribers.add(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue) -> None:
+        self._subscribers.discard(q)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.log.error(
+                "background_task_failed", task=task.get_name(), error=repr(task.exception())
+            )

@@ -1,0 +1,122 @@
+"""The scheduler's pure policy: admission under bounded staleness, stale aborts, assignment.
+
+No grpc/nats here: the experiment runner asks these objects what to do and tells them what
+happened. The admission rule is AReaL's:
+
+    capacity = min(max_concurrent - running, (eta + v + 1) * B - (accepted + running))
+
+where `v` is the version the rollout fleet serves. Groups that are dropped for staleness (by
+the scheduler's abort or by the trainer) count as rejections so they free capacity; without
+that the run deadlocks once drops + running exceed eta * B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+COUNTERS = ("accepted", "rejected", "failed", "stale_dropped", "requeued", "running")
+
+
+class StalenessManager:
+    """Counts groups by outcome and answers how many more may be admitted now.
+
+    `version_provider` returns the fleet version (the weights the rollouts serve).
+    """
+
+    def __init__(
+        self, max_concurrent: int, batch_size: int, eta: int, version_provider: Callable[[], int]
+    ):
+        self.max_concurrent = max_concurrent
+        self.batch_size = batch_size
+        self.eta = eta
+        self.version_provider = version_provider
+        self.running = 0
+        self.accepted = 0
+        self.rejected = 0
+        self.failed = 0
+        self.stale_dropped = 0
+        self.requeued = 0
+
+    def capacity(self) -> int:
+        """Groups that may be dispatched now (never negative)."""
+        version = self.version_provider()
+        concurrency = self.max_concurrent - self.running
+        staleness = (self.eta + version + 1) * self.batch_size - (self.accepted + self.running)
+        return max(0, min(concurrency, staleness))
+
+    def on_submit(self) -> None:
+        self.running += 1
+
+    def on_accept(self) -> None:
+        self._finish()
+        self.accepted += 1
+
+    def on_reject(self) -> None:
+        """The dynamic filter dropped the group: it frees its capacity."""
+        self._finish()
+        self.rejected += 1
+
+    def on_fail(self) -> None:
+        self._finish()
+        self.failed += 1
+
+    def on_abort(self) -> None:
+        """The scheduler aborted an in-flight group that could no longer be trained within eta.
+
+        Counted as a rejection: it frees capacity and never becomes accepted."""
+        self._finish()
+        self.stale_dropped += 1
+
+    def on_requeue(self) -> None:
+        """The group's RPC failed (worker died, deadline, fenced); its prompt goes back."""
+        self._finish()
+        self.requeued += 1
+
+    def on_cancel(self) -> None:
+        """The experiment ended while the group ran; it counts as nothing."""
+        self._finish()
+
+    def on_trainer_drop(self) -> None:
+        """The trainer dropped an accepted group as too stale: it no longer counts as accepted."""
+        self.accepted = max(0, self.accepted - 1)
+        self.stale_dropped += 1
+
+    def recover(self, version: int) -> None:
+        """Resume at `version`: the trainer has consumed version * B groups, so admission allows
+        (eta + 1) * B - running more instead of a burst."""
+        self.accepted = version * self.batch_size
+
+    def counters(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in COUNTERS}
+
+    def load_counters(self, counters: dict[str, int]) -> None:
+        """Restore persisted outcome counters; `running` restarts at 0 (nothing is in flight)."""
+        for name in ("accepted", "rejected", "failed", "stale_dropped", "requeued"):
+            setattr(self, name, int(counters.get(name, 0)))
+
+    def _finish(self) -> None:
+        assert self.running > 0, "a group finished that was never submitted"
+        self.running -= 1
+
+
+def must_abort(start_version: int, new_fleet_version: int, eta: int) -> bool:
+    """An in-flight group started at `start_version` can no longer be trained within eta once the
+    fleet moves to `new_fleet_version` (the trainer is at least there when it would train it)."""
+    return new_fleet_version - start_version > eta
+
+
+@dataclass(frozen=True)
+class RolloutLoad:
+    worker_id: str
+    running: int
+    capacity: int
+
+
+def pick_rollout(loads: Iterable[RolloutLoad]) -> str | None:
+    """The least loaded worker (running / capacity) that has a free slot; ties by id."""
+    free = [w for w in loads if w.running < max(1, w.capacity)]
+    if not free:
+        return None
+    best = min(free, key=lambda w: (w.running / max(1, w.capacity), w.worker_id))
+    return best.worker_id

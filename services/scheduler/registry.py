@@ -1,0 +1,128 @@
+"""The worker registry: who is alive (leases renewed by heartbeats) and who is bound where.
+
+Pure bookkeeping with an injected clock; the scheduler runs the sweeper that calls `expire()`
+and decides what an expiry means for the experiments.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class WorkerKind(StrEnum):
+    ROLLOUT = "rollout"
+    REWARD = "reward"
+    TRAINER = "trainer"
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    kind: WorkerKind
+    address: str
+    name: str
+    capacity: int
+    last_seen: float
+    """Clock time of the last registration or heartbeat."""
+    last_seen_unix: float
+    experiment_id: str | None = None
+    """Bound experiment (rollouts and trainers; reward workers are shared)."""
+    running: int = 0
+    groups_done: int = 0
+    version: int = 0
+    """Last weights version the worker confirmed (rollouts)."""
+    load: int = 0
+    """Load the worker reported in its last heartbeat."""
+    cooldown_until: float = 0.0
+    """A fenced worker is not bound again before this clock time."""
+    probed: bool = True
+    """False until the scheduler asked a new trainer what it is running."""
+    affinity: str | None = None
+    """The experiment a trainer said it is already running (bound back to it first)."""
+
+
+class Registry:
+    def __init__(
+        self,
+        lease_ttl_s: float = 10.0,
+        heartbeat_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.lease_ttl_s = lease_ttl_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.clock = clock
+        self._workers: dict[str, Worker] = {}
+
+    def register(
+        self, kind: WorkerKind, address: str, name: str, capacity: int
+    ) -> tuple[Worker, bool]:
+        """Add a worker; returns (worker, is_new).
+
+        A live worker registering again from the same address (its heartbeat failed for a
+        moment) keeps its id and binding, so its in-flight work is not reassigned twice."""
+        for w in self._workers.values():
+            if w.kind == kind and w.address == address:
+                w.name, w.capacity = name or w.name, capacity
+                self._touch(w)
+                return w, False
+        worker_id = f"{kind.value}-{uuid.uuid4().hex[:8]}"
+        w = Worker(worker_id, kind, address, name or worker_id, capacity, 0.0, 0.0)
+        self._touch(w)
+        self._workers[worker_id] = w
+        return w, True
+
+    def heartbeat(self, worker_id: str, load: int = 0) -> bool:
+        """Renew the lease; False for an unknown id (the worker must register again)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return False
+        w.load = load
+        self._touch(w)
+        return True
+
+    def expire(self) -> list[Worker]:
+        """Remove and return the workers whose lease lapsed."""
+        deadline = self.clock() - self.lease_ttl_s
+        gone = [w for w in self._workers.values() if w.last_seen < deadline]
+        for w in gone:
+            del self._workers[w.worker_id]
+        return gone
+
+    def remove(self, worker_id: str) -> Worker | None:
+        return self._workers.pop(worker_id, None)
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self._workers.get(worker_id)
+
+    def workers(self, kind: WorkerKind | None = None) -> list[Worker]:
+        ws = [w for w in self._workers.values() if kind is None or w.kind == kind]
+        return sorted(ws, key=lambda w: w.worker_id)
+
+    def bound(self, experiment_id: str, kind: WorkerKind) -> list[Worker]:
+        return [w for w in self.workers(kind) if w.experiment_id == experiment_id]
+
+    def idle(self, kind: WorkerKind) -> list[Worker]:
+        """Unbound workers of `kind` that are not cooling down after being fenced."""
+        now = self.clock()
+        return [
+            w for w in self.workers(kind) if w.experiment_id is None and w.cooldown_until <= now
+        ]
+
+    def bind(self, worker: Worker, experiment_id: str) -> None:
+        assert worker.experiment_id is None, f"{worker.worker_id} is already bound"
+        worker.experiment_id = experiment_id
+
+    def unbind(self, worker: Worker, cooldown_s: float = 0.0) -> None:
+        worker.experiment_id = None
+        worker.cooldown_until = self.clock() + cooldown_s
+
+    def reward_addresses(self) -> list[str]:
+        return [w.address for w in self.workers(WorkerKind.REWARD)]
+
+    def _touch(self, w: Worker) -> None:
+        w.last_seen = self.clock()
+        w.last_seen_unix = time.time()

@@ -1,0 +1,95 @@
+"""Experiment records in NATS KV: one key `exp.<id>` per experiment, JSON, written coalesced.
+
+Callers mark an experiment dirty after every state-changing event; a flusher writes the latest
+snapshot of each dirty experiment at most every `min_interval_s` (about 5 writes/s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import nats.errors
+import nats.js.errors
+from nats.js.api import KeyValueConfig, StorageType
+
+from asyncrl.logging import get_logger
+from asyncrl.natsutil import KV_BUCKET
+from services.scheduler.records import ExperimentRecord
+
+log = get_logger(component="state")
+KEY_PREFIX = "exp."
+
+
+def record_key(experiment_id: str) -> str:
+    return f"{KEY_PREFIX}{experiment_id}"
+
+
+class StateStore:
+    def __init__(self, kv, min_interval_s: float = 0.2):
+        self.kv = kv
+        self.min_interval_s = min_interval_s
+        self._dirty: dict[str, Callable[[], ExperimentRecord]] = {}
+        self._event = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    @classmethod
+    async def open(cls, js, min_interval_s: float = 0.2) -> StateStore:
+        """The scheduler's KV bucket, created on first use."""
+        try:
+            kv = await js.key_value(KV_BUCKET)
+        except nats.js.errors.BucketNotFoundError:
+            kv = await js.create_key_value(
+                KeyValueConfig(bucket=KV_BUCKET, history=1, storage=StorageType.FILE)
+            )
+        return cls(kv, min_interval_s)
+
+    async def load_all(self) -> list[ExperimentRecord]:
+        try:
+            keys = await self.kv.keys()
+        except nats.js.errors.NoKeysError:
+            return []
+        records = []
+        for key in sorted(k for k in keys if k.startswith(KEY_PREFIX)):
+            entry = await self.kv.get(key)
+            try:
+                records.append(ExperimentRecord.from_json(entry.value))
+            except (ValueError, KeyError, TypeError) as e:
+                log.error("state_record_unreadable", key=key, error=str(e))
+        return sorted(records, key=lambda r: r.created_unix_ms)
+
+    def mark_dirty(self, experiment_id: str, snapshot: Callable[[], ExperimentRecord]) -> None:
+        """Schedule a write of `snapshot()` (taken at write time, so the latest state wins)."""
+        self._dirty[experiment_id] = snapshot
+        self._event.set()
+
+    async def save(self, record: ExperimentRecord) -> None:
+        await self.kv.put(record_key(record.id), record.to_json())
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._flush_forever(), name="state-flusher")
+
+    async def flush(self) -> None:
+        dirty, self._dirty = self._dirty, {}
+        for experiment_id, snapshot in dirty.items():
+            try:
+                await self.save(snapshot())
+            except (TimeoutError, nats.errors.Error) as e:
+                log.warning("state_save_failed", experiment=experiment_id, error=str(e))
+                self._dirty.setdefault(experiment_id, snapshot)
+
+    async def close(self) -> None:
+        """Stop the flusher and write what is still dirty."""
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.flush()
+
+    async def _flush_forever(self) -> None:
+        while True:
+            await self._event.wait()
+            self._event.clear()
+            await self.flush()
+            if self._dirty:
+                self._event.set()
+            await asyncio.sleep(self.min_interval_s)

@@ -1,0 +1,573 @@
+"""The scheduler against a real nats-server and real gRPC on port 0.
+
+Dispatch and commit paths use small in-test rollout and trainer servicers (they implement the
+real proto services, return GroupSummaries and versions) and drive CommitWeights / ReportDropped
+directly: these tests check the scheduler's own logic (admission under eta, stale aborts,
+re-queue on worker death, completion), not the real rollout/trainer (the e2e test does that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+
+from asyncrl.grpcutil import channel, create_server
+from asyncrl.natsutil import wait_until
+from asyncrl.spec import dict_to_proto
+from asyncrl.v1 import (
+    common_pb2,
+    rollout_pb2,
+    rollout_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
+from asyncrl.worker import WorkerAgent
+from services.scheduler.server import create_scheduler
+
+ROLLOUT, REWARD, TRAINER = (
+    common_pb2.WORKER_KIND_ROLLOUT,
+    common_pb2.WORKER_KIND_REWARD,
+    common_pb2.WORKER_KIND_TRAINER,
+)
+RUNNING = scheduler_pb2.EXPERIMENT_STATE_RUNNING
+
+
+class FakeRollout(rollout_pb2_grpc.RolloutServicer):
+    """Answers GenerateGroup with a fixed status; `hold` keeps training groups open until
+    `release` is set; records requests, weight updates and cancelled calls."""
+
+    def __init__(self, hold: bool = False, rewards=(1.0, 0.0)):
+        self.hold = hold
+        self.rewards = list(rewards)
+        self.release = asyncio.Event()
+        self.requests: list[rollout_pb2.GenerateGroupRequest] = []
+        self.updates: list[tuple[int, str]] = []
+        self.cancelled: list[str] = []
+        self.fail_next = 0
+
+    async def GenerateGroup(self, request, context):
+        self.requests.append(request)
+        if self.fail_next:
+            self.fail_next -= 1
+            await context.abort(grpc.StatusCode.INTERNAL, "engine crashed")
+        try:
+            if self.hold and not request.eval:
+                await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(request.group_id)
+            raise
+        return rollout_pb2.GroupSummary(
+            group_id=request.group_id,
+            status=rollout_pb2.GROUP_STATUS_ACCEPTED,
+            rewards=self.rewards,
+            tokens=10,
+            start_version=request.expected_version,
+            end_version=request.expected_version,
+            published=True,
+        )
+
+    async def UpdateWeights(self, request, context):
+        self.updates.append((request.version, request.uri))
+        return rollout_pb2.UpdateWeightsResponse(version=request.version)
+
+    def group_ids(self) -> list[str]:
+        return [r.group_id for r in self.requests if not r.eval]
+
+
+class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self, version: int = 0):
+        self.version = version
+        self.started: list[str] = []
+        self.stopped: list[str] = []
+
+    async def StartExperiment(self, request, context):
+        self.started.append(request.experiment_id)
+        return trainer_pb2.StartExperimentResponse(version=self.version, resumed=self.version > 0)
+
+    async def StopExperiment(self, request, context):
+        self.stopped.append(request.experiment_id)
+        return trainer_pb2.StopExperimentResponse()
+
+    async def GetStatus(self, request, context):
+        return trainer_pb2.TrainerStatus(state="idle")
+
+
+class Cluster:
+    """The scheduler plus the fake workers a test starts; stops everything at the end."""
+
+    def __init__(self, nats_url: str):
+        self.nats_url = nats_url
+        self.scheduler = None
+        self.address = ""
+        self._closers = []
+
+    async def start_scheduler(self, **kw):
+        kw.setdefault("lease_ttl_s", 3.0)
+        kw.setdefault("heartbeat_interval_s", 0.2)
+        _, self.port, self.scheduler = await create_scheduler(self.nats_url, **kw)
+        self.address = f"127.0.0.1:{self.port}"
+        ch = channel(self.address)
+        self._closers.append(ch.close)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(ch)
+        return self.scheduler
+
+    async def stop_scheduler(self):
+        await self.scheduler.stop(grace=0)
+
+    async def worker(self, kind, servicer=None, capacity=8):
+        """Serve `servicer` (if any) on port 0 and register it with a heartbeating agent."""
+        port = 1
+        server = None
+        if isinstance(servicer, FakeRollout):
+            server, port = await create_server(
+                [(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer)], ["asyncrl.v1.Rollout"]
+            )
+        elif isinstance(servicer, FakeTrainer):
+            server, port = await create_server(
+                [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)], ["asyncrl.v1.Trainer"]
+            )
+        agent = WorkerAgent(
+            kind,
+            f"127.0.0.1:{port}" if server else f"127.0.0.1:{kind}0",
+            capacity=capacity,
+            scheduler=self.address,
+        )
+        await agent.start()
+
+        async def close():
+            await agent.stop()
+            if server is not None:
+                await server.stop(0)
+
+        self._closers.append(close)
+        return agent, close
+
+    async def close(self):
+        for fn in reversed(self._closers):
+            await fn()
+        if self.scheduler is not None:
+            await self.scheduler.stop(grace=0)
+
+    async def experiment(self, exp_id):
+        return await self.stub.GetExperiment(
+            scheduler_pb2.GetExperimentRequest(experiment_id=exp_id), timeout=5
+        )
+
+    async def commit(self, exp_id, version, groups=2):
+        return await self.stub.CommitWeights(
+            scheduler_pb2.CommitWeightsRequest(
+                experiment_id=exp_id,
+                version=version,
+                uri=f"file:///w/v{version}",
+                metrics=common_pb2.StepMetrics(step=version, version=version, groups=groups),
+            ),
+            timeout=10,
+        )
+
+
+@pytest.fixture
+async def cluster(nats_server):
+    c = Cluster(nats_server.url)
+    yield c
+    await c.close()
+
+
+@pytest.fixture
+def files(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20))
+    )
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text(
+        "".join(json.dumps({"prompt": f"{i}+2=", "answer": str(i + 2)}) + "\n" for i in range(3))
+    )
+    return {"model": str(model), "data": str(data), "eval": str(evals)}
+
+
+def spec(files, **sections):
+    data = {
+        "name": "Math RL #1",
+        "model": {"path": files["model"]},
+        "dataset": {"path": files["data"], "shuffle": False},
+        "rollout": {"n_samples": 2, "max_head_offpolicyness": 0, "filter": "none"},
+        "reward": {"function": "exact_match"},
+        "trainer": {"batch_size": 2, "total_steps": 3, "backend": "torch"},
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    return dict_to_proto(data)
+
+
+async def submit(cluster, spec_pb) -> str:
+    exp = await cluster.stub.SubmitExperiment(
+        scheduler_pb2.SubmitExperimentRequest(spec=spec_pb), timeout=10
+    )
+    return exp.id
+
+
+async def running_experiment(
+    cluster, files, fake_rollout: FakeRollout, fake_trainer=None, **sections
+):
+    await cluster.worker(REWARD)
+    await cluster.worker(TRAINER, fake_trainer or FakeTrainer())
+    await cluster.worker(ROLLOUT, fake_rollout)
+    exp_id = await submit(cluster, spec(files, **sections))
+    await wait_until(lambda: cluster.scheduler.get(exp_id).state.value == "RUNNING", 10)
+    return exp_id
+
+
+# ---- submit validation ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ({"trainer": {"lr": -1.0}}, "trainer.lr"),
+        ({"rollout": {"n_samples": 0}}, "rollout.n_samples"),
+        ({"reward": {"function": "no_such_reward"}}, "reward.function"),
+        ({"dataset": {"path": "/nonexistent/train.jsonl"}}, "dataset.path"),
+    ],
+)
+async def test_submit_bad_field_invalid_argument_names_field(cluster, files, override, field):
+    await cluster.start_scheduler()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await submit(cluster, spec(files, **override))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(f"{field}:")
+    listed = await cluster.stub.ListExperiments(scheduler_pb2.ListExperimentsRequest())
+    assert list(listed.experiments) == []
+
+
+async def test_submit_dataset_row_missing_key_invalid_argument(cluster, files, tmp_path):
+    await cluster.start_scheduler()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"question": "x"}\n')
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await submit(cluster, spec(files, dataset={"path": str(bad)}))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "dataset.path: line 2: missing key 'prompt'"
+
+
+async def test_submit_valid_spec_pending_with_slug_id(cluster, files):
+    await cluster.start_scheduler()
+    exp = await cluster.stub.SubmitExperiment(
+        scheduler_pb2.SubmitExperimentRequest(spec=spec(files)), timeout=10
+    )
+    assert exp.id.startswith("math-rl-1-") and len(exp.id) == len("math-rl-1-") + 6
+    assert exp.state == scheduler_pb2.EXPERIMENT_STATE_PENDING
+    assert exp.spec.trainer.batch_size == 2
+    await wait_until(lambda: "waiting for" in cluster.scheduler.get(exp.id).record.message)
+    got = await cluster.experiment(exp.id)
+    assert "a trainer" in got.message and "a reward worker" in got.message
+
+
+async def test_get_unknown_experiment_not_found(cluster):
+    await cluster.start_scheduler()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await cluster.experiment("nope-000000")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+# ---- registry -----------------------------------------------------------------------------
+
+
+async def test_register_heartbeat_list_and_lease_expiry(cluster):
+    await cluster.start_scheduler(lease_ttl_s=0.6, heartbeat_interval_s=0.1)
+    stub = cluster.stub
+    resp = await stub.RegisterWorker(
+        scheduler_pb2.RegisterWorkerRequest(
+            kind=REWARD, address="127.0.0.1:7001", name="r1", capacity=4
+        ),
+        timeout=5,
+    )
+    assert resp.worker_id.startswith("reward-")
+    assert (resp.lease_ttl_s, resp.heartbeat_interval_s) == (0.6, 0.1)
+    assert (await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id=resp.worker_id))).known
+    listed = (await stub.ListWorkers(scheduler_pb2.ListWorkersRequest())).workers
+    assert [(w.worker_id, w.kind, w.address, w.name, w.capacity) for w in listed] == [
+        (resp.worker_id, REWARD, "127.0.0.1:7001", "r1", 4)
+    ]
+    await asyncio.sleep(1.2)  # no heartbeats: the lease lapses
+    assert not (await stub.ListWorkers(scheduler_pb2.ListWorkersRequest())).workers
+    beat = await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id=resp.worker_id))
+    assert beat.known is False
+
+
+async def test_register_unspecified_kind_invalid_argument(cluster):
+    await cluster.start_scheduler()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await cluster.stub.RegisterWorker(
+            scheduler_pb2.RegisterWorkerRequest(address="h:1"), timeout=5
+        )
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# ---- persistence --------------------------------------------------------------------------
+
+
+async def test_experiment_survives_scheduler_restart_in_kv(cluster, files):
+    await cluster.start_scheduler()
+    exp_id = await submit(cluster, spec(files))
+    await cluster.stop_scheduler()
+    await cluster.start_scheduler()
+    got = await cluster.experiment(exp_id)
+    assert got.id == exp_id and got.spec.trainer.total_steps == 3
+    assert got.state == scheduler_pb2.EXPERIMENT_STATE_PENDING
+
+
+async def test_restart_resumes_running_experiment_and_redispatches_inflight(cluster, files):
+    await cluster.start_scheduler()
+    rollout = FakeRollout(hold=True)
+    exp_id = await running_experiment(cluster, files, rollout)
+    await wait_until(lambda: len(rollout.group_ids()) == 2)
+    first = sorted(rollout.group_ids())
+    await asyncio.sleep(0.3)  # let the coalesced KV write land
+    await cluster.stop_scheduler()
+    await cluster.start_scheduler(port=cluster.port)
+    # the workers re-register (heartbeat says unknown) and the experiment resumes; the groups
+    # that were in flight are dispatched again under the same ids (JetStream dedup)
+    await wait_until(lambda: len(rollout.group_ids()) >= 4, timeout=15)
+    assert sorted(rollout.group_ids()[2:4]) == first
+    assert (await cluster.experiment(exp_id)).state == RUNNING
+
+
+# ---- dispatch, commit, aborts -------------------------------------------------------------
+
+
+async def test_admission_bounded_by_eta_and_grows_with_commits(cluster, files):
+    await cluster.start_scheduler()
+    rollout = FakeRollout(hold=True)
+    exp_id = await running_experiment(
+        cluster, files, rollout, rollout={"max_head_offpolicyness": 1}, trainer={"total_steps": 10}
+    )
+    await wait_until(lambda: len(rollout.group_ids()) == 4)  # (eta + 0 + 1) * B
+    await asyncio.sleep(0.2)
+    assert len(rollout.group_ids()) == 4
+    assert rollout.updates[0] == (0, files["model"])  # v0 = the spec's model.path first
+    rollout.release.set()
+    await wait_until(lambda: cluster.scheduler.get(exp_id).staleness.accepted == 4)
+    await asyncio.sleep(0.2)
+    assert len(rollout.group_ids()) == 4  # accepted + running hit the budget
+    resp = await cluster.commit(exp_id, 1)
+    assert (resp.fleet_version, resp.updated, resp.fenced, resp.stop) == (1, 1, 0, False)
+    assert rollout.updates[-1] == (1, "file:///w/v1")
+    await wait_until(lambda: len(rollout.group_ids()) == 6)  # (1 + 1 + 1) * 2 - 4
+    assert all(r.expected_version == 1 for r in rollout.requests[4:])
+    exp = await cluster.experiment(exp_id)
+    assert (exp.progress.version, exp.progress.dispatched) == (1, 6)
+
+
+async def test_commit_aborts_stale_inflight_groups_and_requeues(cluster, files):
+    await cluster.start_scheduler()
+    rollout = FakeRollout(hold=True)
+    exp_id = await running_experiment(cluster, files, rollout)  # eta = 0
+    await wait_until(lambda: len(rollout.group_ids()) == 2)
+    first = rollout.group_ids()
+    await cluster.commit(exp_id, 1)
+    # started at v0, the fleet is at v1: 1 - 0 > eta, so both are aborted and re-queued
+    await wait_until(lambda: sorted(rollout.cancelled) == sorted(first))
+    await wait_until(lambda: len(rollout.group_ids()) == 6)  # (0 + 1 + 1) * 2 from zero
+    retried = [g for g in rollout.group_ids()[2:] if g.endswith("-a1")]
+    assert sorted(g.replace("-a1", "-a0") for g in retried) == sorted(first)
+    exp = await cluster.experiment(exp_id)
+    assert (exp.progress.stale_dropped, exp.progress.running) == (2, 4)
+
+
+async def test_report_dropped_frees_capacity_and_requeues(cluster, files):
+    await cluster.start_scheduler()
+    rollout = FakeRollout()
+    exp_id = await running_experiment(cluster, files, rollout, trainer={"total_steps": 10})
+    await wait_until(lambda: cluster.scheduler.get(exp_id).staleness.accepted == 2)
+    dropped = rollout.group_ids()[0]
+    req = scheduler_pb2.ReportDroppedRequest(
+        experiment_id=exp_id, groups=[scheduler_pb2.DroppedGroup(group_id=dropped)]
+    )
+    await cluster.stub.ReportDropped(req, timeout=5)
+    await cluster.stub.ReportDropped(req, timeout=5)  # a retry is not counted twice
+    await wait_until(lambda: len(rollout.group_ids()) == 3)
+    assert rollout.group_ids()[2] == dropped.replace("-a0", "-a1")
+    await asyncio.sleep(0.2)
+    exp = await cluster.experiment(exp_id)
+    assert (exp.progress.accepted, exp.progress.stale_dropped, len(rollout.group_ids())) == (
+        2,
+        1,
+        3,
+    )
+
+
+async def test_rollout_death_requeues_its_groups_to_another_worker(cluster, files):
+    await cluster.start_scheduler(lease_ttl_s=1.0)
+    doomed = FakeRollout(hold=True)
+    exp_id = await running_experiment(cluster, files, doomed, trainer={"total_steps": 10})
+    await wait_until(lambda: len(doomed.group_ids()) == 2)
+    lost = doomed.group_ids()
+    kill = cluster._closers[-1]
+    await kill()  # the worker process dies: its calls fail, its lease lapses
+    survivor = FakeRollout()
+    await cluster.worker(ROLLOUT, survivor)
+    await wait_until(lambda: len(survivor.group_ids()) >= 2, timeout=10)
+    assert survivor.updates[0] == (0, files["model"])
+    assert sorted(survivor.group_ids()[:2]) == sorted(g.replace("-a0", "-a1") for g in lost)
+    exp = await cluster.experiment(exp_id)
+    assert exp.progress.requeued == 2
+
+
+async def test_failing_rollout_is_fenced_and_prompt_requeued(cluster, files):
+    await cluster.start_scheduler(lease_ttl_s=0.5, heartbeat_interval_s=0.1)
+    rollout = FakeRollout()
+    rollout.fail_next = 1
+    exp_id = await running_experiment(cluster, files, rollout, trainer={"total_steps": 10})
+    await wait_until(lambda: cluster.scheduler.get(exp_id).staleness.accepted == 2, timeout=10)
+    first = rollout.group_ids()[0]
+    assert first.replace("-a0", "-a1") in rollout.group_ids()  # re-dispatched after cooldown
+    assert len(rollout.updates) >= 2  # re-bound: weights loaded again before new groups
+
+
+async def test_completion_at_total_steps_runs_evals_and_stops_trainer(cluster, files):
+    await cluster.start_scheduler()
+    rollout = FakeRollout(rewards=(1.0, 0.0))
+    trainer = FakeTrainer()
+    exp_id = await running_experiment(
+        cluster,
+        files,
+        rollout,
+        fake_trainer=trainer,
+        trainer={"total_steps": 2},
+        eval={"dataset_path": files["eval"], "every_versions": 0, "n_samples": 2},
+    )
+    stream = cluster.stub.WatchExperiment(
+        scheduler_pb2.WatchExperimentRequest(experiment_id=exp_id), timeout=20
+    )
+    r1 = await cluster.commit(exp_id, 1)
+    r2 = await cluster.commit(exp_id, 2)
+    assert (r1.stop, r2.stop) == (False, True)
+    events = [e async for e in stream]  # the stream ends with the experiment
+    assert events[0].kind == "snapshot"
+    assert [e.step.version for e in events if e.kind == "step"] == [1, 2]
+    evals = [e.eval for e in events if e.kind == "eval"]
+    assert [e.version for e in evals] == [2] or [e.version for e in evals] == [0, 2]
+    assert events[-1].kind == "state"
+    exp = await cluster.experiment(exp_id)
+    assert exp.state == scheduler_pb2.EXPERIMENT_STATE_COMPLETED
+    assert [(e.version, e.accuracy, e.n_prompts, e.n_samples) for e in exp.progress.evals] == [
+        (0, 0.5, 3, 6),
+        (2, 0.5, 3, 6),
+    ]
+    assert exp.progress.trained_groups == 4 and exp.progress.running == 0
+    eval_reqs = [r for r in rollout.requests if r.eval]
+    assert len(eval_reqs) == 6 and all(r.filter == "none" and r.n == 2 for r in eval_reqs)
+    assert trainer.stopped == [exp_id]
+    workers = (await cluster.stub.ListWorkers(scheduler_pb2.ListWorkersRequest())).workers
+    assert all(w.experiment_id == "" for w in workers)  # freed for the next experiment
+
+
+async def test_cancel_stops_trainer_and_frees_workers(cluster, files):
+    await cluster.start_scheduler()
+    rollout = FakeRollout(hold=True)
+    trainer = FakeTrainer()
+    exp_id = await running_experiment(cluster, files, rollout, fake_trainer=trainer)
+    await wait_until(lambda: len(rollout.group_ids()) == 2)
+    exp = await cluster.stub.CancelExperiment(
+        scheduler_pb2.CancelExperimentRequest(experiment_id=exp_id), timeout=10
+    )
+    assert exp.state == scheduler_pb2.EXPERIMENT_STATE_CANCELLED
+    assert trainer.stopped == [exp_id]
+    await wait_until(lambda: sorted(rollout.cancelled) == sorted(rollout.group_ids()))
+    resp = await cluster.commit(exp_id, 1)
+    assert resp.stop is True
+
+
+async def test_trainer_resume_recovers_version_from_start_experiment(cluster, files):
+    await cluster.start_scheduler()
+    rollout = FakeRollout(hold=True)
+    exp_id = await running_experiment(
+        cluster, files, rollout, fake_trainer=FakeTrainer(version=2), trainer={"total_steps": 10}
+    )
+    runner = cluster.scheduler.get(exp_id)
+    assert (runner.version, runner.staleness.accepted) == (2, 4)
+    await wait_until(lambda: len(rollout.group_ids()) == 2)  # (eta + 1) * B, not a burst
+    await asyncio.sleep(0.2)
+    assert len(rollout.group_ids()) == 2
+    assert rollout.updates[0] == (2, files["model"])
+
+
+async def test_trainer_lease_lapse_waits_then_new_trainer_resumes(cluster, files):
+    await cluster.start_scheduler(lease_ttl_s=0.6, heartbeat_interval_s=0.1)
+    rollout = FakeRollout()
+    exp_id = await running_experiment(cluster, files, rollout, trainer={"total_steps": 10})
+    await cluster.commit(exp_id, 1)
+    kill_trainer = cluster._closers[-2]  # reward, trainer, rollout were started in that order
+    await kill_trainer()
+    runner = cluster.scheduler.get(exp_id)
+    await wait_until(lambda: runner.state.value == "PENDING", timeout=5)
+    assert "a trainer" in (await cluster.experiment(exp_id)).message
+    successor = FakeTrainer(version=1)
+    await cluster.worker(TRAINER, successor)
+    await wait_until(lambda: runner.state.value == "RUNNING", timeout=5)
+    assert successor.started == [exp_id]
+    assert runner.version == 1
+
+
+async def test_rollout_joining_running_experiment_loads_current_weights_first(cluster, files):
+    await cluster.start_scheduler()
+    first = FakeRollout(hold=True)  # capacity 8, filled by (eta + 0 + 1) * B = 8 groups
+    exp_id = await running_experiment(
+        cluster, files, first, trainer={"total_steps": 10}, rollout={"max_head_offpolicyness": 3}
+    )
+    await wait_until(lambda: len(first.requests) == 8)
+    await cluster.commit(exp_id, 1)  # two more may start, but the first worker is full
+    joined = FakeRollout(hold=True)
+    await cluster.worker(ROLLOUT, joined)
+    await wait_until(lambda: len(joined.requests) == 2)
+    assert joined.updates[0] == (1, "file:///w/v1")
+    assert joined.requests[0].expected_version == 1
+    workers = (await cluster.stub.ListWorkers(scheduler_pb2.ListWorkersRequest())).workers
+    assert sorted(w.experiment_id for w in workers if w.kind == ROLLOUT) == [exp_id, exp_id]
+
+
+async def test_dataset_exhausted_completes_after_last_full_batch(cluster, files):
+    await cluster.start_scheduler()
+    rollout = FakeRollout()
+    trainer = FakeTrainer()
+    exp_id = await running_experiment(
+        cluster,
+        files,
+        rollout,
+        fake_trainer=trainer,
+        dataset={"max_prompts": 4},
+        trainer={"total_steps": 10},
+    )
+    runner = cluster.scheduler.get(exp_id)
+    await wait_until(lambda: runner.staleness.accepted == 2)
+    assert (await cluster.commit(exp_id, 1)).stop is False
+    await wait_until(lambda: runner.staleness.accepted == 4)
+    assert (await cluster.commit(exp_id, 2)).stop is True  # 4 prompts, B=2: nothing left
+    await wait_until(lambda: runner.terminal)
+    exp = await cluster.experiment(exp_id)
+    assert exp.state == scheduler_pb2.EXPERIMENT_STATE_COMPLETED
+    assert "dataset exhausted" in exp.message
+    assert len(rollout.group_ids()) == 4 and trainer.stopped == [exp_id]
+
+
+async def test_second_experiment_takes_a_rollout_from_the_first(cluster, files):
+    await cluster.start_scheduler()
+    r1, r2 = FakeRollout(hold=True), FakeRollout(hold=True)
+    await cluster.worker(ROLLOUT, r1)
+    await cluster.worker(ROLLOUT, r2)
+    first = await running_experiment(cluster, files, FakeRollout(hold=True))
+    runner = cluster.scheduler.get(first)
+    await wait_until(lambda: len(runner.rollouts()) == 3)
+    second = await submit(cluster, spec(files))
+    await cluster.worker(TRAINER, FakeTrainer())
+    other = cluster.scheduler.get(second)
+    await wait_until(lambda: other.state.value == "RUNNING", timeout=5)
+    assert (len(runner.rollouts()), len(other.rollouts())) == (2, 1)

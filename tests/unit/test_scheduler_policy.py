@@ -1,0 +1,232 @@
+"""The scheduler's pure policy: admission under bounded staleness, stale aborts, assignment,
+leases and eval accounting, with exact values (AReaL's reference numbers for capacity)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.evaluation import MAX_EVAL_ATTEMPTS, EvalRound, eval_due
+from services.scheduler.policy import RolloutLoad, StalenessManager, must_abort, pick_rollout
+from services.scheduler.registry import Registry, WorkerKind
+
+
+class FakeVersion:
+    def __init__(self, v: int = 0):
+        self.v = v
+
+    def __call__(self) -> int:
+        return self.v
+
+
+def manager(max_concurrent=100, batch_size=4, eta=2, version=0):
+    fv = FakeVersion(version)
+    return StalenessManager(max_concurrent, batch_size, eta, fv), fv
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "eta", "version", "expected"),
+    [(4, 2, 0, 12), (4, 2, 5, 32), (8, 0, 0, 8), (8, 0, 5, 48)],
+)
+def test_capacity_reference_numbers_match_areal(batch_size, eta, version, expected):
+    sm, _ = manager(100, batch_size, eta, version)
+    assert sm.capacity() == expected
+
+
+def test_capacity_max_concurrent_bounds_admission():
+    sm, _ = manager(max_concurrent=5, batch_size=4, eta=2)
+    assert sm.capacity() == 5
+    for _ in range(3):
+        sm.on_submit()
+    assert sm.capacity() == 2
+
+
+def test_capacity_counts_running_and_accepted_against_staleness_budget():
+    sm, fv = manager(batch_size=4, eta=2)
+    for _ in range(12):
+        sm.on_submit()
+    assert sm.capacity() == 0
+    for _ in range(12):
+        sm.on_accept()
+    assert (sm.running, sm.accepted, sm.capacity()) == (0, 12, 0)
+    fv.v = 1  # one more version -> one more batch
+    assert sm.capacity() == 4
+
+
+def test_capacity_rejected_and_failed_groups_free_their_slot():
+    sm, _ = manager(batch_size=2, eta=0)
+    sm.on_submit()
+    sm.on_submit()
+    assert sm.capacity() == 0
+    sm.on_reject()
+    sm.on_fail()
+    assert (sm.capacity(), sm.rejected, sm.failed, sm.running) == (2, 1, 1, 0)
+
+
+def test_capacity_never_negative_after_version_rollback():
+    sm, fv = manager(batch_size=4, eta=0, version=3)
+    sm.recover(3)
+    fv.v = 1
+    assert sm.capacity() == 0
+
+
+def test_abort_counts_as_drop_and_frees_capacity():
+    sm, _ = manager(batch_size=4, eta=1)
+    for _ in range(8):
+        sm.on_submit()
+    assert sm.capacity() == 0
+    for _ in range(3):
+        sm.on_abort()
+    assert (sm.capacity(), sm.stale_dropped, sm.accepted, sm.rejected) == (3, 3, 0, 0)
+
+
+def test_trainer_drop_frees_accepted_capacity_so_run_never_deadlocks():
+    # eta=1, B=2: 4 groups accepted at v0, the trainer drops 3 as too stale. Without freeing
+    # capacity on a drop, drops + running > eta*B would block dispatch forever.
+    sm, _ = manager(batch_size=2, eta=1)
+    for _ in range(4):
+        sm.on_submit()
+        sm.on_accept()
+    assert sm.capacity() == 0
+    for _ in range(3):
+        sm.on_trainer_drop()
+    assert (sm.accepted, sm.stale_dropped, sm.capacity()) == (1, 3, 3)
+
+
+def test_requeue_frees_slot_and_counts():
+    sm, _ = manager(batch_size=2, eta=0)
+    sm.on_submit()
+    sm.on_requeue()
+    assert (sm.running, sm.requeued, sm.capacity()) == (0, 1, 2)
+
+
+def test_recover_sets_accepted_to_version_times_batch():
+    sm, fv = manager(batch_size=4, eta=2, version=5)
+    sm.recover(5)
+    assert sm.accepted == 20
+    assert sm.capacity() == 12  # (eta + 1) * B, not a burst of 32
+
+
+def test_load_counters_restores_outcomes_but_not_running():
+    sm, _ = manager()
+    sm.on_submit()
+    sm.on_reject()
+    sm.on_submit()
+    counters = sm.counters()
+    other, _ = manager()
+    other.load_counters({**counters, "running": 7})
+    assert other.counters() == {**counters, "running": 0}
+
+
+def test_finish_without_submit_is_a_bug():
+    sm, _ = manager()
+    with pytest.raises(AssertionError):
+        sm.on_accept()
+
+
+@pytest.mark.parametrize(
+    ("start", "new", "eta", "expected"),
+    [(0, 1, 0, True), (0, 1, 1, False), (3, 5, 2, False), (3, 6, 2, True), (5, 5, 0, False)],
+)
+def test_must_abort_when_lag_exceeds_eta(start, new, eta, expected):
+    assert must_abort(start, new, eta) is expected
+
+
+def test_pick_rollout_least_loaded_ratio():
+    loads = [RolloutLoad("b", 2, 4), RolloutLoad("a", 3, 4), RolloutLoad("c", 1, 1)]
+    assert pick_rollout(loads) == "b"
+
+
+def test_pick_rollout_ties_broken_by_id():
+    assert pick_rollout([RolloutLoad("z", 1, 2), RolloutLoad("m", 2, 4)]) == "m"
+
+
+def test_pick_rollout_none_when_all_full():
+    assert pick_rollout([RolloutLoad("a", 2, 2), RolloutLoad("b", 1, 0)]) is None
+    assert pick_rollout([]) is None
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_registry_ids_prefixed_by_kind_and_heartbeat_renews_lease():
+    clock = FakeClock()
+    reg = Registry(lease_ttl_s=10, clock=clock)
+    w, new = reg.register(WorkerKind.ROLLOUT, "127.0.0.1:1", "r", 4)
+    assert new and w.worker_id.startswith("rollout-") and len(w.worker_id) == len("rollout-") + 8
+    clock.t += 8
+    assert reg.heartbeat(w.worker_id, load=2)
+    clock.t += 8
+    assert reg.expire() == []
+    clock.t += 3
+    assert [x.worker_id for x in reg.expire()] == [w.worker_id]
+    assert reg.heartbeat(w.worker_id) is False
+
+
+def test_registry_same_address_reregistration_keeps_id_and_binding():
+    reg = Registry(clock=FakeClock())
+    w, _ = reg.register(WorkerKind.ROLLOUT, "h:1", "r", 4)
+    reg.bind(w, "exp")
+    again, new = reg.register(WorkerKind.ROLLOUT, "h:1", "r", 8)
+    assert (again is w, new, w.experiment_id, w.capacity) == (True, False, "exp", 8)
+
+
+def test_registry_fenced_worker_not_idle_until_cooldown_passes():
+    clock = FakeClock()
+    reg = Registry(lease_ttl_s=100, clock=clock)
+    w, _ = reg.register(WorkerKind.ROLLOUT, "h:1", "r", 4)
+    reg.bind(w, "exp")
+    reg.unbind(w, cooldown_s=5)
+    assert reg.idle(WorkerKind.ROLLOUT) == []
+    clock.t += 5
+    assert reg.idle(WorkerKind.ROLLOUT) == [w]
+
+
+def test_registry_reward_addresses_lists_all_live_reward_workers():
+    reg = Registry(clock=FakeClock())
+    reg.register(WorkerKind.REWARD, "h:2", "", 1)
+    reg.register(WorkerKind.REWARD, "h:3", "", 1)
+    reg.register(WorkerKind.ROLLOUT, "h:4", "", 1)
+    assert sorted(reg.reward_addresses()) == ["h:2", "h:3"]
+
+
+@pytest.mark.parametrize(
+    ("version", "every", "start", "final", "expected"),
+    [
+        (0, 5, True, False, True),
+        (5, 5, False, False, True),
+        (6, 5, False, False, False),
+        (7, 0, False, True, True),
+        (5, 0, False, False, False),
+    ],
+)
+def test_eval_due_at_start_every_k_and_end(version, every, start, final, expected):
+    assert eval_due(version, every, start=start, final=final) is expected
+
+
+def test_eval_round_accuracy_counts_failed_samples_as_wrong():
+    r = EvalRound(version=3, n_prompts=2, n_samples=4)
+    assert r.next() == (0, 0)
+    assert r.next() == (1, 0)
+    r.add([1.0, 0.0, 1.0], failed_samples=1, group_failed=False)  # one sample failed scoring
+    assert not r.done
+    r.add([1.0, 1.0, 0.5, 0.0], failed_samples=0, group_failed=False)
+    assert r.done
+    res = r.result()
+    assert (res.version, res.n_prompts, res.n_samples, res.failed) == (3, 2, 8, 1)
+    assert res.accuracy == pytest.approx(4 / 8)
+    assert res.reward_mean == pytest.approx(4.5 / 7)
+
+
+def test_eval_round_retries_then_counts_prompt_all_failed():
+    r = EvalRound(version=0, n_prompts=1, n_samples=2)
+    for attempt in range(MAX_EVAL_ATTEMPTS):
+        assert r.next() == (0, attempt)
+        r.retry(0, attempt)
+    assert r.done
+    res = r.result()
+    assert (res.n_samples, res.failed, res.accuracy) == (2, 2, 0.0)
