@@ -51,4 +51,16 @@ scale: ## change replicas at runtime: make scale SERVICE=rollout N=3
 	@test -n "$(SERVICE)" -a -n "$(N)" || { echo "usage: make scale SERVICE=rollout N=3"; exit 2; }
 	@$(SUPERVISOR) scale $(SERVICE) $(N) --var $(VAR)
 
-.PHONY: help venv protos test lint up down ps logs scale
+# --- the demo: a tiny model learns two-digit addition through all the services
+DEMO_DIR := $(VAR)/demo
+DEMO_ARGS ?=
+
+demo: venv protos ## run the demo end to end (DEMO_ARGS="--set rollout.max_head_offpolicyness=0")
+	@test -f $(DEMO_DIR)/model/config.json || $(PY) -m examples.arith.build --out $(DEMO_DIR)
+	@$(MAKE) --no-print-directory up
+	@rm -f $(DEMO_DIR)/experiment_id
+	.venv/bin/asyncrl submit examples/arith/experiment.yaml --id-file $(DEMO_DIR)/experiment_id --watch $(DEMO_ARGS) || true
+	.venv/bin/asyncrl report $$(cat $(DEMO_DIR)/experiment_id) --out $(DEMO_DIR)
+	@echo "services are still up: 'make down' stops them, 'asyncrl dump ID --out f.jsonl' reads trajectories"
+
+.PHONY: help venv protos test lint up down ps logs scale demo

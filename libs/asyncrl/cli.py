@@ -252,6 +252,9 @@ def submit(
     ] = None,
     watch: Annotated[bool, typer.Option("--watch", help="Watch until it ends.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    id_file: Annotated[
+        Path | None, typer.Option("--id-file", help="Also write the experiment id to this file.")
+    ] = None,
 ) -> None:
     """Submit an experiment; print its id."""
 
@@ -259,6 +262,9 @@ def submit(
         proto = load_spec(spec, set_)
         async with AsyncrlClient(_address(ctx)) as client:
             exp = await client.submit(proto)
+        if id_file is not None:
+            id_file.parent.mkdir(parents=True, exist_ok=True)
+            id_file.write_text(exp.id + "\n")
         if as_json:
             _print_json(exp)
         else:
