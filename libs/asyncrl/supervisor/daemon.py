@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -208,6 +209,8 @@ class Supervisor:
             cmd += ["--port", str(self.scheduler_port)]
         if service == "rollout":
             cmd += ["--engine", os.environ.get("ASYNCRL_ROLLOUT_ENGINE", "torch")]
+        # extra flags per service, e.g. ASYNCRL_ROLLOUT_ARGS="--sglang-url http://h:30000"
+        cmd += shlex.split(os.environ.get(f"ASYNCRL_{service.upper()}_ARGS", ""))
         return cmd
 
     def env(self, service: str, index: int) -> dict[str, str]:
