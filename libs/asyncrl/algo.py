@@ -110,7 +110,9 @@ class PackedBatch:
         )
 
 
-def pack_groups(groups: list[TrajectoryGroup], pad_id: int = 0, adv_eps: float = 1e-6) -> PackedBatch:
+def pack_groups(
+    groups: list[TrajectoryGroup], pad_id: int = 0, adv_eps: float = 1e-6
+) -> PackedBatch:
     """Flatten groups to right-padded sequences (prompt + output) with per-token advantages.
 
     A sample whose reward FAILED gets zero advantage and no loss tokens (it is excluded, not
@@ -119,7 +121,9 @@ def pack_groups(groups: list[TrajectoryGroup], pad_id: int = 0, adv_eps: float =
     seqs, lmask, blogp, adv, vers, rews = [], [], [], [], [], []
     for g in groups:
         ok = [s.reward_status == RewardStatus.OK for s in g.samples]
-        r = torch.tensor([s.reward for s, k in zip(g.samples, ok, strict=True) if k], dtype=torch.float32)
+        r = torch.tensor(
+            [s.reward for s, k in zip(g.samples, ok, strict=True) if k], dtype=torch.float32
+        )
         a_ok = grpo_advantages(r.unsqueeze(0), adv_eps).squeeze(0) if len(r) else r
         it = iter(a_ok.tolist())
         for s, k in zip(g.samples, ok, strict=True):

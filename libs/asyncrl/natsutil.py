@@ -67,8 +67,16 @@ class LocalNatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        return [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
-                "-sd", str(self.store_dir)]
+        return [
+            nats_server_binary(),
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-js",
+            "-sd",
+            str(self.store_dir),
+        ]
 
     def start(self, timeout: float = 20.0) -> LocalNatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
@@ -126,7 +134,9 @@ async def ensure_stream(js) -> None:
 
 async def publish_group(js, group: TrajectoryGroup) -> tuple[int, bool]:
     """Publish a group with Nats-Msg-Id = group id. Returns (stream seq, was_duplicate)."""
-    subject = eval_subject(group.experiment_id) if group.eval else train_subject(group.experiment_id)
+    subject = (
+        eval_subject(group.experiment_id) if group.eval else train_subject(group.experiment_id)
+    )
     ack = await js.publish(subject, group_to_bytes(group), headers={"Nats-Msg-Id": group.group_id})
     return ack.seq, bool(ack.duplicate)
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class RewardStatus(str, Enum):
+class RewardStatus(StrEnum):
     OK = "ok"
     FAILED = "failed"
 

@@ -29,8 +29,15 @@ def advertise_host() -> str:
 class WorkerAgent:
     """Keeps one worker registered. `load_fn` reports current load on each heartbeat."""
 
-    def __init__(self, kind: int, address: str, name: str | None = None, capacity: int = 1,
-                 scheduler: str | None = None, load_fn=lambda: 0):
+    def __init__(
+        self,
+        kind: int,
+        address: str,
+        name: str | None = None,
+        capacity: int = 1,
+        scheduler: str | None = None,
+        load_fn=lambda: 0,
+    ):
         self.kind = kind
         self.address = address
         self.name = name or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}"
@@ -45,14 +52,19 @@ class WorkerAgent:
 
     async def register(self) -> str:
         req = scheduler_pb2.RegisterWorkerRequest(
-            kind=self.kind, address=self.address, name=self.name, capacity=self.capacity)
+            kind=self.kind, address=self.address, name=self.name, capacity=self.capacity
+        )
         async for attempt in connect_policy(max_delay_s=120):
             with attempt:
                 resp = await self._stub.RegisterWorker(req, timeout=5)
         self.worker_id = resp.worker_id
         self.interval = resp.heartbeat_interval_s or 1.0
-        log.info("worker_registered", worker=self.worker_id, address=self.address,
-                 scheduler=self.scheduler)
+        log.info(
+            "worker_registered",
+            worker=self.worker_id,
+            address=self.address,
+            scheduler=self.scheduler,
+        )
         return self.worker_id
 
     async def _beat_forever(self) -> None:
@@ -62,9 +74,11 @@ class WorkerAgent:
                 async for attempt in idempotent_rpc(attempts=3, max_delay_s=self.interval * 3):
                     with attempt:
                         resp = await self._stub.Heartbeat(
-                            scheduler_pb2.HeartbeatRequest(worker_id=self.worker_id,
-                                                           load=int(self.load_fn())),
-                            timeout=max(1.0, self.interval))
+                            scheduler_pb2.HeartbeatRequest(
+                                worker_id=self.worker_id, load=int(self.load_fn())
+                            ),
+                            timeout=max(1.0, self.interval),
+                        )
                 if not resp.known:
                     log.warning("worker_unknown_reregistering", worker=self.worker_id)
                     await self.register()

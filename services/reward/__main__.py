@@ -7,7 +7,6 @@ import asyncio
 import signal
 
 from asyncrl.logging import configure_logging, get_logger
-
 from services.reward.server import create_reward
 
 

@@ -15,8 +15,9 @@ import os
 from dataclasses import dataclass
 
 import pebble
-from asyncrl import rewards
 from pebble.common import ProcessExpired
+
+from asyncrl import rewards
 
 # Workers fork from a forkserver that has these imported: a fresh worker (also the one that
 # replaces a worker killed at a timeout) starts in milliseconds and does not spend an item's

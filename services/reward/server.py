@@ -11,7 +11,6 @@ from asyncrl.logging import get_logger
 from asyncrl.spec import SpecError
 from asyncrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from asyncrl.worker import WorkerAgent, advertise_host
-
 from services.reward.pool import Item, Result, ScoringPool, Status
 
 log = get_logger()

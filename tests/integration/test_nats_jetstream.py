@@ -13,7 +13,11 @@ from asyncrl.types import Sample, TrajectoryGroup
 
 def _group(gid: str) -> TrajectoryGroup:
     return TrajectoryGroup(
-        experiment_id="exp1", group_id=gid, prompt_id="p" + gid, prompt="1+1=", answer="2",
+        experiment_id="exp1",
+        group_id=gid,
+        prompt_id="p" + gid,
+        prompt="1+1=",
+        answer="2",
         prompt_ids=[1, 2, 3],
         samples=[Sample(output_ids=[4, 5], logprobs=[-0.5, -0.25], versions=[0, 1])],
         start_version=0,
@@ -32,8 +36,11 @@ async def test_publish_same_group_id_twice_is_deduplicated(js):
 async def test_durable_consumer_resumes_after_reconnect(js, nc, nats_server):
     for i in range(3):
         await publish_group(js, _group(f"g{i}"))
-    cfg = ConsumerConfig(durable_name="trainer-exp1", ack_policy=AckPolicy.EXPLICIT,
-                         filter_subject=train_subject("exp1"))
+    cfg = ConsumerConfig(
+        durable_name="trainer-exp1",
+        ack_policy=AckPolicy.EXPLICIT,
+        filter_subject=train_subject("exp1"),
+    )
     sub = await js.pull_subscribe(train_subject("exp1"), durable="trainer-exp1", config=cfg)
     msgs = await sub.fetch(1, timeout=5)
     assert group_from_bytes(msgs[0].data).group_id == "g0"
@@ -47,8 +54,12 @@ async def test_durable_consumer_resumes_after_reconnect(js, nc, nats_server):
 
 async def test_unacked_message_is_redelivered_after_ack_wait(js):
     await publish_group(js, _group("g9"))
-    cfg = ConsumerConfig(durable_name="redeliver", ack_policy=AckPolicy.EXPLICIT, ack_wait=1.0,
-                         filter_subject=train_subject("exp1"))
+    cfg = ConsumerConfig(
+        durable_name="redeliver",
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=1.0,
+        filter_subject=train_subject("exp1"),
+    )
     sub = await js.pull_subscribe(train_subject("exp1"), durable="redeliver", config=cfg)
     first = (await sub.fetch(1, timeout=5))[0]
     assert first.metadata.num_delivered == 1

@@ -6,9 +6,9 @@ import time
 
 import grpc
 import pytest
+
 from asyncrl.grpcutil import channel, check_health
 from asyncrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-
 from services.reward.server import create_reward
 
 SCRIPTED = "plugin:tests.fixtures_plugins.rewards:scripted"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from asyncrl import rewards
 from asyncrl.rewards import (
     REWARD_FUNCTIONS,
