@@ -28,8 +28,11 @@ test: venv protos ## run the test suite (unit, integration, e2e)
 	$(PY) -m pytest -q -m "not gpu" tests
 
 lint: venv ## ruff check + format check
-	.venv/bin/ruff check libs services tests examples
-	.venv/bin/ruff format --check libs services tests examples
+	.venv/bin/ruff check libs services tests examples bench
+	.venv/bin/ruff format --check libs services tests examples bench
+
+bench: venv protos ## benchmarks with same-run ratios; table + var/bench/report.json (BENCH_ARGS="--quick --only rollout")
+	$(PY) -m bench $(BENCH_ARGS)
 
 # --- local cluster (asyncrl.supervisor); state, logs and weights live under $(VAR)/
 VAR ?= var
@@ -63,4 +66,4 @@ demo: venv protos ## run the demo end to end (DEMO_ARGS="--set rollout.max_head_
 	.venv/bin/asyncrl report $$(cat $(DEMO_DIR)/experiment_id) --out $(DEMO_DIR)
 	@echo "services are still up: 'make down' stops them, 'asyncrl dump ID --out f.jsonl' reads trajectories"
 
-.PHONY: help venv protos test lint up down ps logs scale demo
+.PHONY: help venv protos test lint bench up down ps logs scale demo
