@@ -17,6 +17,7 @@ from asyncrl.natsutil import free_port
 from asyncrl.supervisor import pid_alive
 from asyncrl.v1 import common_pb2
 
+ROOT = Path(__file__).resolve().parents[1]
 FRESH_S = 5.0  # a worker heartbeating within this many seconds counts as alive
 
 
@@ -40,6 +41,7 @@ class Cluster:
         return subprocess.run(
             [sys.executable, "-m", "asyncrl.supervisor", *args, "--var", str(self.var)],
             env=self.env,
+            cwd=ROOT,  # the services (and a launched SGLang fake: tests.fakes) import from here
             capture_output=True,
             text=True,
             timeout=timeout,

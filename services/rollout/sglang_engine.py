@@ -28,6 +28,7 @@ before).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -264,7 +265,7 @@ class SGLangEngine(Engine):
         A failed update raises SGLangError; the old weights keep serving."""
         model_dir = str(model_dir)
         async with self._update_lock:
-            while True:
+            for attempt in itertools.count():
                 await self._wait_server()
                 self._serving.clear()
                 self._updates += 1
@@ -287,7 +288,10 @@ class SGLangEngine(Engine):
                     if self.process is None:
                         raise
                     log.warning("server_lost_during_update", version=version)
-                    continue  # the managed child restarts; then update it again
+                    # the managed child restarts (its watcher may not have seen the death yet:
+                    # back off rather than spin); then update it again
+                    await asyncio.sleep(min(0.05 * 2**attempt, 2.0))
+                    continue
                 finally:
                     self._serving.set()
                 log.info("weights_updated", version=version, interrupted=len(pending))

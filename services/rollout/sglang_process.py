@@ -38,6 +38,27 @@ SGLANG_MISSING = (
 CHILD_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "RETURN_ORIGINAL_LOGPROB": "1"}
 
 
+# Linux: the child runs through this exec shim, which asks the kernel to SIGTERM it when the
+# rollout worker dies (PR_SET_PDEATHSIG survives exec), so a crashed worker leaves no SGLang
+# server holding the GPU (SGLang's own processes follow their parent). A preexec_fn would need
+# no shim but is unsafe in a process with threads (gRPC's): the forked children crashed.
+_PDEATHSIG_SHIM = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)  # the worker died before prctl\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def die_with_parent(cmd: list[str]) -> list[str]:
+    """`cmd`, exec'd by a shim that makes it get SIGTERM when this process dies (Linux only;
+    the child must be spawned from a thread that lives as long as the process)."""
+    if not sys.platform.startswith("linux"):
+        return cmd
+    return [sys.executable, "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *cmd]
+
+
 class SGLangNotInstalled(RuntimeError):
     """Launch mode was asked for on a machine without the `sglang` package."""
 
@@ -206,7 +227,7 @@ class SGLangProcess:
         out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                *cmd,
+                *die_with_parent(cmd),
                 stdout=out,
                 stderr=out,
                 start_new_session=True,
