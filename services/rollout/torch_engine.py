@@ -330,6 +330,7 @@ class TorchEngine(Engine):
         if not self.kv_cache:
             return self._full_forward(batch)
         rows: dict[int, torch.Tensor] = {}
+        self._prefill_prefixes([s for s in batch if s.cache is None and len(s.tokens) > 1])
         decode = [i for i, s in enumerate(batch) if s.cache is not None]
         for i, slot in enumerate(batch):
             if slot.cache is None:
@@ -338,6 +339,23 @@ class TorchEngine(Engine):
             for i, row in zip(decode, self._decode([batch[i] for i in decode]), strict=True):
                 rows[i] = row
         return torch.stack([rows[i] for i in range(len(batch))])
+
+    def _prefill_prefixes(self, slots: list[_Slot]) -> None:
+        """Cache all but the last token of new or interrupted requests in one batched forward
+        (right-padded: under causal attention real tokens never see the padding); the last
+        token then goes through the batched decode with everyone else."""
+        if not slots:
+            return
+        lens = [len(s.tokens) - 1 for s in slots]
+        ids = torch.zeros(len(slots), max(lens), dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(ids)
+        for i, (s, n) in enumerate(zip(slots, lens, strict=True)):
+            ids[i, :n] = torch.tensor(s.tokens[:-1])
+            mask[i, :n] = 1
+        out = self.model(input_ids=ids, attention_mask=mask, use_cache=True)
+        layers = out.past_key_values.layers
+        for i, (s, n) in enumerate(zip(slots, lens, strict=True)):
+            s.cache = [(lay.keys[i : i + 1, :, :n], lay.values[i : i + 1, :, :n]) for lay in layers]
 
     def _prefill(self, slot: _Slot) -> torch.Tensor:
         """Run prompt + partial output alone; keep the cache of all but the last token."""
