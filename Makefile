@@ -59,7 +59,7 @@ DEMO_DIR := $(VAR)/demo
 DEMO_ARGS ?=
 
 demo: venv protos ## run the demo end to end (DEMO_ARGS="--set rollout.max_head_offpolicyness=0")
-	@test -f $(DEMO_DIR)/model/config.json || $(PY) -m examples.arith.build --out $(DEMO_DIR)
+	@test -f $(DEMO_DIR)/model/config.json || $(PY) -m examples.arith.build --out $(DEMO_DIR)/model
 	@$(MAKE) --no-print-directory up
 	@rm -f $(DEMO_DIR)/experiment_id
 	.venv/bin/asyncrl submit examples/arith/experiment.yaml --id-file $(DEMO_DIR)/experiment_id --watch $(DEMO_ARGS) || true

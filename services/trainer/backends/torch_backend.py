@@ -112,7 +112,10 @@ class TorchBackend(TrainerBackend):
         ref_logp = self._frozen_logprobs(self.ref_model, batch) if t.kl_coef > 0 else None
 
         n = batch.input_ids.shape[0]
-        chunks = [c for c in torch.arange(n).chunk(min(t.minibatches, n)) if len(c)]
+        chunks = torch.arange(n, device=self.device).chunk(min(t.minibatches, n))
+        # a minibatch without loss tokens (all its samples FAILED) has no gradient; skip it,
+        # since an Adam step on zero gradients would still move the weights (momentum)
+        chunks = [c for c in chunks if batch.loss_mask[c].sum() > 0]
         totals = {"loss": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "kl": 0.0, "grad_norm": 0.0}
         behav_w = 0.0
         for idx in chunks:
@@ -145,8 +148,8 @@ class TorchBackend(TrainerBackend):
             totals["grad_norm"] += grad_norm.item()
             behav_w += stats["behav_weight_mean"]
         self.steps += 1
-        metrics = {k: v / len(chunks) for k, v in totals.items()}
-        metrics["behav_weight_mean"] = behav_w / len(chunks)
+        metrics = {k: v / max(len(chunks), 1) for k, v in totals.items()}
+        metrics["behav_weight_mean"] = behav_w / max(len(chunks), 1)
         metrics["tokens"] = float(batch.n_tokens)
         metrics["reward_mean"] = batch.rewards.mean().item()
         return metrics
