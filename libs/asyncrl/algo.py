@@ -75,6 +75,16 @@ def ppo_decoupled_loss(
     return loss, stats
 
 
+def lr_at(step: int, total_steps: int, base_lr: float, schedule: str, min_lr_ratio: float) -> float:
+    """Learning rate of optimizer version `step` (0-based). `constant`, or `linear` decay from
+    base_lr at step 0 to base_lr * min_lr_ratio at the last step. Stateless: derived from the
+    step count, which every checkpoint holds."""
+    if schedule == "constant" or total_steps <= 1:
+        return base_lr
+    frac = min(step, total_steps - 1) / (total_steps - 1)
+    return base_lr * (1.0 - (1.0 - min_lr_ratio) * frac)
+
+
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
     d = ref_logp - logp

@@ -92,6 +92,9 @@ class TrainerSpec(_Section):
     """B: groups per optimizer step (= per version)."""
     total_steps: int = Field(10, gt=0)
     lr: float = Field(1e-5, gt=0)
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    """`linear` decays the learning rate from `lr` to `lr * min_lr_ratio` over total_steps."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
     minibatches: int = Field(1, gt=0)
     """Optimizer updates per version (the batch is split into this many minibatches)."""
     eps_clip: float = Field(0.2, gt=0)

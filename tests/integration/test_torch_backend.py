@@ -94,6 +94,15 @@ def test_train_step_minibatches_take_one_optimizer_step_each(model_dir):
     assert steps == {4}
 
 
+def test_train_step_linear_schedule_sets_optimizer_lr_per_version(model_dir):
+    be = make_backend(model_dir, lr_schedule="linear", min_lr_ratio=0.5, total_steps=3)
+    seen = []
+    for seed in range(3):
+        be.train_step(on_policy(be, make_groups(seed)))
+        seen.append(be.optimizer.param_groups[0]["lr"])
+    assert seen == pytest.approx([1e-2, 7.5e-3, 5e-3])
+
+
 def test_train_step_failed_samples_contribute_no_tokens(model_dir):
     be = make_backend(model_dir)
     groups = on_policy(be, make_groups(3))

@@ -193,3 +193,12 @@ def test_pack_groups_select_recounts_loss_tokens():
     b = _packed().select(torch.tensor([0, 2]))
     assert b.n_tokens == 2
     assert b.input_ids.shape == (2, 6)
+
+
+def test_lr_at_linear_decays_to_min_ratio_at_last_step():
+    from asyncrl.algo import lr_at
+
+    # 5 steps, base 1.0, floor 0.2: the rate falls by (1 - 0.2) / 4 = 0.2 per step
+    got = [lr_at(s, 5, 1.0, "linear", 0.2) for s in range(6)]
+    assert got == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2, 0.2])
+    assert lr_at(3, 5, 1e-3, "constant", 0.2) == 1e-3

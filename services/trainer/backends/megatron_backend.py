@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from asyncrl.algo import PackedBatch, kl_k3, pack_groups, ppo_decoupled_loss
+from asyncrl.algo import PackedBatch, kl_k3, lr_at, pack_groups, ppo_decoupled_loss
 from asyncrl.types import TrajectoryGroup
 from asyncrl.weights import copy_tokenizer
 from services.trainer.backends.base import TrainerBackend
@@ -102,6 +102,8 @@ class MegatronBackend(TrainerBackend):
         t = self.spec.trainer
         _announce("train_step", groups)
         batch = self._pack(groups)
+        lr = lr_at(self.steps, t.total_steps, t.lr, t.lr_schedule, t.min_lr_ratio)
+        self.opt.set_lr(lr)
         n = batch.input_ids.shape[0]
         chunks = [c for c in torch.arange(n).chunk(min(t.minibatches, n)) if len(c)]
         mine = [c[self.par.dp_rank :: self.par.dp_size] for c in chunks]
@@ -117,6 +119,7 @@ class MegatronBackend(TrainerBackend):
         self.steps += 1
         metrics = {k: v / len(chunks) for k, v in totals.items()}
         metrics["tokens"] = float(batch.n_tokens)
+        metrics["lr"] = lr
         metrics["reward_mean"] = batch.rewards.mean().item()
         return metrics
 

@@ -20,6 +20,7 @@ import torch
 from asyncrl.algo import (
     PackedBatch,
     kl_k3,
+    lr_at,
     masked_mean,
     pack_groups,
     ppo_decoupled_loss,
@@ -111,6 +112,9 @@ class TorchBackend(TrainerBackend):
         prox_logp = self._frozen_logprobs(self.model, batch)
         ref_logp = self._frozen_logprobs(self.ref_model, batch) if t.kl_coef > 0 else None
 
+        lr = lr_at(self.steps, t.total_steps, t.lr, t.lr_schedule, t.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         n = batch.input_ids.shape[0]
         chunks = torch.arange(n, device=self.device).chunk(min(t.minibatches, n))
         # a minibatch without loss tokens (all its samples FAILED) has no gradient; skip it,
@@ -151,6 +155,7 @@ class TorchBackend(TrainerBackend):
         metrics = {k: v / max(len(chunks), 1) for k, v in totals.items()}
         metrics["behav_weight_mean"] = behav_w / max(len(chunks), 1)
         metrics["tokens"] = float(batch.n_tokens)
+        metrics["lr"] = lr
         metrics["reward_mean"] = batch.rewards.mean().item()
         return metrics
 

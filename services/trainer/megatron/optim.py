@@ -70,6 +70,10 @@ class CpuOptimizer:
             p.grad.mul_(coef.to(p.grad.dtype))
         return total.item()
 
+    def set_lr(self, lr: float) -> None:
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+
     def step(self) -> float:
         """Reduce, clip, update; returns the gradient norm before clipping."""
         self._reduce_dp()
@@ -118,6 +122,10 @@ class CudaOptimizer:
     def zero_grad(self) -> None:
         self.module.zero_grad_buffer()
         self.opt.zero_grad()
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.opt.param_groups:
+            group["lr"] = lr
 
     def step(self) -> float:
         self.module.finish_grad_sync()
