@@ -165,3 +165,19 @@ def pack_groups(
         rewards=torch.tensor(rews, dtype=torch.float32),
         n_tokens=int(loss_mask.sum().item()),
     )
+
+
+def unpack_output_logprobs(
+    groups: list[TrajectoryGroup], logp: torch.Tensor
+) -> list[list[list[float]]]:
+    """Per group, per sample, the output tokens' values of a packed [N, T-1] target-space
+    tensor (the inverse of `pack_groups` for per-token quantities)."""
+    out, row = [], 0
+    for g in groups:
+        p = len(g.prompt_ids)
+        per_sample = []
+        for s in g.samples:
+            per_sample.append(logp[row, p - 1 : p - 1 + len(s.output_ids)].tolist())
+            row += 1
+        out.append(per_sample)
+    return out

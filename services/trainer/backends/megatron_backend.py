@@ -24,7 +24,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from asyncrl.algo import PackedBatch, kl_k3, lr_at, pack_groups, ppo_decoupled_loss
+from asyncrl.algo import (
+    PackedBatch,
+    kl_k3,
+    lr_at,
+    pack_groups,
+    ppo_decoupled_loss,
+    unpack_output_logprobs,
+)
 from asyncrl.types import TrajectoryGroup
 from asyncrl.weights import copy_tokenizer
 from services.trainer.backends.base import TrainerBackend
@@ -196,15 +203,7 @@ class MegatronBackend(TrainerBackend):
         _announce("logprobs", groups)
         batch = self._pack(groups)
         logp = self._logprobs_rows(self.built, batch, torch.arange(batch.input_ids.shape[0])).cpu()
-        out, row = [], 0
-        for g in groups:
-            p = len(g.prompt_ids)
-            per_sample = []
-            for s in g.samples:
-                per_sample.append(logp[row, p - 1 : p - 1 + len(s.output_ids)].tolist())
-                row += 1
-            out.append(per_sample)
-        return out
+        return unpack_output_logprobs(groups, logp)
 
     # -- persistence ----------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

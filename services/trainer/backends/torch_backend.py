@@ -26,6 +26,7 @@ from asyncrl.algo import (
     ppo_decoupled_loss,
     token_entropy,
     token_logprobs,
+    unpack_output_logprobs,
 )
 from asyncrl.types import TrajectoryGroup
 from asyncrl.weights import copy_tokenizer
@@ -164,15 +165,7 @@ class TorchBackend(TrainerBackend):
         assert self.model is not None, "load() first"
         batch = self._pack(groups)
         logp = self._frozen_logprobs(self.model, batch).cpu()
-        out, row = [], 0
-        for g in groups:
-            p = len(g.prompt_ids)
-            per_sample = []
-            for s in g.samples:
-                per_sample.append(logp[row, p - 1 : p - 1 + len(s.output_ids)].tolist())
-                row += 1
-            out.append(per_sample)
-        return out
+        return unpack_output_logprobs(groups, logp)
 
     # -- persistence ----------------------------------------------------------------------
     def save_hf(self, out_dir: Path) -> None:
