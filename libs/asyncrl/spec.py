@@ -129,7 +129,6 @@ class ExperimentSpec(_Section):
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
     seed: int = 1
-    dump_trajectories: bool = True
 
 
 def check_files(spec: ExperimentSpec) -> None:
