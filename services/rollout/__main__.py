@@ -1,5 +1,6 @@
 """python -m services.rollout --engine torch|sglang [--sglang-url URL | --sglang-launch]
 [--engine-opt key=value ...] [--port 0] [--host 127.0.0.1] [--capacity 64] [--no-register]
+[--metrics-port PORT]
 
 Environment: NATS_URL (trajectory stream), ASYNCRL_SCHEDULER (registration).
 """
@@ -13,6 +14,7 @@ import signal
 import yaml
 
 from asyncrl.logging import configure_logging, get_logger
+from asyncrl.metrics import RolloutCollector, registry_for, start_metrics_server
 from asyncrl.natsutil import nats_url
 from services.rollout.engines import ENGINES, make_engine
 from services.rollout.server import DEFAULT_CAPACITY, create_rollout
@@ -52,6 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="do not register with the scheduler (ASYNCRL_SCHEDULER)",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (0: any free port; default: off)",
+    )
     return p.parse_args(argv)
 
 
@@ -84,6 +92,8 @@ async def main(args: argparse.Namespace) -> None:
         host=args.host,
         engine_kind=args.engine,
     )
+    if args.metrics_port is not None:
+        start_metrics_server(args.metrics_port, registry_for(RolloutCollector(service)))
     get_logger().info("rollout_ready", port=port, engine=args.engine)
     await stop.wait()
     await service.stop()

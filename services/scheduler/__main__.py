@@ -1,5 +1,5 @@
 """python -m services.scheduler [--port 50051] [--host 127.0.0.1] [--lease-ttl 10]
-[--heartbeat-interval 1]
+[--heartbeat-interval 1] [--metrics-port PORT]
 
 Environment: NATS_URL (experiment state in NATS KV).
 """
@@ -11,6 +11,7 @@ import asyncio
 import signal
 
 from asyncrl.logging import configure_logging, get_logger
+from asyncrl.metrics import SchedulerCollector, registry_for, start_metrics_server
 from asyncrl.natsutil import nats_url
 from services.scheduler.server import create_scheduler
 
@@ -32,6 +33,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--heartbeat-interval", type=float, default=1.0, help="seconds between worker heartbeats"
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (0: any free port; default: off)",
+    )
     return p.parse_args(argv)
 
 
@@ -47,6 +54,8 @@ async def main(args: argparse.Namespace) -> None:
         lease_ttl_s=args.lease_ttl,
         heartbeat_interval_s=args.heartbeat_interval,
     )
+    if args.metrics_port is not None:
+        start_metrics_server(args.metrics_port, registry_for(SchedulerCollector(scheduler)))
     get_logger().info("scheduler_ready", port=port)
     await stop.wait()
     await scheduler.stop(grace=2.0)

@@ -13,6 +13,7 @@ import signal
 import torch
 
 from asyncrl.logging import configure_logging, get_logger
+from asyncrl.metrics import TrainerCollector, registry_for, start_metrics_server
 from asyncrl.natsutil import nats_url
 from services.trainer.server import create_trainer
 
@@ -26,6 +27,8 @@ async def main(args: argparse.Namespace) -> None:
         register=not args.no_register,
         host=args.host,
     )
+    if args.metrics_port is not None:
+        start_metrics_server(args.metrics_port, registry_for(TrainerCollector(service)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -49,6 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-register", action="store_true", help="do not register with a scheduler")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (0: any free port; default: off)",
+    )
     return p.parse_args(argv)
 
 

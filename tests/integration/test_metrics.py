@@ -1,0 +1,134 @@
+"""Prometheus metrics: a real scheduler (nats-server + gRPC on port 0) with its metrics served
+over HTTP on port 0, scraped with a plain HTTP GET."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from dataclasses import fields
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from asyncrl.grpcutil import channel
+from asyncrl.metrics import (
+    RolloutCollector,
+    SchedulerCollector,
+    TrainerCollector,
+    registry_for,
+    serve_metrics,
+)
+from asyncrl.spec import dict_to_proto
+from asyncrl.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.rollout.service import RolloutService
+from services.rollout.torch_engine import TorchEngine
+from services.scheduler.records import EvalResult, StepMetrics
+from services.scheduler.server import create_scheduler
+from services.trainer.metrics import StepMetrics as TrainerStepMetrics
+from services.trainer.service import TrainerService
+
+
+@pytest.fixture
+def spec_pb(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4))
+    )
+    return dict_to_proto(
+        {
+            "name": "metrics",
+            "model": {"path": str(model)},
+            "dataset": {"path": str(data)},
+            "rollout": {"n_samples": 2},
+            "reward": {"function": "exact_match"},
+            "trainer": {"batch_size": 2, "total_steps": 1, "backend": "torch"},
+        }
+    )
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """GET /metrics -> {(sample name, sorted labels): value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def test_scheduler_metrics_scrape_shows_experiment_and_workers(nats_server, spec_pb):
+    _, port, scheduler = await create_scheduler(nats_server.url)
+    http, metrics_port = serve_metrics(0, registry_for(SchedulerCollector(scheduler)))
+    ch = channel(f"127.0.0.1:{port}")
+    try:
+        assert metrics_port > 0
+        stub = scheduler_pb2_grpc.SchedulerStub(ch)
+        await stub.RegisterWorker(
+            scheduler_pb2.RegisterWorkerRequest(
+                kind=common_pb2.WORKER_KIND_REWARD, address="127.0.0.1:1", capacity=4
+            ),
+            timeout=5,
+        )
+        exp = await stub.SubmitExperiment(
+            scheduler_pb2.SubmitExperimentRequest(spec=spec_pb), timeout=10
+        )
+        # what a trainer commit and an eval would have recorded (no trainer runs here)
+        record = scheduler.get(exp.id).record
+        record.history.append(StepMetrics(step=1, version=1, loss=0.25, reward_mean=0.5))
+        record.evals.append(EvalResult(1, 0.75, 0.75, 4, 8, 0))
+        record.progress.accepted = 3
+
+        got = await asyncio.to_thread(scrape, metrics_port)
+        e = (("experiment", exp.id),)
+        assert got[("asyncrl_scheduler_workers", (("kind", "reward"),))] == 1.0
+        assert got[("asyncrl_scheduler_workers", (("kind", "rollout"),))] == 0.0
+        assert got[("asyncrl_scheduler_version", e)] == 0.0
+        assert got[("asyncrl_scheduler_accepted", e)] == 3.0
+        assert got[("asyncrl_scheduler_last_step_loss", e)] == 0.25
+        assert got[("asyncrl_scheduler_last_step_reward_mean", e)] == 0.5
+        assert got[("asyncrl_scheduler_last_eval_accuracy", e)] == 0.75
+        assert ("asyncrl_scheduler_rollout_tokens_per_s", e) in got
+    finally:
+        http.shutdown()
+        http.server_close()
+        await ch.close()
+        await scheduler.stop(grace=0)
+
+
+def test_worker_collectors_one_registry_each_report_live_state_without_conflict(tmp_path):
+    """Real rollout and trainer service objects (not serving); two of a kind in one process
+    each get their own registry, so there is no duplicate-registration error."""
+    rollout = RolloutService(TorchEngine(seed=0), js=None)
+    rollout.experiment_id = "exp-1"
+    rollout.throughput.add(120)
+    trainer = TrainerService(None, None, tmp_path / "var", tmp_path / "weights")
+    trainer.experiment_id, trainer.version, trainer.step = "exp-1", 5, 6
+    trainer.last_metrics = TrainerStepMetrics(
+        **{f.name: 0 for f in fields(TrainerStepMetrics)}
+        | {"loss": 1.5, "staleness_max": 2, "tokens_per_s": 9.0}
+    )
+    http, port = serve_metrics(0, registry_for(RolloutCollector(rollout)))
+    http2, port2 = serve_metrics(0, registry_for(TrainerCollector(trainer)))
+    registry_for(RolloutCollector(RolloutService(TorchEngine(seed=0), js=None)))
+    try:
+        e = (("experiment", "exp-1"),)
+        got = scrape(port)
+        assert got[("asyncrl_rollout_running_groups", e)] == 0.0
+        assert got[("asyncrl_rollout_running_samples", e)] == 0.0
+        assert got[("asyncrl_rollout_tokens_generated", e)] == 120.0
+        assert got[("asyncrl_rollout_engine_version", e)] == 0.0
+        got = scrape(port2)
+        assert got[("asyncrl_trainer_step", e)] == 6.0
+        assert got[("asyncrl_trainer_version", e)] == 5.0
+        assert got[("asyncrl_trainer_last_step_loss", e)] == 1.5
+        assert got[("asyncrl_trainer_last_step_staleness_max", e)] == 2.0
+        assert got[("asyncrl_trainer_last_step_tokens_per_s", e)] == 9.0
+    finally:
+        for h in (http, http2):
+            h.shutdown()
+            h.server_close()
