@@ -66,10 +66,17 @@ if __name__ == "__main__":
     configure_logging("trainer")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if int(os.environ.get("RANK", "0")) > 0:
-        # under torchrun (megatron backend, TP/DP > 1) only rank 0 serves; the others follow it
-        from services.trainer.backends.megatron_backend import follow
-
-        follow()
-    else:
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         asyncio.run(main(args))
+    else:
+        # under torchrun (megatron backend, TP/DP > 1) only rank 0 serves; the others follow it
+        from services.trainer.backends.megatron_backend import follow, release_followers
+        from services.trainer.megatron.parallel import init_default_group, shutdown_distributed
+
+        init_default_group()
+        if int(os.environ["RANK"]) > 0:
+            follow()
+        else:
+            asyncio.run(main(args))
+            release_followers()
+        shutdown_distributed()

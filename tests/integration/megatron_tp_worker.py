@@ -109,7 +109,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from services.trainer.backends.megatron_backend import follow
-    from services.trainer.megatron.parallel import init_default_group
+    from services.trainer.megatron.parallel import init_default_group, shutdown_distributed
 
     model_dir, out_dir = sys.argv[1], Path(sys.argv[2])
     init_default_group()
@@ -119,6 +119,7 @@ def main() -> None:
             (out_dir / name / "result.json").write_text(json.dumps(result))
         else:
             follow()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

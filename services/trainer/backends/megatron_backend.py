@@ -265,10 +265,23 @@ class MegatronBackend(TrainerBackend):
 # -- torchrun: rank 0 leads, the other ranks follow ---------------------------------------------
 
 
+_followers_listening = True  # rank 0's view: are the other ranks inside follow()?
+
+
 def _announce(op: str, *args) -> None:
     """On rank 0 of a multi-rank run: tell the followers which call comes next."""
+    global _followers_listening
     if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() == 0:
         dist.broadcast_object_list([(op, args)], src=0)
+        _followers_listening = op != "close"
+
+
+def release_followers() -> None:
+    """Rank 0, on its way out: end the followers' `follow()` loops if no `close()` has. A trainer
+    that never trained (or whose experiment ended without closing its backend) still lets
+    the other ranks exit."""
+    if _followers_listening:
+        _announce("close")
 
 
 def follow() -> None:

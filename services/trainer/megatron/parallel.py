@@ -69,6 +69,22 @@ def init_default_group() -> None:
     dist.init_process_group(backend)
 
 
+def shutdown_distributed() -> None:
+    """Leave torch.distributed in order: every rank meets at a barrier, then megatron's groups and
+    the default group are destroyed. A rank that exits with live gloo groups while its peer is
+    still tearing down can abort in C++ ("terminate called without an active exception"), so
+    every multi-rank entry point calls this last. Idempotent."""
+    if not dist.is_initialized():
+        return
+    from megatron.core import parallel_state
+
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
 def init_parallel(tp_size: int, dp_size: int, seed: int) -> ParallelInfo:
     """Initialise torch.distributed and megatron's model-parallel state for TP x DP.
 
