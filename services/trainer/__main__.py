@@ -75,6 +75,10 @@ if __name__ == "__main__":
 
         init_default_group()
         if int(os.environ["RANK"]) > 0:
+            # a stop signal reaches the whole process group; rank 0 shuts down at a step
+            # boundary (final checkpoint, which needs every rank) and then releases the others
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
             follow()
         else:
             asyncio.run(main(args))

@@ -5,6 +5,10 @@ check the trainer's own logic (batching, staleness drops, weight commits, checkp
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -27,7 +31,9 @@ from asyncrl.tiny import build_tiny_model
 from asyncrl.types import RewardStatus, Sample, TrajectoryGroup
 from asyncrl.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from asyncrl.weights import uri_to_path
+from services.trainer.checkpoint import checkpoint_root, latest_checkpoint
 from services.trainer.consumer import durable_name
+from services.trainer.megatron.parallel import free_port
 from services.trainer.server import create_trainer
 
 EXP = "exp-trainer"
@@ -306,3 +312,66 @@ async def test_trainer_start_invalid_spec_invalid_argument_names_field(tiny, sta
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "trainer.batch_size" in err.value.details()
     assert (await _status(stub)).state == "idle"
+
+
+async def test_trainer_service_under_torchrun_tp2_trains_commits_and_stops_cleanly(
+    tiny, scheduler, js, nats_server, tmp_path
+):
+    """`torchrun --nproc_per_node 2 -m services.trainer` with trainer.tp_size=2: rank 0 serves
+    and registers, rank 1 follows its backend calls; one step commits loadable HF weights, and
+    SIGTERM to the process group ends both ranks after a final checkpoint (nothing aborts)."""
+    root = Path(__file__).resolve().parents[2]
+    port, log_path = free_port(), tmp_path / "trainer.log"
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{root / 'libs'}:{root}",
+        OMP_NUM_THREADS="1",
+        ASYNCRL_VAR=str(tmp_path / "var"),
+        ASYNCRL_WEIGHTS=str(tmp_path / "weights"),
+    )
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        "-m", "services.trainer", "--port", str(port),
+        "--scheduler", scheduler.address, "--nats-url", nats_server.url,
+    ]  # fmt: skip
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            cmd, cwd=root, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        await wait_until(lambda: scheduler.workers or proc.poll() is not None, timeout=120)
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        spec = _spec(tiny[0])
+        spec.trainer.backend, spec.trainer.tp_size = "megatron", 2
+        async with channel(f"127.0.0.1:{port}") as ch:
+            stub = trainer_pb2_grpc.TrainerStub(ch)
+            await stub.StartExperiment(
+                trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec=spec), timeout=120
+            )
+            await publish_group(js, _group(tiny, "g0", 0))
+            await publish_group(js, _group(tiny, "g1", 0))
+            await _wait_commits(scheduler, 1, timeout=120)
+            st = await _status(stub)
+        assert (st.version, st.step, st.backend) == (1, 1, "megatron")
+        trained = AutoModelForCausalLM.from_pretrained(
+            uri_to_path(scheduler.commits[0].uri), dtype=torch.float32
+        )
+        base = tiny[1].state_dict()
+        assert any(not torch.equal(v, base[k]) for k, v in trained.state_dict().items())
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.to_thread(proc.wait, 90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    log = log_path.read_text()
+    # torchrun itself exits 1 on a signal; what matters is how the ranks ended
+    assert "trainer_shutting_down" in log, log[-3000:]
+    assert "terminate called" not in log and "SIGKILL" not in log, log[-3000:]
+    assert latest_checkpoint(checkpoint_root(tmp_path / "var", EXP)) is not None
