@@ -173,6 +173,8 @@ class ExperimentRunner:
         self._start_failures = 0
         k = resp.version
         async with self.fleet.lock:
+            if resp.uri:  # the trainer's own word on where version k lives
+                self.record.weight_uris[k] = resp.uri
             if k != self.version:
                 self.record.progress.version = k
                 self.record.fleet_uri = self._uri_for(k)

@@ -31,7 +31,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     @rpc_errors
     async def StartExperiment(self, request, context):
         version, resumed = await self.service.start_experiment(request.experiment_id, request.spec)
-        return trainer_pb2.StartExperimentResponse(version=version, resumed=resumed)
+        return trainer_pb2.StartExperimentResponse(
+            version=version, resumed=resumed, uri=self.service.weights_uri(version)
+        )
 
     @rpc_errors
     async def StopExperiment(self, request, context):

@@ -26,7 +26,7 @@ from asyncrl.retry import idempotent_rpc
 from asyncrl.spec import ExperimentSpec, SpecError, spec_from_proto
 from asyncrl.types import TrajectoryGroup
 from asyncrl.v1 import common_pb2, scheduler_pb2, trainer_pb2
-from asyncrl.weights import copy_tokenizer, prune, publish_version, version_dir
+from asyncrl.weights import copy_tokenizer, path_to_uri, prune, publish_version, version_dir
 from services.trainer.backends import make_backend
 from services.trainer.checkpoint import (
     BACKEND_DIR,
@@ -125,6 +125,12 @@ class TrainerService:
                 raise
             self._task = asyncio.create_task(self._run(), name=f"trainer-{experiment_id}")
         return self.version, self.resumed
+
+    def weights_uri(self, version: int) -> str:
+        """Where the rollouts load `version` from: the weight store, "" for the base model."""
+        if version == 0:
+            return ""
+        return path_to_uri(version_dir(self.weights_root, self.experiment_id, version))
 
     async def stop_experiment(self, experiment_id: str) -> None:
         """Stop the loop at the next step boundary, with a final checkpoint."""

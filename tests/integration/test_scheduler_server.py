@@ -82,12 +82,15 @@ class FakeRollout(rollout_pb2_grpc.RolloutServicer):
 class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, version: int = 0):
         self.version = version
+        self.uri = f"file:///w/v{version}" if version else ""
         self.started: list[str] = []
         self.stopped: list[str] = []
 
     async def StartExperiment(self, request, context):
         self.started.append(request.experiment_id)
-        return trainer_pb2.StartExperimentResponse(version=self.version, resumed=self.version > 0)
+        return trainer_pb2.StartExperimentResponse(
+            version=self.version, resumed=self.version > 0, uri=self.uri
+        )
 
     async def StopExperiment(self, request, context):
         self.stopped.append(request.experiment_id)
@@ -497,7 +500,7 @@ async def test_trainer_resume_recovers_version_from_start_experiment(cluster, fi
     await wait_until(lambda: len(rollout.group_ids()) == 2)  # (eta + 1) * B, not a burst
     await asyncio.sleep(0.2)
     assert len(rollout.group_ids()) == 2
-    assert rollout.updates[0] == (2, files["model"])
+    assert rollout.updates[0] == (2, "file:///w/v2")  # where the trainer says v2 lives
 
 
 async def test_trainer_lease_lapse_waits_then_new_trainer_resumes(cluster, files):

@@ -226,7 +226,7 @@ async def test_trainer_group_staler_than_eta_is_dropped_acked_not_trained(
 
 
 async def test_trainer_crash_restart_resumes_checkpoint_and_retrains_only_later_groups(
-    tiny, scheduler, start_trainer, js
+    tiny, scheduler, start_trainer, js, tmp_path
 ):
     service, stub = await start_trainer()
     await stub.StartExperiment(
@@ -249,6 +249,8 @@ async def test_trainer_crash_restart_resumes_checkpoint_and_retrains_only_later_
         timeout=60,
     )
     assert (resp.version, resp.resumed) == (2, True)
+    assert uri_to_path(resp.uri) == tmp_path / "weights" / EXP / "v000002"
+    assert (uri_to_path(resp.uri) / "model.safetensors").is_file()
     await _wait_commits(scheduler, 4)
     assert [c.version for c in scheduler.commits] == [1, 2, 3, 3]
     await asyncio.sleep(1.5)  # nothing else is re-consumed
