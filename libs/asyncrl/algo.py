@@ -126,7 +126,8 @@ def pack_groups(
     """Flatten groups to right-padded sequences (prompt + output) with per-token advantages.
 
     A sample whose reward FAILED gets zero advantage and no loss tokens (it is excluded, not
-    scored as 0). Advantages are normalised over the group's OK samples.
+    scored as 0). Advantages are normalised over the group's OK samples. Environment tokens
+    (`Sample.loss_mask` 0) are context only: no loss.
     """
     seqs, lmask, blogp, adv, vers, rews = [], [], [], [], [], []
     for g in groups:
@@ -141,7 +142,7 @@ def pack_groups(
             p, o = len(g.prompt_ids), len(s.output_ids)
             seqs.append(list(g.prompt_ids) + list(s.output_ids))
             # target index t predicts token t+1: output token j sits at target p-1+j
-            lmask.append([0.0] * (p - 1) + [1.0 if k else 0.0] * o)
+            lmask.append([0.0] * (p - 1) + [float(k and m) for m in s.trained_mask()])
             blogp.append([0.0] * (p - 1) + list(s.logprobs))
             adv.append([0.0] * (p - 1) + [a] * o)
             vers.append([-1] * (p - 1) + list(s.versions))

@@ -234,6 +234,7 @@ def group_record(group: TrajectoryGroup) -> dict:
                 "versions": s.versions,
                 "output_ids": s.output_ids,
                 "logprobs": s.logprobs,
+                "loss_mask": s.trained_mask(),  # 0 = environment token (multi-turn workflows)
             }
             for s in group.samples
         ],

@@ -22,6 +22,7 @@ def sample_to_proto(s: Sample) -> trajectory_pb2.Sample:
         reward_status=_STATUS_TO_PB[s.reward_status],
         reward_reason=s.reward_reason,
         text=s.text,
+        loss_mask=s.loss_mask if not all(s.loss_mask) else [],
     )
 
 
@@ -35,6 +36,7 @@ def sample_from_proto(m: trajectory_pb2.Sample) -> Sample:
         reward_status=_STATUS_FROM_PB.get(m.reward_status, RewardStatus.FAILED),
         reward_reason=m.reward_reason,
         text=m.text,
+        loss_mask=list(m.loss_mask),
     )
 
 

@@ -7,13 +7,16 @@ field (e.g. ``trainer.lr``) so servers can answer INVALID_ARGUMENT with it.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from google.protobuf import json_format
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from asyncrl.v1 import experiment_pb2
+
+_PLUGIN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
 class SpecError(ValueError):
@@ -72,6 +75,26 @@ class RewardSpec(_Section):
     kwargs: dict[str, str] = Field(default_factory=dict)
 
 
+class WorkflowSpec(_Section):
+    name: str = "single_turn"
+    """single_turn | multi_turn | module:Class (an asyncrl.workflow.Workflow subclass)."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the workflow's constructor."""
+
+    @field_validator("name")
+    @classmethod
+    def _known_or_plugin(cls, v: str) -> str:
+        if v not in ("single_turn", "multi_turn") and not _PLUGIN.fullmatch(v):
+            raise ValueError(f"unknown workflow {v!r}: single_turn, multi_turn or module:Class")
+        return v
+
+    @field_validator("args")
+    @classmethod
+    def _integral_floats_to_int(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # the wire form (google.protobuf.Struct) carries every number as a double
+        return {k: int(x) if isinstance(x, float) and x.is_integer() else x for k, x in v.items()}
+
+
 class RolloutSpec(_Section):
     n_samples: int = Field(4, gt=0)
     """GRPO group size: samples per prompt."""
@@ -84,6 +107,8 @@ class RolloutSpec(_Section):
     filter: Literal["none", "nonconstant_reward"] = "nonconstant_reward"
     """Dynamic filter: `nonconstant_reward` rejects groups whose rewards are all equal."""
     group_timeout_s: float = Field(600.0, gt=0)
+    workflow: WorkflowSpec = Field(default_factory=WorkflowSpec)
+    """How one trajectory is produced; the system runs it n_samples times per prompt."""
 
 
 class TrainerSpec(_Section):

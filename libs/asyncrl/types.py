@@ -23,6 +23,11 @@ class Sample:
     reward_status: RewardStatus = RewardStatus.OK
     reward_reason: str = ""
     text: str = ""
+    loss_mask: list[int] = field(default_factory=list)
+    """1 = policy token (trained), 0 = environment token (context only); empty = all 1."""
+
+    def trained_mask(self) -> list[int]:
+        return self.loss_mask or [1] * len(self.output_ids)
 
 
 @dataclass

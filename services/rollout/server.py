@@ -14,7 +14,7 @@ from asyncrl.grpcutil import create_server, rpc_errors
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import connect, ensure_stream
 from asyncrl.retry import connect_policy
-from asyncrl.spec import RewardSpec, SamplingParams, SpecError
+from asyncrl.spec import RewardSpec, SamplingParams, SpecError, WorkflowSpec
 from asyncrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from asyncrl.worker import WorkerAgent, advertise_host
 from services.rollout.engine import Engine
@@ -59,6 +59,7 @@ def job_from_proto(req: rollout_pb2.GenerateGroupRequest) -> GroupJob:
         eval=req.eval,
         epoch=req.epoch,
         expected_version=req.expected_version,
+        workflow=_section(WorkflowSpec, req.workflow, "workflow"),
     )
 
 

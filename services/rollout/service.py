@@ -1,7 +1,9 @@
 """The rollout service logic: weights, group generation, scoring, filtering, publishing.
 
-A group is the unit of work: n engine requests for one prompt run concurrently, the n
-completions are scored with one Reward.Score call, the filter decides, and an accepted group
+A group is the unit of work: the experiment's workflow (asyncrl.workflow; `single_turn` is
+one engine request) runs n times concurrently for one prompt, each run yielding one
+trajectory; the trajectories the workflow left unscored are scored with one Reward.Score
+call, the filter decides, and an accepted group
 (or any eval group) is published to JetStream with Nats-Msg-Id = group id *before* the summary
 goes back to the scheduler. A cancelled GenerateGroup (the scheduler aborts stale groups)
 cancels its engine requests and publishes nothing.
@@ -18,10 +20,11 @@ from pathlib import Path
 from asyncrl.grpcutil import Conflict
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import publish_group
-from asyncrl.spec import RewardSpec, SamplingParams
+from asyncrl.spec import RewardSpec, SamplingParams, SpecError, WorkflowSpec
 from asyncrl.types import RewardStatus, Sample, TrajectoryGroup
 from asyncrl.weights import uri_to_path
-from services.rollout.engine import Engine, GenOutput, GenRequest
+from asyncrl.workflow import Completion, Score, Trajectory, Workflow, WorkflowContext, make_workflow
+from services.rollout.engine import Engine, GenRequest
 from services.rollout.filters import GroupStatus, decide, failed_samples, resolve_filter
 from services.rollout.reward_client import RewardClient, RewardUnavailable, ScoreItem
 
@@ -45,6 +48,7 @@ class GroupJob:
     eval: bool = False
     epoch: int = 0
     expected_version: int = 0
+    workflow: WorkflowSpec = field(default_factory=WorkflowSpec)
 
 
 @dataclass
@@ -204,6 +208,10 @@ class RolloutService:
 
     async def generate_group(self, job: GroupJob) -> GroupSummary:
         resolve_filter(job.filter)
+        try:
+            workflow = make_workflow(job.workflow.name, job.workflow.args)
+        except ValueError as e:
+            raise SpecError("workflow", str(e)) from None
         if job.n <= 0:
             raise ValueError(f"n: must be positive, got {job.n}")
         if not job.group_id:
@@ -218,24 +226,20 @@ class RolloutService:
         running = _Running(job)
         self._groups[job.group_id] = running
         try:
-            return await self._run_group(job, running)
+            return await self._run_group(job, running, workflow)
         finally:
             self._groups.pop(job.group_id, None)
 
-    async def _run_group(self, job: GroupJob, running: _Running) -> GroupSummary:
+    async def _run_group(
+        self, job: GroupJob, running: _Running, workflow: Workflow
+    ) -> GroupSummary:
         t0 = time.perf_counter()
         version_at_start = self.engine.version
         prompt_ids = self.tokenizer(job.prompt, add_special_tokens=False).input_ids
-        stop_ids = list(job.params.stop_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            stop_ids.append(self.tokenizer.eos_token_id)
-        reqs = [
-            GenRequest(f"{job.group_id}:{i}", list(prompt_ids), job.params, stop_ids)
-            for i in range(job.n)
-        ]
-        running.task = asyncio.create_task(_generate_all(self.engine, reqs))
+        contexts = [self._context(job, prompt_ids, i) for i in range(job.n)]
+        running.task = asyncio.create_task(_run_all(workflow, contexts))
         try:
-            outputs = await running.task
+            trajectories = await running.task
         except asyncio.CancelledError:
             if running.aborted and not asyncio.current_task().cancelling():
                 return self._summary(
@@ -244,13 +248,14 @@ class RolloutService:
             log.info("group_cancelled", group=job.group_id)
             raise
         except Exception as exc:  # noqa: BLE001 - reported as a FAILED group with the reason
-            log.exception("generation_failed", group=job.group_id)
+            log.exception("generation_failed", group=job.group_id, workflow=job.workflow.name)
             return self._summary(
                 job, GroupStatus.FAILED, f"generation failed: {exc}", [], version_at_start, t0
             )
-        samples = [self._sample(o) for o in outputs]
-        self.throughput.add(sum(len(s.output_ids) for s in samples))
-        await self._score(job, samples)
+        samples = [self._sample(t) for t in trajectories]
+        await self._score(
+            job, [s for s, t in zip(samples, trajectories, strict=True) if t.reward is None]
+        )
         decision = decide(samples, job.filter, job.eval)
         summary = self._summary(
             job, decision.status, decision.reason, samples, version_at_start, t0
@@ -285,13 +290,53 @@ class RolloutService:
         )
         return summary
 
-    def _sample(self, out: GenOutput) -> Sample:
+    def _context(self, job: GroupJob, prompt_ids: list[int], index: int) -> WorkflowContext:
+        """Sample `index`'s view of the system: the engine (interruptible, per-token
+        versions) and the experiment's reward function."""
+        stop_ids = list(job.params.stop_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            stop_ids.append(self.tokenizer.eos_token_id)
+
+        async def generate(rid: str, input_ids: list[int], params: SamplingParams) -> Completion:
+            out = await self.engine.generate(GenRequest(rid, input_ids, params, stop_ids))
+            self.throughput.add(len(out.output_ids))
+            text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+            return Completion(out.output_ids, out.logprobs, out.versions, out.finish_reason, text)
+
+        async def score(prompt: str, text: str) -> Score:
+            item = ScoreItem(f"{job.group_id}:{index}", prompt, text, job.answer)
+            try:
+                [got] = await self.rewards.score(job.reward_addresses, job.reward, [item])
+            except RewardUnavailable as exc:
+                return Score(0.0, RewardStatus.FAILED, str(exc))
+            return Score(got.reward, got.status, got.reason)
+
+        return WorkflowContext(
+            prompt=job.prompt,
+            answer=job.answer,
+            prompt_ids=prompt_ids,
+            index=index,
+            is_eval=job.eval,
+            params=job.params,
+            tokenizer=self.tokenizer,
+            generate=generate,
+            score=score,
+            version=lambda: self.engine.version,
+            request_id=f"{job.group_id}:{index}",
+        )
+
+    def _sample(self, t: Trajectory) -> Sample:
+        policy_ids = [tok for tok, m in zip(t.output_ids, t.loss_mask, strict=True) if m]
         return Sample(
-            output_ids=out.output_ids,
-            logprobs=out.logprobs,
-            versions=out.versions,
-            finish_reason=out.finish_reason,
-            text=self.tokenizer.decode(out.output_ids, skip_special_tokens=True),
+            output_ids=t.output_ids,
+            logprobs=t.logprobs,
+            versions=t.versions,
+            finish_reason=t.finish_reason,
+            reward=t.reward or 0.0,
+            reward_status=t.reward_status,
+            reward_reason=t.reward_reason,
+            text=t.text or self.tokenizer.decode(policy_ids, skip_special_tokens=True),
+            loss_mask=[] if t.all_policy else list(t.loss_mask),
         )
 
     async def _score(self, job: GroupJob, samples: list[Sample]) -> None:
@@ -360,11 +405,11 @@ class RolloutService:
         log.info("rollout_stopped")
 
 
-async def _generate_all(engine: Engine, reqs: list[GenRequest]) -> list[GenOutput]:
-    """All requests of a group concurrently; one failure cancels the others."""
+async def _run_all(workflow: Workflow, contexts: list[WorkflowContext]) -> list[Trajectory]:
+    """The group: one workflow run per sample, concurrently; one failure cancels the others."""
     try:
         async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(engine.generate(r)) for r in reqs]
+            tasks = [tg.create_task(workflow.run(ctx)) for ctx in contexts]
     except ExceptionGroup as eg:
         raise eg.exceptions[0] from eg
     return [t.result() for t in tasks]

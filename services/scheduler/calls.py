@@ -58,6 +58,7 @@ class WorkerCalls:
             filter=self.spec.rollout.filter,
             reward_addresses=reward_addresses,
             epoch=ticket.epoch,
+            workflow=self.spec_pb.rollout.workflow,
         )
 
     def eval_request(
@@ -82,6 +83,7 @@ class WorkerCalls:
             reward=self.spec_pb.reward,
             filter="none",
             reward_addresses=reward_addresses,
+            workflow=self.spec_pb.rollout.workflow,
         )
 
     async def generate_group(

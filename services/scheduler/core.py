@@ -24,6 +24,7 @@ from asyncrl.retry import connect_policy
 from asyncrl.rewards import validate_reward_function
 from asyncrl.spec import ExperimentSpec, SpecError, check_files, spec_from_proto, validate_spec
 from asyncrl.v1 import experiment_pb2, trainer_pb2, trainer_pb2_grpc
+from asyncrl.workflow import make_workflow
 from services.scheduler.context import ChannelPool, RunnerContext, SchedulerConfig
 from services.scheduler.dataset import Prompt, load_prompts
 from services.scheduler.experiments import ExperimentRunner
@@ -134,6 +135,10 @@ class Scheduler:
         spec = spec_from_proto(spec_pb)
         check_files(spec)
         validate_reward_function(spec.reward.function, spec.reward.kwargs)
+        try:
+            make_workflow(spec.rollout.workflow.name, spec.rollout.workflow.args)
+        except ValueError as e:
+            raise SpecError("rollout.workflow", str(e)) from None
         prompts, eval_prompts = await asyncio.to_thread(load_datasets, spec)
         now_ms = int(time.time() * 1000)
         record = ExperimentRecord(

@@ -9,6 +9,7 @@ test_end_to_end_sglang.py; the shared parts are in experiment.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -47,6 +48,21 @@ def test_megatron_backend_small_experiment_completes_through_all_services(cluste
     assert_dump_decodes(cluster, exp, tmp_path / "traj.jsonl")
     started = log_events(cluster.var / "log" / "trainer-0.log", "experiment_started")
     assert [e["backend"] for e in started if e["experiment"] == exp.id] == ["megatron"]
+
+
+def test_multi_turn_workflow_experiment_trains_feedback_tokens_masked(cluster, task, tmp_path):
+    """rollout.workflow = multi_turn: the system groups n single-trajectory runs; the trainer
+    trains on trajectories that contain environment (feedback) tokens."""
+    spec = small_spec(task)
+    spec["rollout"]["workflow"] = {"name": "multi_turn", "args": {"max_turns": 2}}
+    exp = asyncio.run(run_experiment(cluster.scheduler, spec))
+    assert_completed(exp)
+    out = tmp_path / "traj.jsonl"
+    assert_dump_decodes(cluster, exp, out)
+    samples = [s for line in out.read_text().splitlines() for s in json.loads(line)["samples"]]
+    two_turns = [s for s in samples if 0 in s["loss_mask"]]
+    assert two_turns, "a random model answers wrong at first: feedback must appear"
+    assert all(s["reward"] in (0.0, 0.5, 1.0) for s in samples)
 
 
 def test_scale_rollout_and_reward_during_a_run_new_replicas_get_work(cluster, task):

@@ -80,6 +80,7 @@ def test_dump_train_groups_all_written_in_order_other_experiment_excluded(nats_s
         "versions": [0, 1],
         "output_ids": [1, 2],
         "logprobs": [-0.5, -0.25],
+        "loss_mask": [1, 1],
     }
 
 

@@ -288,3 +288,77 @@ async def test_update_weights_new_experiment_aborts_running_groups(
     assert summary.status == rollout_pb2.GROUP_STATUS_FAILED and not summary.published
     assert "switched from experiment 'long' to 'exp2'" in summary.reason
     assert service.experiment_id == "exp2" and service.engine.running == 0
+
+
+def _with_workflow(req, name: str, **args) -> rollout_pb2.GenerateGroupRequest:
+    req.workflow.name = name
+    req.workflow.args.update(args)
+    return req
+
+
+async def test_plugin_workflow_yields_one_trajectory_system_groups_n_env_tokens_masked(
+    rollout, reward_address, js, models, no_eos_tokenizer
+):
+    stub, _ = rollout
+    exp = await _serve_long(stub, models, no_eos_tokenizer)
+    req = _request("wf1", [reward_address], n=3, experiment_id=exp, filter="nonconstant_reward")
+    req = _with_workflow(req, "tests.fixtures_plugins.workflows:TwoCalls", marker="|#")
+    summary = await stub.GenerateGroup(req, timeout=60)
+    assert summary.status == rollout_pb2.GROUP_STATUS_ACCEPTED
+    assert sorted(summary.rewards) == [0.0, 1.0, 2.0]  # the workflow's own rewards
+    [group] = await _read_back(js, train_subject(exp), 1)
+    assert len(group.samples) == 3
+    for s in group.samples:
+        assert s.loss_mask == [1, 1, 1, 0, 0, 1, 1]  # 3 policy, "|#" from the env, 2 policy
+        assert len(s.output_ids) == len(s.logprobs) == len(s.versions) == 7
+        assert s.logprobs[3:5] == [0.0, 0.0] and all(lp < 0 for lp in s.logprobs[:3])
+        assert s.versions == [0] * 7
+        tok = AutoTokenizer.from_pretrained(str(no_eos_tokenizer))
+        assert tok.decode(s.output_ids[3:5]) == "|#"
+
+
+async def test_multi_turn_workflow_scores_each_turn_feedback_is_context(
+    rollout, reward_address, js, models
+):
+    stub, _ = rollout
+    tok = AutoTokenizer.from_pretrained(str(models / "v0"))
+    req = _with_workflow(
+        _request("mt1", [reward_address], n=4, max_new_tokens=4),
+        "multi_turn",
+        max_turns=2,
+        feedback=" no. ",
+    )
+    summary = await stub.GenerateGroup(req, timeout=60)
+    assert summary.status == rollout_pb2.GROUP_STATUS_ACCEPTED  # filter "none"
+    [group] = await _read_back(js, train_subject(EXP), 1)
+    for s in group.samples:
+        assert s.reward in (0.0, 0.5, 1.0) and s.reward_status is RewardStatus.OK
+        env = [i for i, m in enumerate(s.loss_mask) if m == 0]
+        if s.reward == 1.0:  # right at the first answer: no feedback, one turn
+            assert s.loss_mask == []
+        else:  # a wrong first answer, then the feedback, then the second answer
+            feedback = tok(" no. ", add_special_tokens=False).input_ids
+            assert [s.output_ids[i] for i in env] == feedback
+            assert env == list(range(env[0], env[0] + len(feedback)))  # one contiguous run
+            assert s.text != "" and s.loss_mask[-1] == 1
+
+
+async def test_bad_workflow_is_invalid_argument_failing_workflow_fails_group(
+    rollout, reward_address
+):
+    stub, _ = rollout
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.GenerateGroup(
+            _with_workflow(_request("bw1", [reward_address]), "multi_turn", max_turns=0),
+            timeout=30,
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "workflow" in err.value.details() and "max_turns" in err.value.details()
+    summary = await stub.GenerateGroup(
+        _with_workflow(
+            _request("bw2", [reward_address]), "tests.fixtures_plugins.workflows:Broken"
+        ),
+        timeout=30,
+    )
+    assert summary.status == rollout_pb2.GROUP_STATUS_FAILED
+    assert "scripted workflow failure" in summary.reason and not summary.published

@@ -238,6 +238,12 @@ async def running_experiment(
         ({"rollout": {"n_samples": 0}}, "rollout.n_samples"),
         ({"reward": {"function": "no_such_reward"}}, "reward.function"),
         ({"dataset": {"path": "/nonexistent/train.jsonl"}}, "dataset.path"),
+        ({"rollout": {"workflow": {"name": "no_such_flow"}}}, "rollout.workflow.name"),
+        ({"rollout": {"workflow": {"name": "pkg_missing:Flow"}}}, "rollout.workflow"),
+        (
+            {"rollout": {"workflow": {"name": "multi_turn", "args": {"turns": 2}}}},
+            "rollout.workflow",
+        ),
     ],
 )
 async def test_submit_bad_field_invalid_argument_names_field(cluster, files, override, field):

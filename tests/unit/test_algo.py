@@ -195,6 +195,26 @@ def test_pack_groups_select_recounts_loss_tokens():
     assert b.input_ids.shape == (2, 6)
 
 
+def test_pack_groups_environment_tokens_are_context_without_loss():
+    # a two-turn sample: policy 20 21, environment 90 91 (feedback), policy 22
+    turns = Sample(
+        [20, 21, 90, 91, 22],
+        [-0.1, -0.2, 0.0, 0.0, -0.3],
+        [0, 0, 1, 1, 1],
+        reward=1.0,
+        loss_mask=[1, 1, 0, 0, 1],
+    )
+    plain = Sample([23], [-0.4], [1], reward=0.0)
+    b = pack_groups([_group([10, 11], [turns, plain])], pad_id=0, adv_eps=0.0)
+    assert b.input_ids.tolist() == [[10, 11, 20, 21, 90, 91, 22], [10, 11, 23, 0, 0, 0, 0]]
+    assert b.loss_mask.tolist() == [[0, 1, 1, 0, 0, 1], [0, 1, 0, 0, 0, 0]]
+    sel = b.loss_mask.bool()
+    assert b.targets[sel].tolist() == [20, 21, 22, 23]
+    assert b.behav_logp[sel].tolist() == pytest.approx([-0.1, -0.2, -0.3, -0.4])
+    assert b.advantages[sel].tolist() == [1.0, 1.0, 1.0, -1.0]
+    assert b.n_tokens == 4
+
+
 def test_lr_at_linear_decays_to_min_ratio_at_last_step():
     from asyncrl.algo import lr_at
 
