@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 
 import yaml
 
 from asyncrl.logging import configure_logging, get_logger
-from asyncrl.metrics import RolloutCollector, registry_for, start_metrics_server
+from asyncrl.metrics import RolloutCollector
 from asyncrl.natsutil import nats_url
+from asyncrl.service_main import add_service_args, maybe_serve_metrics, run_until_signal
 from services.rollout.engines import ENGINES, make_engine
 from services.rollout.server import DEFAULT_CAPACITY, create_rollout
 
@@ -41,24 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="extra engine constructor option (value parsed as YAML); repeatable",
     )
-    p.add_argument("--port", type=int, default=0, help="port to bind (0: any free port)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
+    add_service_args(p, port=0, register=True, metrics=True)
     p.add_argument(
         "--capacity",
         type=int,
         default=DEFAULT_CAPACITY,
         help="concurrent groups this worker accepts",
-    )
-    p.add_argument(
-        "--no-register",
-        action="store_true",
-        help="do not register with the scheduler (ASYNCRL_SCHEDULER)",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics on this port (0: any free port; default: off)",
     )
     return p.parse_args(argv)
 
@@ -77,11 +65,7 @@ def engine_opts(args: argparse.Namespace) -> dict:
     return opts
 
 
-async def main(args: argparse.Namespace) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+async def start(args: argparse.Namespace):
     engine = make_engine(args.engine, **engine_opts(args))
     _, port, service = await create_rollout(
         nats_url(),
@@ -92,11 +76,13 @@ async def main(args: argparse.Namespace) -> None:
         host=args.host,
         engine_kind=args.engine,
     )
-    if args.metrics_port is not None:
-        start_metrics_server(args.metrics_port, registry_for(RolloutCollector(service)))
+    maybe_serve_metrics(args.metrics_port, RolloutCollector(service))
     get_logger().info("rollout_ready", port=port, engine=args.engine)
-    await stop.wait()
-    await service.stop()
+    return service
+
+
+async def main(args: argparse.Namespace) -> None:
+    await run_until_signal(start(args), lambda service: service.stop())
 
 
 if __name__ == "__main__":

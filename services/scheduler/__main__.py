@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 
 from asyncrl.logging import configure_logging, get_logger
-from asyncrl.metrics import SchedulerCollector, registry_for, start_metrics_server
+from asyncrl.metrics import SchedulerCollector
 from asyncrl.natsutil import nats_url
+from asyncrl.service_main import add_service_args, maybe_serve_metrics, run_until_signal
 from services.scheduler.server import create_scheduler
 
 
@@ -22,8 +22,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--port", type=int, default=50051, help="port to bind")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
+    add_service_args(p, port=50051, register=False, metrics=True, port_help="port to bind")
     p.add_argument(
         "--lease-ttl",
         type=float,
@@ -33,20 +32,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--heartbeat-interval", type=float, default=1.0, help="seconds between worker heartbeats"
     )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics on this port (0: any free port; default: off)",
-    )
     return p.parse_args(argv)
 
 
-async def main(args: argparse.Namespace) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+async def start(args: argparse.Namespace):
     _, port, scheduler = await create_scheduler(
         nats_url(),
         port=args.port,
@@ -54,11 +43,13 @@ async def main(args: argparse.Namespace) -> None:
         lease_ttl_s=args.lease_ttl,
         heartbeat_interval_s=args.heartbeat_interval,
     )
-    if args.metrics_port is not None:
-        start_metrics_server(args.metrics_port, registry_for(SchedulerCollector(scheduler)))
+    maybe_serve_metrics(args.metrics_port, SchedulerCollector(scheduler))
     get_logger().info("scheduler_ready", port=port)
-    await stop.wait()
-    await scheduler.stop(grace=2.0)
+    return scheduler
+
+
+async def main(args: argparse.Namespace) -> None:
+    await run_until_signal(start(args), lambda scheduler: scheduler.stop(grace=2.0))
 
 
 if __name__ == "__main__":

@@ -13,13 +13,13 @@ import signal
 import torch
 
 from asyncrl.logging import configure_logging, get_logger
-from asyncrl.metrics import TrainerCollector, registry_for, start_metrics_server
+from asyncrl.metrics import TrainerCollector
 from asyncrl.natsutil import nats_url
+from asyncrl.service_main import add_service_args, maybe_serve_metrics, run_until_signal
 from services.trainer.server import create_trainer
 
 
-async def main(args: argparse.Namespace) -> None:
-    log = get_logger()
+async def start(args: argparse.Namespace):
     server, port, service = await create_trainer(
         args.nats_url,
         port=args.port,
@@ -27,37 +27,40 @@ async def main(args: argparse.Namespace) -> None:
         register=not args.no_register,
         host=args.host,
     )
-    if args.metrics_port is not None:
-        start_metrics_server(args.metrics_port, registry_for(TrainerCollector(service)))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("trainer_shutting_down", port=port)
+    maybe_serve_metrics(args.metrics_port, TrainerCollector(service))
+    return server, port, service
+
+
+async def stop(started) -> None:
+    server, port, service = started
+    get_logger().info("trainer_shutting_down", port=port)
     await server.health_servicer.enter_graceful_shutdown()
     await service.close()  # final checkpoint at the step boundary
     await server.stop(5)
 
 
+async def main(args: argparse.Namespace) -> None:
+    await run_until_signal(start(args), stop)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m services.trainer", description=__doc__)
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for other hosts)")
+    add_service_args(
+        p,
+        port=0,
+        register=True,
+        metrics=True,
+        port_help="gRPC port (0: any free port)",
+        host_help="address to bind (0.0.0.0 for other hosts)",
+        register_help="do not register with a scheduler",
+    )
     p.add_argument("--nats-url", default=nats_url(), help="NATS server (env NATS_URL)")
     p.add_argument(
         "--scheduler",
         default=None,
         help="scheduler host:port (env ASYNCRL_SCHEDULER, default 127.0.0.1:50051)",
     )
-    p.add_argument("--no-register", action="store_true", help="do not register with a scheduler")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics on this port (0: any free port; default: off)",
-    )
     return p.parse_args(argv)
 
 
@@ -75,8 +78,8 @@ if __name__ == "__main__":
 
         init_default_group()
         if int(os.environ["RANK"]) > 0:
-            # a stop signal reaches the whole process group; rank 0 shuts down at a step
-            # boundary (final checkpoint, which needs every rank) and then releases the others
+            # a stop signal reaches every rank (torchrun forwards it); rank 0 shuts down at a
+            # step boundary (final checkpoint, which needs every rank), then releases the others
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_IGN)
             follow()

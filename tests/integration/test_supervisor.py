@@ -1,4 +1,5 @@
-"""The local supervisor (`make up`) with a reduced service set: nats + scheduler + reward.
+"""The local supervisor (`make up`) with a reduced service set: nats + scheduler + reward, and
+metrics ports from ASYNCRL_METRICS_PORT.
 
 One supervisor per module (starting it costs seconds); the tests run in file order and the last
 one stops it. The module fixture stops it again and kills leftovers whatever happens.
@@ -8,13 +9,18 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from asyncrl.cli import app as cli_app
+from asyncrl.natsutil import free_port
 from asyncrl.supervisor import pid_alive, port_in_use
+from asyncrl.supervisor.daemon import kill_tree
 from tests.cluster import Cluster, wait_for
 
 SERVICES = "scheduler,reward"
@@ -23,6 +29,8 @@ SERVICES = "scheduler,reward"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("var"))
+    c.metrics_port = free_port()  # the scheduler's; reward has none
+    c.env["ASYNCRL_METRICS_PORT"] = str(c.metrics_port)
     c.started = c.sup("start", "--services", SERVICES, "--timeout", "120")
     yield c
     c.sup("stop")
@@ -56,6 +64,17 @@ def test_ps_lists_nats_scheduler_reward_running(cluster):
     ]
     assert all(pid_alive(p["pid"]) for p in state["processes"])
     assert Path(cluster.procs("reward")[0]["log"]).name == "reward-0.log"
+
+
+def test_ps_metrics_base_scheduler_gets_base_port_and_serves_it(cluster):
+    state = cluster.state()
+    ports = {p["service"]: p["metrics_port"] for p in state["processes"]}
+    assert ports == {"nats": None, "scheduler": cluster.metrics_port, "reward": None}
+    table = cluster.sup("ps").stdout
+    assert "metrics" in table and str(cluster.metrics_port) in table
+    url = f"http://127.0.0.1:{cluster.metrics_port}/metrics"
+    text = wait_for(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+    assert 'asyncrl_scheduler_workers{kind="reward"}' in text
 
 
 def test_cli_workers_and_bad_spec_against_real_scheduler(cluster, tmp_path):
@@ -124,3 +143,27 @@ def test_stop_leaves_no_process_behind(cluster):
             os.killpg(pid, 0)
     assert not port_in_use(cluster.nats_port) and not port_in_use(cluster.scheduler_port)
     assert "not running" in cluster.sup("ps").stdout
+
+
+def test_kill_tree_reaches_a_child_in_its_own_session(tmp_path):
+    """What the supervisor does to a replica past its grace period: torchrun starts each rank
+    in a new session, out of reach of a signal to torchrun's process group."""
+    pidfile = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+        f"open({str(pidfile)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(300)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    child = None
+    try:
+        child = int(wait_for(lambda: pidfile.exists() and pidfile.read_text()))
+        assert os.getpgid(child) != os.getpgid(parent.pid)
+        kill_tree(parent.pid)
+        assert parent.wait(10) == -signal.SIGKILL
+        wait_for(lambda: not pid_alive(child), timeout=10)
+    finally:
+        for pid in (parent.pid, child):
+            if pid and pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -1,10 +1,21 @@
-"""The supervisor's pure restart and replica-numbering policy."""
+"""The supervisor's pure policy: restart backoff, replica numbering, each replica's command
+line (torchrun for a multi-rank trainer) and metrics port."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from asyncrl.supervisor.daemon import backoff_s, free_index
+from asyncrl.supervisor.daemon import (
+    SERVICES,
+    Paths,
+    Replica,
+    Supervisor,
+    backoff_s,
+    free_index,
+    metrics_port_for,
+)
 
 
 @pytest.mark.parametrize("failures, delay", [(0, 0.5), (1, 0.5), (2, 1.0), (3, 2.0), (7, 30.0)])
@@ -15,3 +26,96 @@ def test_backoff_consecutive_failures_doubles_up_to_30s(failures, delay):
 @pytest.mark.parametrize("used, index", [(set(), 0), ({0}, 1), ({0, 2}, 1), ({1, 2}, 0)])
 def test_free_index_used_indices_lowest_free(used, index):
     assert free_index(used) == index
+
+
+# ---------------------------------------------------------------- command construction
+
+
+@pytest.fixture
+def sup_env(monkeypatch):
+    """No per-service extras or engine choice from the caller's environment."""
+    for service in ("SCHEDULER", "REWARD", "ROLLOUT", "TRAINER"):
+        monkeypatch.delenv(f"ASYNCRL_{service}_ARGS", raising=False)
+    monkeypatch.delenv("ASYNCRL_ROLLOUT_ENGINE", raising=False)
+    return monkeypatch
+
+
+def _sup(tmp_path, **kw) -> Supervisor:
+    return Supervisor(Paths(tmp_path), list(SERVICES), 4222, 50051, **kw)
+
+
+def test_command_defaults_no_metrics_single_rank(sup_env, tmp_path):
+    sup = _sup(tmp_path)
+    py = sys.executable
+    assert sup.command("scheduler") == [py, "-m", "services.scheduler", "--port", "50051"]
+    assert sup.command("reward") == [py, "-m", "services.reward"]
+    assert sup.command("rollout", 2) == [py, "-m", "services.rollout", "--engine", "torch"]
+    assert sup.command("trainer") == [py, "-m", "services.trainer"]
+
+
+def test_command_metrics_base_9100_fixed_ports_per_replica(sup_env, tmp_path):
+    sup = _sup(tmp_path, metrics_base=9100)
+    py = sys.executable
+    assert sup.command("scheduler") == [
+        py, "-m", "services.scheduler", "--port", "50051", "--metrics-port", "9100",
+    ]  # fmt: skip
+    assert sup.command("trainer") == [py, "-m", "services.trainer", "--metrics-port", "9101"]
+    assert sup.command("rollout", 0) == [
+        py, "-m", "services.rollout", "--engine", "torch", "--metrics-port", "9110",
+    ]  # fmt: skip
+    assert sup.command("rollout", 3)[-2:] == ["--metrics-port", "9113"]
+    assert sup.command("reward", 1) == [py, "-m", "services.reward"]
+
+
+def test_command_extra_args_after_supervisor_flags(sup_env, tmp_path):
+    sup_env.setenv("ASYNCRL_ROLLOUT_ENGINE", "sglang")
+    sup_env.setenv("ASYNCRL_ROLLOUT_ARGS", "--sglang-url http://h:30000 --capacity 8")
+    assert _sup(tmp_path, metrics_base=9100).command("rollout", 1) == [
+        sys.executable, "-m", "services.rollout", "--engine", "sglang", "--metrics-port", "9111",
+        "--sglang-url", "http://h:30000", "--capacity", "8",
+    ]  # fmt: skip
+
+
+def test_command_trainer_nproc_2_torchrun_with_free_master_port(sup_env, tmp_path):
+    sup_env.setenv("ASYNCRL_TRAINER_ARGS", "--threads 4")
+    cmd = _sup(tmp_path, metrics_base=9100, trainer_nproc=2).command("trainer")
+    master_port = cmd.index("--master_port") + 1
+    assert cmd[:master_port] == [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_addr", "127.0.0.1", "--master_port",
+    ]  # fmt: skip
+    assert 0 < int(cmd[master_port]) < 65536
+    assert cmd[master_port + 1 :] == [
+        "-m", "services.trainer", "--metrics-port", "9101", "--threads", "4",
+    ]  # fmt: skip
+
+
+def test_command_trainer_nproc_2_only_changes_the_trainer(sup_env, tmp_path):
+    plain, multi = _sup(tmp_path), _sup(tmp_path, trainer_nproc=2)
+    for service, index in (("scheduler", 0), ("reward", 0), ("rollout", 1)):
+        assert multi.command(service, index) == plain.command(service, index)
+
+
+@pytest.mark.parametrize(
+    "service, index, base, port",
+    [
+        ("scheduler", 0, 9100, 9100),
+        ("trainer", 0, 9100, 9101),
+        ("trainer", 8, 9100, 9109),
+        ("trainer", 9, 9100, None),  # would take rollout-0's port
+        ("rollout", 0, 9100, 9110),
+        ("rollout", 25, 9100, 9135),
+        ("reward", 0, 9100, None),
+        ("nats", 0, 9100, None),
+        ("scheduler", 0, None, None),
+        ("rollout", 3, None, None),
+    ],
+)
+def test_metrics_port_for_base_offset_plus_replica(service, index, base, port):
+    assert metrics_port_for(service, index, base) == port
+
+
+def test_replica_as_dict_carries_metrics_port(tmp_path):
+    r = Replica("rollout", 1, tmp_path / "rollout-1.log", metrics_port=9111)
+    assert r.as_dict()["metrics_port"] == 9111
+    assert Replica("reward", 0, tmp_path / "reward-0.log").as_dict()["metrics_port"] is None

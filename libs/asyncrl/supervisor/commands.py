@@ -6,6 +6,10 @@ nats-server (`-js -sd var/nats`), then the scheduler, reward, rollout and traine
 stdout+stderr in var/log/<service>-<replica>.log; restarts what crashes (with backoff); follows
 var/run/replicas.json (written by `scale`); records var/run/state.json (for `ps`); and on
 SIGTERM stops the services in reverse order, nats last.
+
+`ASYNCRL_METRICS_PORT=B` (or `start --metrics-port B`) gives the services with metrics fixed
+ports from B (scheduler B, trainer B+1, rollout replica i B+10+i; see `daemon`), shown by `ps`;
+`ASYNCRL_TRAINER_NPROC=N` (or `--trainer-nproc N`) runs each trainer under torchrun with N ranks.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from asyncrl.supervisor.daemon import (
     SINGLETONS,
     Paths,
     Supervisor,
+    metrics_port_for,
     pid_alive,
     port_in_use,
     read_json,
@@ -118,6 +123,20 @@ def start(
     ),
     nats_port: Annotated[int, typer.Option(envvar="ASYNCRL_NATS_PORT")] = 4222,
     scheduler_port: Annotated[int, typer.Option(envvar="ASYNCRL_SCHEDULER_PORT")] = 50051,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            envvar="ASYNCRL_METRICS_PORT",
+            min=1,
+            help="Base port for the services' Prometheus metrics (default: no metrics).",
+        ),
+    ] = None,
+    trainer_nproc: Annotated[
+        int,
+        typer.Option(
+            envvar="ASYNCRL_TRAINER_NPROC", min=1, help="Ranks per trainer (> 1: torchrun)."
+        ),
+    ] = 1,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for healthy.")] = READY_TIMEOUT_S,
 ) -> None:
     """Start nats and the services in the background; return once all are healthy."""
@@ -141,6 +160,14 @@ def start(
                 f"set ASYNCRL_{name.upper()}_PORT"
             )
             raise typer.Exit(1)
+    for name in chosen:
+        port = metrics_port_for(name, 0, metrics_port)
+        if port is not None and port_in_use(port):
+            out.print(
+                f"[red]port {port} ({name} metrics) is already in use[/red]; stop what uses it "
+                "or set ASYNCRL_METRICS_PORT"
+            )
+            raise typer.Exit(1)
     for d in (paths.run, paths.logs, var / "nats", var / "weights"):
         d.mkdir(parents=True, exist_ok=True)
     paths.state.unlink(missing_ok=True)
@@ -158,6 +185,9 @@ def start(
         str(nats_port),
         "--scheduler-port",
         str(scheduler_port),
+        "--trainer-nproc",
+        str(trainer_nproc),
+        *(["--metrics-port", str(metrics_port)] if metrics_port is not None else []),
     ]
     with open(paths.supervisor_log, "ab") as logf:
         daemon = subprocess.Popen(
@@ -203,12 +233,21 @@ def run(
     services: Annotated[str, typer.Option()] = ",".join(SERVICES),
     nats_port: Annotated[int, typer.Option()] = 4222,
     scheduler_port: Annotated[int, typer.Option()] = 50051,
+    metrics_port: Annotated[int | None, typer.Option()] = None,
+    trainer_nproc: Annotated[int, typer.Option(min=1)] = 1,
 ) -> None:
     """The daemon itself (started by `start`)."""
     configure_logging("supervisor")
     paths = Paths(var)
     paths.pidfile.write_text(str(os.getpid()))
-    sup = Supervisor(paths, [s for s in services.split(",") if s], nats_port, scheduler_port)
+    sup = Supervisor(
+        paths,
+        [s for s in services.split(",") if s],
+        nats_port,
+        scheduler_port,
+        metrics_base=metrics_port,
+        trainer_nproc=trainer_nproc,
+    )
     try:
         sup.run()
     finally:
@@ -239,7 +278,8 @@ def stop(
 
 @app.command()
 def ps(var: VarOpt = Path("var"), as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """Supervised processes: service, replica, pid, status, restarts, uptime, log."""
+    """Supervised processes: service, replica, pid, status, restarts, uptime, metrics port
+    (when the services have one), log."""
     paths = Paths(var)
     state = read_json(paths.state, {}) or {}
     if not supervisor_pid(paths):
@@ -252,13 +292,18 @@ def ps(var: VarOpt = Path("var"), as_json: Annotated[bool, typer.Option("--json"
         title=f"asyncrl (supervisor pid {state.get('supervisor_pid')}, "
         f"scheduler {state.get('scheduler')}, {state.get('nats_url')})"
     )
+    processes = state.get("processes", [])
+    with_metrics = any(p.get("metrics_port") for p in processes)
     for col in ("service", "replica", "pid", "status", "restarts", "uptime"):
         table.add_column(col)
+    if with_metrics:
+        table.add_column("metrics")
     table.add_column("log", overflow="fold")
-    for p in state.get("processes", []):
+    for p in processes:
         alive = p["status"] == "running" and pid_alive(p["pid"])
         status = p["status"] if alive or p["status"] != "running" else "dead"
         uptime = f"{time.time() - p['started_at']:.0f}s" if alive else "-"
+        metrics = [str(p.get("metrics_port") or "-")] if with_metrics else []
         table.add_row(
             p["service"],
             str(p["replica"]),
@@ -266,6 +311,7 @@ def ps(var: VarOpt = Path("var"), as_json: Annotated[bool, typer.Option("--json"
             status,
             str(p["restarts"]),
             uptime,
+            *metrics,
             _short(p["log"]),
         )
     out.print(table)

@@ -3,6 +3,19 @@
 State lives under the var directory: var/run/supervisor.pid, var/run/state.json (what runs,
 for `ps`), var/run/replicas.json (desired replica counts, written by `scale` and polled here),
 var/log/<service>-<replica>.log (each process's stdout+stderr).
+
+Metrics ports: with a base B (`ASYNCRL_METRICS_PORT=B make up`) the services that serve
+Prometheus metrics get a fixed `--metrics-port`, so a scrape config written once keeps working
+across restarts and scaling: scheduler B, trainer replica i B+1+i (i < 9), rollout replica i
+B+10+i. reward and nats have none. `ps` shows each replica's port.
+
+Multi-GPU trainer: with `ASYNCRL_TRAINER_NPROC=N` (N > 1) each trainer replica is
+`python -m torch.distributed.run --nproc_per_node N --master_addr 127.0.0.1 --master_port P
+-m services.trainer ...` (P a free port picked at every spawn), for the megatron backend with
+trainer.tp_size * trainer.dp_size == N. Stopping it is the usual SIGTERM to its process group:
+torchrun forwards it to the ranks (each in its own session), rank 0 shuts down at a step
+boundary and releases the followers, which ignore the signal; past the grace period the whole
+process tree is killed, ranks included.
 """
 
 from __future__ import annotations
@@ -19,12 +32,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.logging import get_logger
-from asyncrl.natsutil import LocalNatsServer
+from asyncrl.natsutil import LocalNatsServer, free_port
 
 SERVICES = ("scheduler", "reward", "rollout", "trainer")  # start order; stop is the reverse
 SINGLETONS = ("nats", "scheduler")
+METRICS_OFFSETS = {"scheduler": 0, "trainer": 1, "rollout": 10}  # port = base + offset + replica
+MAX_TRAINER_METRICS = METRICS_OFFSETS["rollout"] - METRICS_OFFSETS["trainer"]
 POLL_S = 0.2
 GRACE_S = 15.0
+TRAINER_GRACE_S = 45.0  # the trainer's final checkpoint (all ranks under torchrun) must fit
 
 log = get_logger()
 
@@ -47,6 +63,32 @@ def free_index(used: set[int]) -> int:
     while i in used:
         i += 1
     return i
+
+
+def metrics_port_for(service: str, index: int, base: int | None) -> int | None:
+    """The --metrics-port of replica `index` of `service` given the base port (see the module
+    docstring); None without a base, for services without metrics, and for trainer replicas
+    past the ones the scheme has room for."""
+    if base is None or service not in METRICS_OFFSETS:
+        return None
+    if service == "trainer" and index >= MAX_TRAINER_METRICS:
+        return None
+    return base + METRICS_OFFSETS[service] + index
+
+
+def torchrun_command(nproc: int, master_port: int) -> list[str]:
+    """The launcher in front of `-m services.trainer` for an `nproc`-rank trainer on this host."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(master_port),
+    ]
 
 
 # ---------------------------------------------------------------- files under var/
@@ -144,6 +186,35 @@ def signal_group(pid: int, sig: int) -> None:
         pass
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (Linux procfs; [] elsewhere), found by parent pid, so
+    also those that left its process group (torchrun starts each rank in a new session)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL the process group of `pid` and every descendant, wherever its group is."""
+    below = descendants(pid)
+    signal_group(pid, signal.SIGKILL)
+    for child in below:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 # ---------------------------------------------------------------- the daemon
 
 
@@ -159,6 +230,7 @@ class Replica:
     restart_at: float | None = None
     stop_deadline: float | None = None
     last_exit: int | None = None
+    metrics_port: int | None = None
 
     @property
     def status(self) -> str:
@@ -177,6 +249,7 @@ class Replica:
             "restarts": self.restarts,
             "started_at": self.started_at,
             "last_exit": self.last_exit,
+            "metrics_port": self.metrics_port,
             "log": str(self.log),
         }
 
@@ -187,6 +260,8 @@ class Supervisor:
     services: list[str]
     nats_port: int
     scheduler_port: int
+    metrics_base: int | None = None  # the services' metrics ports start here; None: none
+    trainer_nproc: int = 1  # ranks per trainer replica; > 1 runs it under torchrun
     grace_s: float = GRACE_S
     replicas: dict[str, list[Replica]] = field(default_factory=dict)
     stopping: bool = False
@@ -201,14 +276,22 @@ class Supervisor:
     def scheduler_address(self) -> str:
         return f"127.0.0.1:{self.scheduler_port}"
 
-    def command(self, service: str) -> list[str]:
+    def command(self, service: str, index: int = 0) -> list[str]:
+        """The argv of replica `index` of `service` (a multi-rank trainer gets a fresh
+        master port each call, i.e. each spawn)."""
         if service == "nats":
             return LocalNatsServer(self.paths.var / "nats", port=self.nats_port).command()
-        cmd = [sys.executable, "-m", f"services.{service}"]
+        if service == "trainer" and self.trainer_nproc > 1:
+            cmd = [*torchrun_command(self.trainer_nproc, free_port()), "-m", "services.trainer"]
+        else:
+            cmd = [sys.executable, "-m", f"services.{service}"]
         if service == "scheduler":
             cmd += ["--port", str(self.scheduler_port)]
         if service == "rollout":
             cmd += ["--engine", os.environ.get("ASYNCRL_ROLLOUT_ENGINE", "torch")]
+        port = metrics_port_for(service, index, self.metrics_base)
+        if port is not None:
+            cmd += ["--metrics-port", str(port)]
         # extra flags per service, e.g. ASYNCRL_ROLLOUT_ARGS="--sglang-url http://h:30000"
         cmd += shlex.split(os.environ.get(f"ASYNCRL_{service.upper()}_ARGS", ""))
         return cmd
@@ -228,9 +311,10 @@ class Supervisor:
         return env
 
     def spawn(self, r: Replica) -> None:
+        r.metrics_port = metrics_port_for(r.service, r.index, self.metrics_base)
         with open(r.log, "ab") as logf:
             r.proc = subprocess.Popen(
-                self.command(r.service),
+                self.command(r.service, r.index),
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
@@ -240,7 +324,12 @@ class Supervisor:
             )
         r.started_at = time.time()
         r.restart_at = None
-        log.info("process_started", process=f"{r.service}-{r.index}", pid=r.proc.pid)
+        log.info(
+            "process_started",
+            process=f"{r.service}-{r.index}",
+            pid=r.proc.pid,
+            metrics_port=r.metrics_port,
+        )
 
     def add_replica(self, service: str) -> Replica:
         group = self.replicas.setdefault(service, [])
@@ -268,7 +357,8 @@ class Supervisor:
 
     def stop_replica(self, r: Replica, sig: int = signal.SIGTERM) -> None:
         if r.stop_deadline is None:
-            r.stop_deadline = time.monotonic() + self.grace_s
+            grace = max(self.grace_s, TRAINER_GRACE_S) if r.service == "trainer" else self.grace_s
+            r.stop_deadline = time.monotonic() + grace
             r.restart_at = None
             if r.proc is not None and r.proc.poll() is None:
                 signal_group(r.proc.pid, sig)
@@ -299,7 +389,7 @@ class Supervisor:
                             signal_group(r.proc.pid, signal.SIGKILL)  # stragglers in its group
                         group.remove(r)
                     elif now > r.stop_deadline:
-                        signal_group(r.proc.pid, signal.SIGKILL)
+                        kill_tree(r.proc.pid)  # torchrun's ranks are outside its group
                     continue
                 if r.restart_at is None and code is not None:
                     signal_group(r.proc.pid, signal.SIGKILL)  # stragglers in its group
