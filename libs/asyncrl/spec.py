@@ -46,7 +46,7 @@ class SamplingParams(_Section):
     stop_token_ids: list[int] = Field(default_factory=list)
     """Token ids that end a sample (the tokenizer's EOS is always one)."""
     stop: list[str] = Field(default_factory=list)
-    """Stop strings (engines that support them)."""
+    """Stop strings: a sample ends with the token that completes one (torch and SGLang)."""
 
 
 class ModelSpec(_Section):

@@ -9,6 +9,7 @@ the request.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from asyncrl.spec import SamplingParams
@@ -20,6 +21,7 @@ class GenRequest:
     input_ids: list[int]
     params: SamplingParams
     stop_token_ids: list[int] = field(default_factory=list)  # EOS etc., added by the service
+    decode: Callable[[list[int]], str] | None = None  # for `params.stop` strings (torch engine)
 
 
 @dataclass

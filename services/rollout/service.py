@@ -290,6 +290,9 @@ class RolloutService:
         )
         return summary
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def _context(self, job: GroupJob, prompt_ids: list[int], index: int) -> WorkflowContext:
         """Sample `index`'s view of the system: the engine (interruptible, per-token
         versions) and the experiment's reward function."""
@@ -298,7 +301,9 @@ class RolloutService:
             stop_ids.append(self.tokenizer.eos_token_id)
 
         async def generate(rid: str, input_ids: list[int], params: SamplingParams) -> Completion:
-            out = await self.engine.generate(GenRequest(rid, input_ids, params, stop_ids))
+            out = await self.engine.generate(
+                GenRequest(rid, input_ids, params, stop_ids, decode=self._decode)
+            )
             self.throughput.add(len(out.output_ids))
             text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
             return Completion(out.output_ids, out.logprobs, out.versions, out.finish_reason, text)

@@ -15,6 +15,9 @@ The new weights are copied into the live model (a state-dict load, no re-instant
 version is bumped, every in-flight request's KV cache is dropped, and the next step recomputes
 prompt + partial output under the new weights. Per-token `versions` record the switch.
 
+Stop strings (`params.stop`) are matched on the decoded tail of the output after every token,
+with the tokenizer's decode that the service passes in the request.
+
 Determinism: each request samples from its own `torch.Generator`, seeded from the engine seed
 and the request id, so a request's samples do not depend on what else is in the batch.
 """
@@ -47,6 +50,7 @@ class _Slot:
     future: asyncio.Future
     gen: torch.Generator
     stop_ids: frozenset[int]
+    stop_strings: tuple[str, ...] = ()
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -190,6 +194,8 @@ class TorchEngine(Engine):
             raise RuntimeError("engine not started")
         if not req.input_ids:
             raise ValueError("input_ids: empty prompt")
+        if any(req.params.stop) and req.decode is None:
+            raise ValueError("params.stop: stop strings need GenRequest.decode (a tokenizer)")
         if self.max_positions and len(req.input_ids) >= self.max_positions:
             raise ValueError(
                 f"input_ids: prompt of {len(req.input_ids)} tokens does not fit the "
@@ -201,6 +207,7 @@ class TorchEngine(Engine):
             future=self._new_future(),
             gen=torch.Generator().manual_seed(seed),
             stop_ids=frozenset(req.stop_token_ids) | frozenset(req.params.stop_token_ids),
+            stop_strings=tuple(s for s in req.params.stop if s),
         )
         self._waiting.append(slot)
         self._wake.set()
@@ -318,13 +325,25 @@ class TorchEngine(Engine):
             slot.output_ids.append(token)
             slot.logprobs.append(logprob)
             slot.versions.append(version)
-            if token in slot.stop_ids:
+            if token in slot.stop_ids or self._hits_stop_string(slot):
                 finished.append((slot, "stop"))
             elif len(slot.output_ids) >= slot.req.params.max_new_tokens or (
                 self.max_positions and len(slot.tokens) >= self.max_positions
             ):
                 finished.append((slot, "length"))
         return finished
+
+    @staticmethod
+    def _hits_stop_string(slot: _Slot) -> bool:
+        """Did the newest token complete one of the stop strings? Only a tail of the output is
+        decoded (enough tokens to hold the longest string): an earlier match would already
+        have ended the sample, so any match in the tail is new. Like SGLang, the tokens up to
+        and including the one that completed the string stay in the output."""
+        if not slot.stop_strings:
+            return False
+        window = max(len(s) for s in slot.stop_strings) + 2
+        tail = slot.req.decode(slot.output_ids[-window:])
+        return any(s in tail for s in slot.stop_strings)
 
     def _next_logits(self, batch: list[_Slot]) -> torch.Tensor:
         if not self.kv_cache:

@@ -217,6 +217,29 @@ async def _serve_long(stub, models, no_eos_tokenizer) -> str:
     return "long"
 
 
+async def test_generate_group_stop_strings_end_samples_at_the_completing_token(
+    rollout, reward_address, js, models, no_eos_tokenizer
+):
+    stub, _ = rollout
+    exp = await _serve_long(stub, models, no_eos_tokenizer)
+    digits = [str(d) for d in range(10)]
+    req = _request("ss1", [reward_address], n=4, max_new_tokens=30, experiment_id=exp)
+    req.gconfig.stop.extend(digits)
+    summary = await stub.GenerateGroup(req, timeout=60)
+    assert summary.status == rollout_pb2.GROUP_STATUS_ACCEPTED
+    [group] = await _read_back(js, train_subject(exp), 1)
+    tok = AutoTokenizer.from_pretrained(str(no_eos_tokenizer))
+    reasons = []
+    for s in group.samples:
+        text, before = tok.decode(s.output_ids), tok.decode(s.output_ids[:-1])
+        hit = any(d in text for d in digits)
+        assert not any(d in before for d in digits)  # nothing ran past a stop string
+        assert s.finish_reason == ("stop" if hit else "length")
+        assert hit or len(s.output_ids) == 30
+        reasons.append(s.finish_reason)
+    assert "stop" in reasons
+
+
 async def test_update_weights_mid_group_interrupts_and_group_spans_versions(
     rollout, reward_address, js, models, no_eos_tokenizer
 ):

@@ -130,6 +130,30 @@ async def test_generate_stop_token_ends_sample_with_stop_reason(models):
     assert out.output_ids == first.output_ids[:cut] and out.finish_reason == "stop"
 
 
+async def test_generate_stop_string_ends_sample_at_the_token_that_completes_it(models):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(models / "v0"))
+
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=True)
+
+    engine = await _engine(models / "v0")
+    try:
+        first = await engine.generate(GenRequest("s", PROMPTS[0], GREEDY))
+        text = decode(first.output_ids)
+        stop = decode(first.output_ids[4:6]).strip() or decode(first.output_ids[4:6])
+        params = GREEDY.model_copy(update={"stop": [stop]})
+        out = await engine.generate(GenRequest("s", PROMPTS[0], params, decode=decode))
+        with pytest.raises(ValueError, match="params.stop"):
+            await engine.generate(GenRequest("s", PROMPTS[0], params))
+    finally:
+        await engine.stop()
+    cut = next(n for n in range(1, 13) if stop in decode(first.output_ids[:n]))
+    assert stop in text and cut < len(first.output_ids)
+    assert out.output_ids == first.output_ids[:cut] and out.finish_reason == "stop"
+
+
 async def test_update_weights_mid_generation_versions_switch_in_order(models):
     engine = await _engine(models / "v0", seed=3)
     params = SamplingParams(temperature=1.0, max_new_tokens=150)
