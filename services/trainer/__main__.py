@@ -74,8 +74,13 @@ if __name__ == "__main__":
     else:
         # under torchrun (megatron backend, TP/DP > 1) only rank 0 serves; the others follow it
         from services.trainer.backends.megatron_backend import follow, release_followers
-        from services.trainer.megatron.parallel import init_default_group, shutdown_distributed
+        from services.trainer.megatron.parallel import (
+            die_with_launcher,
+            init_default_group,
+            shutdown_distributed,
+        )
 
+        die_with_launcher()
         init_default_group()
         if int(os.environ["RANK"]) > 0:
             # a stop signal reaches every rank (torchrun forwards it); rank 0 shuts down at a

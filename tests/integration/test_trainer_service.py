@@ -5,6 +5,7 @@ check the trainer's own logic (batching, staleness drops, weight commits, checkp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -316,12 +317,8 @@ async def test_trainer_start_invalid_spec_invalid_argument_names_field(tiny, sta
     assert (await _status(stub)).state == "idle"
 
 
-async def test_trainer_service_under_torchrun_tp2_trains_commits_and_stops_cleanly(
-    tiny, scheduler, js, nats_server, tmp_path
-):
-    """`torchrun --nproc_per_node 2 -m services.trainer` with trainer.tp_size=2: rank 0 serves
-    and registers, rank 1 follows its backend calls; one step commits loadable HF weights, and
-    SIGTERM to the process group ends both ranks after a final checkpoint (nothing aborts)."""
+def _launch_torchrun_trainer(scheduler, nats_server, tmp_path: Path):
+    """`torchrun --nproc_per_node 2 -m services.trainer` in its own session, log to a file."""
     root = Path(__file__).resolve().parents[2]
     port, log_path = free_port(), tmp_path / "trainer.log"
     env = dict(
@@ -344,6 +341,16 @@ async def test_trainer_service_under_torchrun_tp2_trains_commits_and_stops_clean
             cmd, cwd=root, env=env, stdout=log_file, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
+    return proc, port, log_path
+
+
+async def test_trainer_service_under_torchrun_tp2_trains_commits_and_stops_cleanly(
+    tiny, scheduler, js, nats_server, tmp_path
+):
+    """`torchrun --nproc_per_node 2 -m services.trainer` with trainer.tp_size=2: rank 0 serves
+    and registers, rank 1 follows its backend calls; one step commits loadable HF weights, and
+    SIGTERM to the process group ends both ranks after a final checkpoint (nothing aborts)."""
+    proc, port, log_path = _launch_torchrun_trainer(scheduler, nats_server, tmp_path)
     try:
         await wait_until(lambda: scheduler.workers or proc.poll() is not None, timeout=120)
         assert proc.poll() is None, log_path.read_text()[-3000:]
@@ -377,3 +384,45 @@ async def test_trainer_service_under_torchrun_tp2_trains_commits_and_stops_clean
     assert "trainer_shutting_down" in log, log[-3000:]
     assert "terminate called" not in log and "SIGKILL" not in log, log[-3000:]
     assert latest_checkpoint(checkpoint_root(tmp_path / "var", EXP)) is not None
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+async def test_torchrun_launcher_killed_outright_its_ranks_die_too(
+    scheduler, nats_server, tmp_path
+):
+    """SIGKILL to torchrun alone (no signal it could forward): the kernel ends both ranks, so no
+    orphaned rank 0 stays registered beside the trainer a supervisor would start next."""
+    proc, _, log_path = _launch_torchrun_trainer(scheduler, nats_server, tmp_path)
+    ranks: list[int] = []
+    try:
+        await wait_until(lambda: scheduler.workers or proc.poll() is not None, timeout=120)
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2
+        proc.kill()  # torchrun only: its ranks run in sessions of their own
+        proc.wait(10)
+        await wait_until(lambda: not any(_alive(r) for r in ranks), timeout=20)
+    finally:
+        for pid in [proc.pid, *ranks]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -69,6 +69,27 @@ def init_default_group() -> None:
     dist.init_process_group(backend)
 
 
+def die_with_launcher() -> None:
+    """Linux: have the kernel SIGKILL this rank when its parent (torchrun) dies.
+
+    torchrun forwards SIGTERM/SIGINT to its ranks, but a launcher killed outright (SIGKILL, the
+    OOM killer) would leave them orphaned: rank 0 still registered and heartbeating, a
+    supervisor-restarted trainer beside it. A launcher that dies abruptly ends the job abruptly;
+    the next trainer resumes from the last checkpoint. No-op elsewhere."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return
+    if os.getppid() == 1:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def shutdown_distributed() -> None:
     """Leave torch.distributed in order: every rank meets at a barrier, then megatron's groups and
     the default group are destroyed. A rank that exits with live gloo groups while its peer is
