@@ -33,6 +33,7 @@ from pathlib import Path
 
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import LocalNatsServer, free_port
+from asyncrl.proc import die_with_parent
 
 SERVICES = ("scheduler", "reward", "rollout", "trainer")  # start order; stop is the reverse
 SINGLETONS = ("nats", "scheduler")
@@ -169,14 +170,6 @@ def supervisor_pid(paths: Paths) -> int | None:
 def port_in_use(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: the child gets SIGTERM if the supervisor dies (Linux), so nothing is orphaned."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def signal_group(pid: int, sig: int) -> None:
@@ -320,7 +313,7 @@ class Supervisor:
                 stderr=subprocess.STDOUT,
                 env=self.env(r.service, r.index),
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         r.started_at = time.time()
         r.restart_at = None

@@ -10,6 +10,7 @@ model-parallel RNG tracker is the inference one (it never touches CUDA RNG state
 from __future__ import annotations
 
 import os
+import signal
 import socket
 from dataclasses import dataclass
 
@@ -70,24 +71,15 @@ def init_default_group() -> None:
 
 
 def die_with_launcher() -> None:
-    """Linux: have the kernel SIGKILL this rank when its parent (torchrun) dies.
+    """The kernel SIGKILLs this rank when its parent (torchrun) dies (Linux).
 
     torchrun forwards SIGTERM/SIGINT to its ranks, but a launcher killed outright (SIGKILL, the
     OOM killer) would leave them orphaned: rank 0 still registered and heartbeating, a
     supervisor-restarted trainer beside it. A launcher that dies abruptly ends the job abruptly;
-    the next trainer resumes from the last checkpoint. No-op elsewhere."""
-    import ctypes
-    import signal
-    import sys
+    the next trainer resumes from the last checkpoint."""
+    from asyncrl.proc import die_with_parent
 
-    if not sys.platform.startswith("linux"):
-        return
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
-        return
-    if os.getppid() == 1:  # the launcher died before prctl took effect
-        os.kill(os.getpid(), signal.SIGKILL)
+    die_with_parent(signal.SIGKILL)
 
 
 def shutdown_distributed() -> None:
