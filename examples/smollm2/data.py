@@ -1,0 +1,67 @@
+"""Chat-formatted arithmetic questions for SmolLM2-135M-Instruct.
+
+    python -m examples.smollm2.data --model var/models/smollm2-135m --out var/smollm2
+
+Writes <out>/train.jsonl and <out>/eval.jsonl (keys prompt, answer; disjoint): "What is
+a + b?" / "What is a * b?" with the model's chat template already applied, so the rollout
+service samples the assistant turn; the reward is `numeric_match` (the last number in the
+answer). Deterministic under --seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+
+def questions(n: int, rng: random.Random) -> list[tuple[str, int]]:
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.5:
+            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            out.append((f"What is {a} + {b}?", a + b))
+        else:
+            a, b = rng.randint(2, 9), rng.randint(11, 29)
+            out.append((f"What is {a} * {b}?", a * b))
+    return out
+
+
+def build(model: Path, out: Path, n_train: int, n_eval: int, seed: int) -> None:
+    tok = AutoTokenizer.from_pretrained(str(model))
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    rows = []
+    for q, a in questions(4 * (n_train + n_eval), rng):
+        if q in seen:
+            continue
+        seen.add(q)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        rows.append({"prompt": prompt, "answer": str(a), "question": q})
+        if len(rows) == n_train + n_eval:
+            break
+    out.mkdir(parents=True, exist_ok=True)
+    for name, part in (("eval", rows[:n_eval]), ("train", rows[n_eval:])):
+        with open(out / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in part)
+    print(f"wrote {n_train} train and {n_eval} eval questions to {out}/")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, default=Path("var/models/smollm2-135m"))
+    p.add_argument("--out", type=Path, default=Path("var/smollm2"))
+    p.add_argument("--n-train", type=int, default=2000)
+    p.add_argument("--n-eval", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    build(a.model, a.out, a.n_train, a.n_eval, a.seed)
+
+
+if __name__ == "__main__":
+    main()
