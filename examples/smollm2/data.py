@@ -1,11 +1,12 @@
 """Chat-formatted arithmetic questions for SmolLM2-135M-Instruct.
 
-    python -m examples.smollm2.data --model var/models/smollm2-135m --out var/smollm2
+    python -m examples.smollm2.data --out var/smollm2
 
 Writes <out>/train.jsonl and <out>/eval.jsonl (keys prompt, answer; disjoint): "What is
-a + b?" / "What is a * b?" with the model's chat template already applied, so the rollout
-service samples the assistant turn; the reward is `numeric_match` (the last number in the
-answer). Deterministic under --seed.
+a + b?" / "What is a * b?". The experiment sets `rollout.workflow.chat_template: true`, so the
+rollout service renders each question as a user turn with the model's chat template and
+samples the assistant turn; the reward is `numeric_match` (the last number in the answer).
+Deterministic under --seed.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import argparse
 import json
 import random
 from pathlib import Path
-
-from transformers import AutoTokenizer
 
 
 def questions(n: int, rng: random.Random) -> list[tuple[str, int]]:
@@ -30,8 +29,7 @@ def questions(n: int, rng: random.Random) -> list[tuple[str, int]]:
     return out
 
 
-def build(model: Path, out: Path, n_train: int, n_eval: int, seed: int) -> None:
-    tok = AutoTokenizer.from_pretrained(str(model))
+def build(out: Path, n_train: int, n_eval: int, seed: int) -> None:
     rng = random.Random(seed)
     seen: set[str] = set()
     rows = []
@@ -39,10 +37,7 @@ def build(model: Path, out: Path, n_train: int, n_eval: int, seed: int) -> None:
         if q in seen:
             continue
         seen.add(q)
-        prompt = tok.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
-        )
-        rows.append({"prompt": prompt, "answer": str(a), "question": q})
+        rows.append({"prompt": q, "answer": str(a)})
         if len(rows) == n_train + n_eval:
             break
     out.mkdir(parents=True, exist_ok=True)
@@ -54,13 +49,12 @@ def build(model: Path, out: Path, n_train: int, n_eval: int, seed: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, default=Path("var/models/smollm2-135m"))
     p.add_argument("--out", type=Path, default=Path("var/smollm2"))
     p.add_argument("--n-train", type=int, default=2000)
     p.add_argument("--n-eval", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    build(a.model, a.out, a.n_train, a.n_eval, a.seed)
+    build(a.out, a.n_train, a.n_eval, a.seed)
 
 
 if __name__ == "__main__":

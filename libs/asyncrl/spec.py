@@ -7,6 +7,7 @@ field (e.g. ``trainer.lr``) so servers can answer INVALID_ARGUMENT with it.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -80,6 +81,9 @@ class WorkflowSpec(_Section):
     """single_turn | multi_turn | module:Class (an asyncrl.workflow.Workflow subclass)."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the workflow's constructor."""
+    chat_template: bool = False
+    """Render each dataset prompt as a user turn with the tokenizer's chat template (generation
+    prompt added); needed by chat workflows (`ctx.chat`, the OpenAI-compatible endpoint)."""
 
     @field_validator("name")
     @classmethod
@@ -164,6 +168,21 @@ def check_files(spec: ExperimentSpec) -> None:
         raise SpecError("eval.dataset_path", f"file not found: {spec.eval.dataset_path}")
     if not (Path(spec.model.path) / "config.json").is_file():
         raise SpecError("model.path", f"no HuggingFace config.json in {spec.model.path}")
+    tokenizer_dir = Path(spec.model.tokenizer_path or spec.model.path)
+    if spec.rollout.workflow.chat_template and not has_chat_template(tokenizer_dir):
+        raise SpecError("rollout.workflow.chat_template", f"no chat template in {tokenizer_dir}")
+
+
+def has_chat_template(tokenizer_dir: Path) -> bool:
+    """Whether a saved tokenizer carries a chat template (chat_template.jinja, or the key in
+    tokenizer_config.json), read without loading transformers."""
+    if (tokenizer_dir / "chat_template.jinja").is_file():
+        return True
+    config = tokenizer_dir / "tokenizer_config.json"
+    try:
+        return bool(json.loads(config.read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
 
 
 def validate_spec(data: dict) -> ExperimentSpec:

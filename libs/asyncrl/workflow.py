@@ -12,6 +12,11 @@ A trajectory's tokens after the group's prompt are `output_ids`; `loss_mask` mar
 them the policy produced (1, trained) and which the environment inserted (0: feedback, tool
 results; they condition later turns but carry no gradient).
 
+Chat: with `rollout.workflow.chat_template: true` the group's prompt is the dataset prompt as
+a user turn under the tokenizer's chat template, and `ctx.chat(traj)` is a `ChatSession`: send
+it the whole conversation (OpenAI-style messages) and it appends to the trajectory the tokens
+the template added since the last turn (environment tokens) and the policy's reply.
+
 Built in: `single_turn` (one completion, scored by the reward function) and `multi_turn`
 (answer, get feedback, retry). Plugins: `rollout.workflow.name: "my_pkg.agents:Solver"`, a
 `Workflow` subclass importable by the rollout service; `rollout.workflow.args` go to its
@@ -21,8 +26,10 @@ constructor.
 from __future__ import annotations
 
 import importlib
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,11 +114,17 @@ class WorkflowContext:
         score: Callable[[str, str], Awaitable[Score]],
         version: Callable[[], int],
         request_id: str,
+        chat_prompt: str | None = None,
+        openai_session: Callable[[ChatSession], AbstractAsyncContextManager[dict[str, str]]]
+        | None = None,
     ):
         self.prompt, self.answer, self.prompt_ids = prompt, answer, list(prompt_ids)
         self.index, self.is_eval, self.params, self.tokenizer = index, is_eval, params, tokenizer
         self._generate, self._score, self._version = generate, score, version
         self._rid, self._calls = request_id, 0
+        self.chat_prompt = chat_prompt
+        """The text `prompt_ids` encode when the prompt is chat-templated, else None."""
+        self._openai_session = openai_session
 
     @property
     def version(self) -> int:
@@ -137,6 +150,78 @@ class WorkflowContext:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The conversation under the tokenizer's chat template, ready for the assistant."""
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+
+    def chat(self, traj: Trajectory) -> ChatSession:
+        """A chat session that builds `traj` (needs `rollout.workflow.chat_template: true`)."""
+        return ChatSession(self, traj)
+
+    def openai(self, traj: Trajectory) -> AbstractAsyncContextManager[dict[str, str]]:
+        """`async with ctx.openai(traj) as client:` an OpenAI-compatible endpoint bound to a chat
+        session on `traj`; `client` holds `base_url` and `api_key` for `openai.AsyncOpenAI(**client)`
+        or any HTTP client. Needs `rollout.workflow.chat_template: true`."""
+        if self._openai_session is None:
+            raise RuntimeError("no OpenAI-compatible endpoint in this rollout service")
+        return self._openai_session(self.chat(traj))
+
+
+class ChatContextError(ValueError):
+    """A conversation that does not extend what the trajectory already holds."""
+
+
+class ChatSession:
+    """Multi-turn chat on one trajectory, in token space.
+
+    Each `send(messages)` renders the whole conversation with the chat template. What the
+    trajectory holds so far (prompt, replies, earlier environment text) must be a prefix of
+    that rendering: the rest (the template's end-of-turn markup, tool results, the next user
+    turn) is appended as environment tokens, then the policy samples the reply. The policy's own
+    tokens are kept as sampled, never re-tokenized, so their behaviour logprobs stay valid; a
+    reply that ended with a special token (EOS) that the template also writes after the message
+    (ChatML's `<|im_end|>`) is not added twice. A conversation that rewrites history (an edited
+    or dropped earlier message, another system prompt) is a `ChatContextError`: it cannot be
+    one trajectory."""
+
+    def __init__(self, ctx: WorkflowContext, traj: Trajectory):
+        if ctx.chat_prompt is None:
+            raise ValueError("chat: set rollout.workflow.chat_template: true")
+        self.ctx, self.traj = ctx, traj
+        self.text = ctx.chat_prompt + ctx.tokenizer.decode(traj.output_ids)
+        """What the template renders for the trajectory so far (replies without special
+        tokens)."""
+        self._tail = ""  # special tokens that ended the last reply (already in the trajectory)
+
+    async def send(self, messages: list[dict[str, Any]], **overrides: Any) -> Completion:
+        """Sample the assistant's reply to `messages` (the whole conversation so far)."""
+        rendered = self.ctx.render_chat(messages)
+        if not rendered.startswith(self.text):
+            at = len(os.path.commonprefix([rendered, self.text]))
+            raise ChatContextError(
+                "messages: the conversation does not extend this trajectory (first difference"
+                f" at character {at}: {rendered[at : at + 40]!r} vs {self.text[at : at + 40]!r})"
+            )
+        added = rendered[len(self.text) :]
+        if self._tail and added.startswith(self._tail):
+            added = added[len(self._tail) :]
+        if added:
+            ids = self.ctx.tokenizer.encode(added, add_special_tokens=False)
+            self.traj.add_env(ids, self.ctx.version)
+        reply = await self.ctx.generate(self.ctx.prompt_ids + self.traj.output_ids, **overrides)
+        self.traj.add_policy(reply)
+        # the client sees (and sends back) the reply without special tokens; the trajectory
+        # keeps them as sampled. A trailing run (EOS) may be what the template writes next.
+        tok, ids = self.ctx.tokenizer, reply.output_ids
+        special, end = set(tok.all_special_ids), len(ids)
+        while end and ids[end - 1] in special:
+            end -= 1
+        self.text = rendered + tok.decode(ids, skip_special_tokens=True)
+        self._tail = tok.decode(ids[end:])
+        return reply
+
 
 class Workflow(ABC):
     """Subclass and implement `run`; constructor keyword arguments come from
@@ -160,9 +245,10 @@ class SingleTurn(Workflow):
 
 
 class MultiTurn(Workflow):
-    """Answer; if the reward function says wrong, the environment replies `feedback` and the
-    policy tries again, up to `max_turns` answers. The reward is `turn_discount ** k` for a
-    correct answer at turn k (0-based), 0 if none is. The feedback tokens are not trained."""
+    """Answer; if the reward function says wrong, the environment replies `feedback` (a user
+    turn when the prompt is chat-templated) and the policy tries again, up to `max_turns`
+    answers. The reward is `turn_discount ** k` for a correct answer at turn k (0-based), 0 if
+    none is. The feedback tokens are not trained."""
 
     def __init__(self, max_turns: int = 2, feedback: str = " no. ", turn_discount: float = 0.5):
         if int(max_turns) < 1:
@@ -175,9 +261,18 @@ class MultiTurn(Workflow):
     async def run(self, ctx: WorkflowContext) -> Trajectory:
         traj = Trajectory(reward=0.0)
         feedback_ids = ctx.encode(self.feedback)
+        chat = ctx.chat(traj) if ctx.chat_prompt is not None else None
+        messages = [{"role": "user", "content": ctx.prompt}]
         for turn in range(self.max_turns):
-            c = await ctx.generate(ctx.prompt_ids + traj.output_ids)
-            traj.add_policy(c)
+            if chat is not None:  # feedback is the next user turn
+                c = await chat.send(messages)
+                messages += [
+                    {"role": "assistant", "content": c.text},
+                    {"role": "user", "content": self.feedback.strip()},
+                ]
+            else:
+                c = await ctx.generate(ctx.prompt_ids + traj.output_ids)
+                traj.add_policy(c)
             answer = ctx.decode(c.output_ids)
             score = await ctx.score(answer)
             traj.text = answer
@@ -191,9 +286,27 @@ class MultiTurn(Workflow):
             if score.reward > 0:
                 traj.reward = score.reward * self.turn_discount**turn
                 return traj
-            if turn + 1 < self.max_turns:
+            if turn + 1 < self.max_turns and chat is None:
                 traj.add_env(feedback_ids, ctx.version)
         return traj
+
+
+class AgentWorkflow(Workflow):
+    """Agent code written against the OpenAI chat API, as a workflow: implement `agent`, which
+    talks to `base_url` with `api_key` (e.g. `openai.AsyncOpenAI(base_url=..., api_key=...)`) as
+    many turns as it likes and returns its final answer; every reply is sampled from the policy
+    into one trajectory, and the answer is scored with the experiment's reward function.
+    Needs `rollout.workflow.chat_template: true`."""
+
+    async def run(self, ctx: WorkflowContext) -> Trajectory:
+        traj = Trajectory()
+        async with ctx.openai(traj) as client:
+            traj.text = await self.agent(ctx.prompt, client["base_url"], client["api_key"])
+        return traj
+
+    @abstractmethod
+    async def agent(self, prompt: str, base_url: str, api_key: str) -> str:
+        """Solve `prompt` through the endpoint; return the answer to score."""
 
 
 BUILTIN: dict[str, type[Workflow]] = {"single_turn": SingleTurn, "multi_turn": MultiTurn}

@@ -48,6 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_CAPACITY,
         help="concurrent groups this worker accepts",
     )
+    p.add_argument(
+        "--openai-port",
+        type=int,
+        default=0,
+        help="port of the OpenAI-compatible endpoint agent workflows use (127.0.0.1; 0: free)",
+    )
     return p.parse_args(argv)
 
 
@@ -75,6 +81,7 @@ async def start(args: argparse.Namespace):
         capacity=args.capacity,
         host=args.host,
         engine_kind=args.engine,
+        openai_port=args.openai_port,
     )
     maybe_serve_metrics(args.metrics_port, RolloutCollector(service))
     get_logger().info("rollout_ready", port=port, engine=args.engine)

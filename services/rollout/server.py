@@ -125,6 +125,7 @@ async def create_rollout(
     capacity: int = DEFAULT_CAPACITY,
     host: str = "127.0.0.1",
     engine_kind: str | None = None,
+    openai_port: int = 0,
 ):
     """Start a rollout worker around `engine`; returns (server, port, service).
 
@@ -137,7 +138,7 @@ async def create_rollout(
     js = nc.jetstream()
     await ensure_stream(js)
     await engine.start()
-    service = RolloutService(engine, js, engine_kind=engine_kind)
+    service = RolloutService(engine, js, engine_kind=engine_kind, openai_port=openai_port)
     service.nc = nc
     try:
         server, bound = await create_server(

@@ -26,6 +26,7 @@ from asyncrl.weights import uri_to_path
 from asyncrl.workflow import Completion, Score, Trajectory, Workflow, WorkflowContext, make_workflow
 from services.rollout.engine import Engine, GenRequest
 from services.rollout.filters import GroupStatus, decide, failed_samples, resolve_filter
+from services.rollout.openai_api import OpenAIEndpoint
 from services.rollout.reward_client import RewardClient, RewardUnavailable, ScoreItem
 
 log = get_logger(component="rollout")
@@ -116,7 +117,14 @@ class Throughput:
 
 
 class RolloutService:
-    def __init__(self, engine: Engine, js, engine_kind: str | None = None, worker: str = ""):
+    def __init__(
+        self,
+        engine: Engine,
+        js,
+        engine_kind: str | None = None,
+        worker: str = "",
+        openai_port: int = 0,
+    ):
         self.engine = engine
         self.js = js
         self.engine_kind = engine_kind or engine.name
@@ -127,6 +135,7 @@ class RolloutService:
         self.throughput = Throughput()
         self._groups: dict[str, _Running] = {}
         self._weights_lock = asyncio.Lock()
+        self.openai = OpenAIEndpoint(port=openai_port)
         # set by server.create_rollout: things to close on stop
         self.server = None
         self.agent = None
@@ -223,6 +232,8 @@ class RolloutService:
             )
         if job.group_id in self._groups:
             raise Conflict(f"group_id: group {job.group_id} is already running here")
+        if job.workflow.chat_template and not self.tokenizer.chat_template:
+            raise SpecError("workflow.chat_template", "the model's tokenizer has no chat template")
         running = _Running(job)
         self._groups[job.group_id] = running
         try:
@@ -235,8 +246,15 @@ class RolloutService:
     ) -> GroupSummary:
         t0 = time.perf_counter()
         version_at_start = self.engine.version
-        prompt_ids = self.tokenizer(job.prompt, add_special_tokens=False).input_ids
-        contexts = [self._context(job, prompt_ids, i) for i in range(job.n)]
+        chat_prompt = None
+        if job.workflow.chat_template:
+            chat_prompt = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": job.prompt}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+        prompt_ids = self.tokenizer(chat_prompt or job.prompt, add_special_tokens=False).input_ids
+        contexts = [self._context(job, prompt_ids, i, chat_prompt) for i in range(job.n)]
         running.task = asyncio.create_task(_run_all(workflow, contexts))
         try:
             trajectories = await running.task
@@ -293,7 +311,9 @@ class RolloutService:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _context(self, job: GroupJob, prompt_ids: list[int], index: int) -> WorkflowContext:
+    def _context(
+        self, job: GroupJob, prompt_ids: list[int], index: int, chat_prompt: str | None = None
+    ) -> WorkflowContext:
         """Sample `index`'s view of the system: the engine (interruptible, per-token
         versions) and the experiment's reward function."""
         stop_ids = list(job.params.stop_token_ids)
@@ -328,6 +348,8 @@ class RolloutService:
             score=score,
             version=lambda: self.engine.version,
             request_id=f"{job.group_id}:{index}",
+            chat_prompt=chat_prompt,
+            openai_session=self.openai.session,
         )
 
     def _sample(self, t: Trajectory) -> Sample:
@@ -404,6 +426,7 @@ class RolloutService:
             await self.server.stop(grace)
         await self._abort_all("aborted: rollout stopping")
         await self.engine.stop()
+        await self.openai.stop()
         await self.rewards.close()
         if self.nc:
             await self.nc.drain()

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from asyncrl.workflow import Trajectory, Workflow, WorkflowContext
+from asyncrl.workflow import AgentWorkflow, Trajectory, Workflow, WorkflowContext
 
 
 class TwoCalls(Workflow):
@@ -25,3 +25,28 @@ class TwoCalls(Workflow):
 class Broken(Workflow):
     async def run(self, ctx: WorkflowContext) -> Trajectory:
         raise RuntimeError("scripted workflow failure")
+
+
+class AskTwice(AgentWorkflow):
+    """Agent code on the official OpenAI SDK: answer, get asked "sure?", answer again; the
+    second answer is scored."""
+
+    def __init__(self, max_tokens: int = 4):
+        self.max_tokens = int(max_tokens)
+
+    async def agent(self, prompt: str, base_url: str, api_key: str) -> str:
+        import openai
+
+        async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as llm:
+            messages = [{"role": "user", "content": prompt}]
+            for follow_up in ("sure?", None):
+                r = await llm.chat.completions.create(
+                    model="policy", messages=messages, max_tokens=self.max_tokens
+                )
+                answer = r.choices[0].message.content
+                if follow_up:
+                    messages += [
+                        {"role": "assistant", "content": answer},
+                        {"role": "user", "content": follow_up},
+                    ]
+        return answer

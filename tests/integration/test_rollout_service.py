@@ -366,6 +366,66 @@ async def test_multi_turn_workflow_scores_each_turn_feedback_is_context(
             assert s.text != "" and s.loss_mask[-1] == 1
 
 
+@pytest.fixture(scope="module")
+def chat_tokenizer(models, tmp_path_factory):
+    """The tiny tokenizer with a ChatML-like template whose end of turn is its EOS."""
+    from tests.unit.test_chat import TEMPLATE
+
+    tok = AutoTokenizer.from_pretrained(str(models / "v0"))
+    tok.chat_template = TEMPLATE
+    out = tmp_path_factory.mktemp("chat_tok")
+    tok.save_pretrained(str(out))
+    return out
+
+
+async def test_openai_sdk_agent_two_turns_one_trajectory_per_sample_scored_on_answer(
+    rollout, reward_address, js, models, chat_tokenizer
+):
+    stub, _ = rollout
+    await stub.UpdateWeights(
+        rollout_pb2.UpdateWeightsRequest(
+            experiment_id="chat",
+            version=0,
+            uri=path_to_uri(models / "v0"),
+            tokenizer_path=str(chat_tokenizer),
+            engine="torch",
+        ),
+        timeout=30,
+    )
+    req = _with_workflow(
+        _request("ag1", [reward_address], n=3, experiment_id="chat"),
+        "tests.fixtures_plugins.workflows:AskTwice",
+        max_tokens=4,
+    )
+    req.workflow.chat_template = True
+    summary = await stub.GenerateGroup(req, timeout=60)
+    assert summary.status == rollout_pb2.GROUP_STATUS_ACCEPTED, summary.reason
+    [group] = await _read_back(js, train_subject("chat"), 1)
+    tok = AutoTokenizer.from_pretrained(str(chat_tokenizer))
+    assert tok.decode(group.prompt_ids) == "u:1+1=<eos>a:"
+    follow_up = tok("u:sure?<eos>a:", add_special_tokens=False).input_ids
+    for s in group.samples:
+        env = [i for i, m in enumerate(s.loss_mask) if m == 0]
+        first = s.output_ids[: env[0]]
+        closes = [] if first[-1] == tok.eos_token_id else [tok.eos_token_id]
+        assert [s.output_ids[i] for i in env] == closes + follow_up  # one contiguous env run
+        assert env == list(range(env[0], env[0] + len(env)))
+        second = s.output_ids[env[-1] + 1 :]
+        assert 1 <= len(first) <= 4 and 1 <= len(second) <= 4
+        assert s.text == tok.decode(second, skip_special_tokens=True)  # the scored answer
+        assert s.reward_status is RewardStatus.OK
+
+
+async def test_chat_template_without_one_in_tokenizer_is_invalid_argument(rollout, reward_address):
+    stub, _ = rollout
+    req = _request("ct1", [reward_address])
+    req.workflow.chat_template = True
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.GenerateGroup(req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "workflow.chat_template" in err.value.details()
+
+
 async def test_bad_workflow_is_invalid_argument_failing_workflow_fails_group(
     rollout, reward_address
 ):

@@ -244,6 +244,10 @@ async def running_experiment(
             {"rollout": {"workflow": {"name": "multi_turn", "args": {"turns": 2}}}},
             "rollout.workflow",
         ),
+        (  # the tiny model's tokenizer has no chat template
+            {"rollout": {"workflow": {"chat_template": True}}},
+            "rollout.workflow.chat_template",
+        ),
     ],
 )
 async def test_submit_bad_field_invalid_argument_names_field(cluster, files, override, field):

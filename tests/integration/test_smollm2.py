@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from asyncrl.algo import token_logprobs
 from asyncrl.spec import SamplingParams
 from asyncrl.types import Sample, TrajectoryGroup
+from asyncrl.workflow import Completion, Trajectory, WorkflowContext
 from examples.smollm2.fetch import fetch
 from services.rollout.engine import GenRequest
 from services.rollout.torch_engine import TorchEngine
@@ -81,6 +82,50 @@ async def test_torch_engine_greedy_chat_answer_ends_at_eos(smollm2, chat):
         await engine.stop()
     assert out.finish_reason == "stop" and out.output_ids[-1] == tok.eos_token_id
     assert "5" in tok.decode(out.output_ids, skip_special_tokens=True)
+
+
+async def test_chat_session_two_turns_on_real_chatml_template_spell_the_conversation(smollm2):
+    """The real template and BPE tokenizer: a two-turn trajectory (policy replies kept as
+    sampled, template markup as environment tokens) decodes to exactly the rendered chat."""
+    tok = AutoTokenizer.from_pretrained(str(smollm2))
+    engine = TorchEngine()
+    await engine.start()
+    try:
+        await engine.load(str(smollm2), 0)
+        params = SamplingParams(temperature=0.0, max_new_tokens=24)
+
+        async def generate(rid, input_ids, p):
+            out = await engine.generate(GenRequest(rid, input_ids, p, [tok.eos_token_id]))
+            text = tok.decode(out.output_ids, skip_special_tokens=True)
+            return Completion(out.output_ids, out.logprobs, out.versions, out.finish_reason, text)
+
+        chat_prompt = tok.apply_chat_template(
+            [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False
+        )
+        ctx = WorkflowContext(
+            prompt=QUESTION, answer="5", prompt_ids=tok.encode(chat_prompt, add_special_tokens=False),
+            index=0, is_eval=False, params=params, tokenizer=tok, generate=generate,
+            score=None, version=lambda: 0, request_id="c:0", chat_prompt=chat_prompt,
+        )  # fmt: skip
+        traj = Trajectory()
+        chat = ctx.chat(traj)
+        messages = [{"role": "user", "content": QUESTION}]
+        first = await chat.send(messages)
+        messages += [
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "And 3+4?"},
+        ]
+        second = await chat.send(messages)
+    finally:
+        await engine.stop()
+    assert first.finish_reason == second.finish_reason == "stop"
+    assert "5" in first.text and "7" in second.text
+    convo = [*messages, {"role": "assistant", "content": second.text}]
+    rendered = tok.apply_chat_template(convo, tokenize=False)
+    spelled = tok.decode(ctx.prompt_ids + traj.output_ids)
+    assert rendered.startswith(spelled) and rendered[len(spelled) :].strip() == ""
+    env = [t for t, m in zip(traj.output_ids, traj.loss_mask, strict=True) if m == 0]
+    assert tok.decode(env).startswith("\n<|im_start|>user\nAnd 3+4?<|im_end|>")
 
 
 def test_megatron_export_exact_logprobs_and_step_match_on_real_weights(smollm2, chat, tmp_path):
