@@ -202,19 +202,24 @@ async def test_generate_group_bad_sampling_param_is_invalid_argument(rollout, re
     assert "gconfig.top_p" in e.value.details()
 
 
-async def _serve_long(stub, models, no_eos_tokenizer) -> str:
-    """Switch the rollout to experiment 'long' (no EOS: every sample runs to its length)."""
+async def _serve(stub, models, experiment_id: str, tokenizer_path) -> str:
+    """Switch the rollout to `experiment_id`: model v0 with the tokenizer at `tokenizer_path`."""
     await stub.UpdateWeights(
         rollout_pb2.UpdateWeightsRequest(
-            experiment_id="long",
+            experiment_id=experiment_id,
             version=0,
             uri=path_to_uri(models / "v0"),
-            tokenizer_path=str(no_eos_tokenizer),
+            tokenizer_path=str(tokenizer_path),
             engine="torch",
         ),
         timeout=30,
     )
-    return "long"
+    return experiment_id
+
+
+async def _serve_long(stub, models, no_eos_tokenizer) -> str:
+    """Switch the rollout to experiment 'long' (no EOS: every sample runs to its length)."""
+    return await _serve(stub, models, "long", no_eos_tokenizer)
 
 
 async def test_generate_group_stop_strings_end_samples_at_the_completing_token(
@@ -382,16 +387,7 @@ async def test_openai_sdk_agent_two_turns_one_trajectory_per_sample_scored_on_an
     rollout, reward_address, js, models, chat_tokenizer
 ):
     stub, _ = rollout
-    await stub.UpdateWeights(
-        rollout_pb2.UpdateWeightsRequest(
-            experiment_id="chat",
-            version=0,
-            uri=path_to_uri(models / "v0"),
-            tokenizer_path=str(chat_tokenizer),
-            engine="torch",
-        ),
-        timeout=30,
-    )
+    await _serve(stub, models, "chat", chat_tokenizer)
     req = _with_workflow(
         _request("ag1", [reward_address], n=3, experiment_id="chat"),
         "tests.fixtures_plugins.workflows:AskTwice",

@@ -3,9 +3,10 @@
 de-quantized to fp32 by `examples.smollm2.fetch` (cached under var/models/, ~30 s the first time).
 
 The tiny models of the other tests cover every code path; this checks the same contracts hold
-on real weights: the embedded engine answers a chat prompt, the HF -> Megatron -> HF export is
-exact, megatron logprobs match the HF forward, and one optimizer step of the megatron backend
-updates the weights as the torch backend does (fp32, 1e-4).
+on real weights: the embedded engine answers a two-turn chat that stays one exact trajectory
+(asyncrl.workflow.ChatSession), the HF -> Megatron -> HF export is exact, megatron logprobs
+match the HF forward, and one optimizer step of the megatron backend updates the weights as
+the torch backend does (fp32, 1e-4).
 """
 
 from __future__ import annotations
@@ -69,24 +70,10 @@ def _groups(chat) -> list[TrajectoryGroup]:
     ]
 
 
-async def test_torch_engine_greedy_chat_answer_ends_at_eos(smollm2, chat):
-    prompt, _, _ = chat
-    tok = AutoTokenizer.from_pretrained(str(smollm2))
-    engine = TorchEngine()
-    await engine.start()
-    try:
-        await engine.load(str(smollm2), 0)
-        params = SamplingParams(temperature=0.0, max_new_tokens=24)
-        out = await engine.generate(GenRequest("q", prompt, params, [tok.eos_token_id]))
-    finally:
-        await engine.stop()
-    assert out.finish_reason == "stop" and out.output_ids[-1] == tok.eos_token_id
-    assert "5" in tok.decode(out.output_ids, skip_special_tokens=True)
-
-
 async def test_chat_session_two_turns_on_real_chatml_template_spell_the_conversation(smollm2):
-    """The real template and BPE tokenizer: a two-turn trajectory (policy replies kept as
-    sampled, template markup as environment tokens) decodes to exactly the rendered chat."""
+    """The embedded engine answers on real weights and stops at EOS; with the real template and
+    BPE tokenizer a two-turn trajectory (policy replies kept as sampled, template markup as
+    environment tokens) decodes to exactly the rendered chat."""
     tok = AutoTokenizer.from_pretrained(str(smollm2))
     engine = TorchEngine()
     await engine.start()
@@ -118,7 +105,8 @@ async def test_chat_session_two_turns_on_real_chatml_template_spell_the_conversa
         second = await chat.send(messages)
     finally:
         await engine.stop()
-    assert first.finish_reason == second.finish_reason == "stop"
+    assert first.finish_reason == second.finish_reason == "stop"  # the engine stopped at EOS
+    assert first.output_ids[-1] == second.output_ids[-1] == tok.eos_token_id
     assert "5" in first.text and "7" in second.text
     convo = [*messages, {"role": "assistant", "content": second.text}]
     rendered = tok.apply_chat_template(convo, tokenize=False)
