@@ -220,6 +220,7 @@ def group_record(group: TrajectoryGroup) -> dict:
         "group_id": group.group_id,
         "prompt_id": group.prompt_id,
         "prompt": group.prompt,
+        "prompt_ids": group.prompt_ids,  # what the model saw (chat-templated, if so set)
         "answer": group.answer,
         "start_version": group.start_version,
         "eval": group.eval,

@@ -65,6 +65,41 @@ def test_multi_turn_workflow_experiment_trains_feedback_tokens_masked(cluster, t
     assert all(s["reward"] in (0.0, 0.5, 1.0) for s in samples)
 
 
+def test_openai_sdk_agent_experiment_with_chat_template_trains(cluster, task, tmp_path):
+    """rollout.workflow = an AgentWorkflow on the official `openai` SDK with chat_template:
+    the spec's chat settings travel scheduler -> rollout, every sample is a two-turn chat
+    (template markup and the follow-up as env tokens), and the trainer trains on them."""
+    from transformers import AutoTokenizer
+
+    from tests.unit.test_chat import TEMPLATE
+
+    model, _, _ = task
+    tok = AutoTokenizer.from_pretrained(str(model))
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(str(tmp_path / "chat_tok"))
+    spec = small_spec(task)
+    spec["model"]["tokenizer_path"] = str(tmp_path / "chat_tok")
+    spec["rollout"]["workflow"] = {
+        "name": "tests.fixtures_plugins.workflows:AskTwice",
+        "args": {"max_tokens": 3},
+        "chat_template": True,
+    }
+    exp = asyncio.run(run_experiment(cluster.scheduler, spec))
+    assert_completed(exp)
+    out = tmp_path / "traj.jsonl"
+    assert_dump_decodes(cluster, exp, out)
+    groups = [json.loads(line) for line in out.read_text().splitlines()]
+    follow_up = tok("u:sure?<eos>a:", add_special_tokens=False).input_ids
+    for g in groups:
+        assert (
+            tok.decode(g["prompt_ids"]).startswith("u:")
+            and g["prompt_ids"][-2:] == tok("a:", add_special_tokens=False).input_ids
+        )
+        for s in g["samples"]:
+            env = [t for t, m in zip(s["output_ids"], s["loss_mask"], strict=True) if m == 0]
+            assert env[-len(follow_up) :] == follow_up
+
+
 def test_scale_rollout_and_reward_during_a_run_new_replicas_get_work(cluster, task):
     spec = small_spec(task, total_steps=100_000)  # runs until cancelled
 

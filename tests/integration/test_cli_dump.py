@@ -71,6 +71,7 @@ def test_dump_train_groups_all_written_in_order_other_experiment_excluded(nats_s
         0,
         False,
     )
+    assert first["prompt_ids"] == [5]
     assert first["samples"][2] == {
         "text": "s2",
         "reward": 2.0,
