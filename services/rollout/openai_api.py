@@ -10,14 +10,17 @@ the session, so concurrent samples never mix.
 
 The server binds 127.0.0.1 on a free port (or `--openai-port`) the first time a session opens.
 Supported: `messages`, `temperature`, `top_p`, `max_tokens` / `max_completion_tokens`, `stop`,
-`n: 1`. Anything the policy cannot honour (`stream`, `tools`, `n > 1`) is a 400 naming the
-field, in OpenAI's error format; an unknown key is a 401.
+`n: 1`, `stream` (server-sent events: the reply in one content chunk once it is complete, then
+the finish chunk, usage if `stream_options.include_usage`, `[DONE]`). Anything the policy
+cannot honour (`tools`, `n > 1`, ...) is a 400 naming the field, in OpenAI's error format; an
+unknown key is a 401.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -31,7 +34,7 @@ from asyncrl.workflow import ChatContextError, ChatSession
 log = get_logger(component="openai_api")
 
 MODEL_NAME = "policy"
-_UNSUPPORTED = ("stream", "tools", "functions", "tool_choice", "response_format")
+_UNSUPPORTED = ("tools", "functions", "tool_choice", "response_format")
 
 
 class RequestError(ValueError):
@@ -149,27 +152,42 @@ class OpenAIEndpoint:
         except RequestError as e:
             return _error(e)
         prompt_tokens = len(chat.ctx.prompt_ids) + len(chat.traj.output_ids) - len(reply.output_ids)
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(reply.output_ids),
+            "total_tokens": prompt_tokens + len(reply.output_ids),
+        }
+        head = {
+            "id": f"chatcmpl-{secrets.token_hex(8)}",
+            "created": int(time.time()),
+            "model": body.get("model") or MODEL_NAME,
+        }
+        finish = "length" if reply.finish_reason == "length" else "stop"
+        if body.get("stream"):
+            return await self._stream(request, head, reply.text, finish, usage, body)
+        message = {"role": "assistant", "content": reply.text}
+        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
         return web.json_response(
-            {
-                "id": f"chatcmpl-{secrets.token_hex(8)}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": body.get("model") or MODEL_NAME,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": reply.text},
-                        "finish_reason": "length" if reply.finish_reason == "length" else "stop",
-                        "logprobs": None,
-                    }
-                ],
-                "usage": {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": len(reply.output_ids),
-                    "total_tokens": prompt_tokens + len(reply.output_ids),
-                },
-            }
+            {**head, "object": "chat.completion", "choices": [choice], "usage": usage}
         )
+
+    async def _stream(self, request, head, text, finish, usage, body) -> web.StreamResponse:
+        """The finished reply as server-sent chat.completion.chunk events."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {**head, "object": "chat.completion.chunk"}
+        deltas = [
+            ({"role": "assistant", "content": text}, None),
+            ({}, finish),
+        ]
+        for delta, reason in deltas:
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            await resp.write(_event({**chunk, "choices": [choice]}))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await resp.write(_event({**chunk, "choices": [], "usage": usage}))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     def _authorized(self, request: web.Request) -> ChatSession:
         auth = request.headers.get("Authorization", "")
@@ -178,6 +196,10 @@ class OpenAIEndpoint:
         if chat is None:
             raise RequestError("api_key", "unknown or finished session", status=401)
         return chat
+
+
+def _event(data: dict) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
 
 
 def _error(e: RequestError) -> web.Response:

@@ -1,6 +1,6 @@
 """The rollout's OpenAI-compatible endpoint over real HTTP, driven by the official `openai` SDK:
-replies come from the chat session's engine, sampling fields reach it, and what the policy
-cannot honour is a 400 naming the field (401 for an unknown key)."""
+replies come from the chat session's engine (also streamed), sampling fields reach it, and
+what the policy cannot honour is a 400 naming the field (401 for an unknown key)."""
 
 from __future__ import annotations
 
@@ -69,9 +69,10 @@ async def test_sdk_bad_requests_are_400_naming_the_field_unknown_key_401(tok, en
             with pytest.raises(openai.BadRequestError) as err:
                 await client.chat.completions.create(model="policy", messages=msgs, **bad)
             assert err.value.body["param"] == param and param in err.value.body["message"]
+        tool = {"type": "function", "function": {"name": "calc", "parameters": {}}}
         with pytest.raises(openai.BadRequestError) as err:
-            await client.chat.completions.create(model="policy", messages=msgs, stream=True)
-        assert err.value.body["param"] == "stream"
+            await client.chat.completions.create(model="policy", messages=msgs, tools=[tool])
+        assert err.value.body["param"] == "tools"
         with pytest.raises(openai.BadRequestError) as err:  # history the trajectory never had
             await client.chat.completions.create(
                 model="policy", messages=[{"role": "user", "content": "2+2="}]
@@ -95,3 +96,23 @@ async def test_sdk_bad_requests_are_400_naming_the_field_unknown_key_401(tok, en
     with pytest.raises(openai.AuthenticationError):
         await late.chat.completions.create(model="policy", messages=msgs)
     await late.close()
+
+
+async def test_sdk_stream_yields_the_reply_then_finish_and_usage(tok, endpoint):
+    eos = tok.eos_token_id
+    ctx, _ = chat_context(tok, [enc(tok, "42") + [eos]])
+    traj = Trajectory()
+    async with endpoint.session(ctx.chat(traj)) as client_args:
+        async with openai.AsyncOpenAI(**client_args, max_retries=0) as client:
+            stream = await client.chat.completions.create(
+                model="policy",
+                messages=[{"role": "user", "content": "1+1="}],
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert text == "42" and finishes[-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == 3
+    assert traj.output_ids == enc(tok, "42") + [eos]
