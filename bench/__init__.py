@@ -14,4 +14,5 @@ BENCHMARKS: dict[str, str] = {
     "trainer": "bench.trainer",
     "transport": "bench.transport",
     "admission": "bench.admission",
+    "agent": "bench.agent",
 }

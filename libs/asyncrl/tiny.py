@@ -15,6 +15,13 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = list(string.digits + string.ascii_letters + string.punctuation + " ")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+"""A ChatML-like template the character tokenizer can spell ("u:1+1=<eos>a:"): a turn ends
+with the EOS token, as in real chat models. Not set by default; tests and benchmarks of chat
+workflows assign it."""
 
 
 def build_char_tokenizer(out_dir: str | Path):

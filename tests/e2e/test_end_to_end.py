@@ -71,11 +71,11 @@ def test_openai_sdk_agent_experiment_with_chat_template_trains(cluster, task, tm
     (template markup and the follow-up as env tokens), and the trainer trains on them."""
     from transformers import AutoTokenizer
 
-    from tests.unit.test_chat import TEMPLATE
+    from asyncrl.tiny import CHAT_TEMPLATE
 
     model, _, _ = task
     tok = AutoTokenizer.from_pretrained(str(model))
-    tok.chat_template = TEMPLATE
+    tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(tmp_path / "chat_tok"))
     spec = small_spec(task)
     spec["model"]["tokenizer_path"] = str(tmp_path / "chat_tok")

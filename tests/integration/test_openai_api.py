@@ -15,11 +15,10 @@ from tests.unit.test_chat import chat_context, enc
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    from asyncrl.tiny import build_char_tokenizer
-    from tests.unit.test_chat import TEMPLATE
+    from asyncrl.tiny import CHAT_TEMPLATE, build_char_tokenizer
 
     t = build_char_tokenizer(tmp_path_factory.mktemp("tok"))
-    t.chat_template = TEMPLATE
+    t.chat_template = CHAT_TEMPLATE
     return t
 
 

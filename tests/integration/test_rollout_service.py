@@ -374,10 +374,10 @@ async def test_multi_turn_workflow_scores_each_turn_feedback_is_context(
 @pytest.fixture(scope="module")
 def chat_tokenizer(models, tmp_path_factory):
     """The tiny tokenizer with a ChatML-like template whose end of turn is its EOS."""
-    from tests.unit.test_chat import TEMPLATE
+    from asyncrl.tiny import CHAT_TEMPLATE
 
     tok = AutoTokenizer.from_pretrained(str(models / "v0"))
-    tok.chat_template = TEMPLATE
+    tok.chat_template = CHAT_TEMPLATE
     out = tmp_path_factory.mktemp("chat_tok")
     tok.save_pretrained(str(out))
     return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.spec import SamplingParams
-from asyncrl.tiny import build_char_tokenizer
+from asyncrl.tiny import CHAT_TEMPLATE, build_char_tokenizer
 from asyncrl.workflow import (
     ChatContextError,
     Completion,
@@ -16,16 +16,11 @@ from asyncrl.workflow import (
     WorkflowContext,
 )
 
-TEMPLATE = (
-    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}<eos>{% endfor %}"
-    "{% if add_generation_prompt %}a:{% endif %}"
-)
-
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     t = build_char_tokenizer(tmp_path_factory.mktemp("tok"))
-    t.chat_template = TEMPLATE
+    t.chat_template = CHAT_TEMPLATE
     return t
 
 
