@@ -194,9 +194,19 @@ class ChatSession:
         """What the template renders for the trajectory so far (replies without special
         tokens)."""
         self._tail = ""  # special tokens that ended the last reply (already in the trajectory)
+        self._busy = False
 
     async def send(self, messages: list[dict[str, Any]], **overrides: Any) -> Completion:
         """Sample the assistant's reply to `messages` (the whole conversation so far)."""
+        if self._busy:  # a trajectory is one line of turns
+            raise ChatContextError("messages: a reply for this trajectory is being generated")
+        self._busy = True
+        try:
+            return await self._send(messages, overrides)
+        finally:
+            self._busy = False
+
+    async def _send(self, messages: list[dict[str, Any]], overrides: dict[str, Any]) -> Completion:
         rendered = self.ctx.render_chat(messages)
         if not rendered.startswith(self.text):
             at = len(os.path.commonprefix([rendered, self.text]))

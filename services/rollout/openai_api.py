@@ -101,7 +101,9 @@ class OpenAIEndpoint:
             app = web.Application()
             app.router.add_post("/v1/chat/completions", self._chat)
             app.router.add_get("/v1/models", self._models)
-            runner = web.AppRunner(app, access_log=None)
+            # a client that goes away (its workflow was cancelled: group aborted, rollout
+            # stopping) cancels the handler, and with it the engine request
+            runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
             await runner.setup()
             await web.TCPSite(runner, self.host, self.port).start()
             self.port = runner.addresses[0][1]

@@ -4,6 +4,9 @@ what the policy cannot honour is a 400 naming the field (401 for an unknown key)
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import aiohttp
 import openai
 import pytest
@@ -115,3 +118,34 @@ async def test_sdk_stream_yields_the_reply_then_finish_and_usage(tok, endpoint):
     assert text == "42" and finishes[-1] == "stop"
     assert chunks[-1].usage.completion_tokens == 3
     assert traj.output_ids == enc(tok, "42") + [eos]
+
+
+async def test_client_gone_mid_request_cancels_the_generation(tok, endpoint):
+    """A workflow cancelled while its agent waits (group aborted) drops the HTTP request; the
+    handler is cancelled and the engine request with it, instead of generating for nobody."""
+    started, cancelled = asyncio.Event(), asyncio.Event()
+    ctx, _ = chat_context(tok, [])
+
+    async def forever(rid, input_ids, params):
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    ctx._generate = forever
+    async with endpoint.session(ctx.chat(Trajectory())) as client_args:
+        async with aiohttp.ClientSession() as http:
+            request = asyncio.create_task(
+                http.post(
+                    client_args["base_url"] + "/chat/completions",
+                    json={"model": "policy", "messages": [{"role": "user", "content": "1+1="}]},
+                    headers={"Authorization": f"Bearer {client_args['api_key']}"},
+                )
+            )
+            await asyncio.wait_for(started.wait(), 10)
+            request.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+        await asyncio.wait_for(cancelled.wait(), 10)

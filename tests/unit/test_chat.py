@@ -3,6 +3,8 @@ with the tiny character tokenizer and a ChatML-like template (end of turn = EOS)
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from asyncrl.spec import SamplingParams
@@ -154,3 +156,22 @@ async def test_chat_special_tokens_inside_a_reply_stay_in_tokens_not_in_text(tok
     )
     env = enc(tok, "u:no<eos>a:")
     assert traj.output_ids == enc(tok, "3") + [pad] + enc(tok, "4") + [eos] + env + enc(tok, "2")
+
+
+async def test_chat_concurrent_send_on_one_trajectory_is_refused(tok):
+    release = asyncio.Event()
+    ctx, _ = chat_context(tok, [enc(tok, "3")])
+    inner = ctx._generate
+
+    async def slow(rid, input_ids, params):
+        await release.wait()
+        return await inner(rid, input_ids, params)
+
+    ctx._generate = slow
+    chat = ctx.chat(Trajectory())
+    first = asyncio.create_task(chat.send([{"role": "user", "content": "1+1="}]))
+    await asyncio.sleep(0)
+    with pytest.raises(ChatContextError, match="being generated"):
+        await chat.send([{"role": "user", "content": "1+1="}])
+    release.set()
+    assert (await first).text == "3"
