@@ -1,26 +1,32 @@
 """The local supervisor (`make up`) with a reduced service set: nats + scheduler + reward, and
-metrics ports from ASYNCRL_METRICS_PORT.
+metrics ports from ASYNCRL_METRICS_PORT; then its process handling on its own (psutil): killing
+trees across sessions, zombies, `stop` of a daemon that ignores SIGTERM, settings from the
+environment.
 
-One supervisor per module (starting it costs seconds); the tests run in file order and the last
-one stops it. The module fixture stops it again and kills leftovers whatever happens.
+One supervisor per module (starting it costs seconds); the cluster tests run in file order and
+the last one stops it. The module fixture stops it again and kills leftovers whatever happens.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from subprocess import PIPE
 
+import psutil
 import pytest
 from typer.testing import CliRunner
 
 from asyncrl.cli import app as cli_app
-from asyncrl.natsutil import free_port
-from asyncrl.supervisor import pid_alive, port_in_use
-from asyncrl.supervisor.daemon import kill_tree
+from asyncrl.net import free_port
+from asyncrl.proc import kill_tree
+from asyncrl.supervisor import Paths, pid_alive, port_in_use
+from asyncrl.supervisor.commands import app as sup_app
 from tests.cluster import Cluster, wait_for
 
 SERVICES = "scheduler,reward"
@@ -145,25 +151,96 @@ def test_stop_leaves_no_process_behind(cluster):
     assert "not running" in cluster.sup("ps").stdout
 
 
-def test_kill_tree_reaches_a_child_in_its_own_session(tmp_path):
+# ---------------------------------------------------------------- process trees (psutil)
+
+CHAIN = """
+import os, signal, subprocess, sys, time
+leaf_file, depth, ignore_term = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+if ignore_term:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if depth:
+    subprocess.Popen([sys.executable, __file__, leaf_file, str(depth - 1), "0"],
+                     start_new_session=True)
+else:
+    open(leaf_file + ".tmp", "w").write(str(os.getpid()))
+    os.replace(leaf_file + ".tmp", leaf_file)
+time.sleep(300)
+"""
+
+
+@pytest.fixture
+def chain(tmp_path):
+    """Start a chain of processes, each in a session of its own (as torchrun starts its ranks):
+    returns (root Popen, leaf pid). Whatever is left of it is SIGKILLed afterwards."""
+    script = tmp_path / "chain.py"
+    script.write_text(CHAIN)
+    started: list[psutil.Process] = []
+
+    def start(depth: int, ignore_term: bool = False) -> tuple[subprocess.Popen, int]:
+        leaf_file = tmp_path / f"leaf-{len(started)}.pid"
+        args = [sys.executable, str(script), str(leaf_file), str(depth), str(int(ignore_term))]
+        root = subprocess.Popen(args, start_new_session=True)
+        started.append(psutil.Process(root.pid))
+        leaf = int(wait_for(lambda: leaf_file.exists() and leaf_file.read_text()))
+        started.extend(psutil.Process(root.pid).children(recursive=True))
+        return root, leaf
+
+    yield start
+    for p in started:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_kill_tree_reaches_a_grandchild_in_another_session(chain):
     """What the supervisor does to a replica past its grace period: torchrun starts each rank
-    in a new session, out of reach of a signal to torchrun's process group."""
-    pidfile = tmp_path / "child.pid"
-    script = (
-        "import subprocess, sys, time\n"
-        "child = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
-        f"open({str(pidfile)!r}, 'w').write(str(child.pid))\n"
-        "time.sleep(300)\n"
-    )
-    parent = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
-    child = None
-    try:
-        child = int(wait_for(lambda: pidfile.exists() and pidfile.read_text()))
-        assert os.getpgid(child) != os.getpgid(parent.pid)
-        kill_tree(parent.pid)
-        assert parent.wait(10) == -signal.SIGKILL
-        wait_for(lambda: not pid_alive(child), timeout=10)
-    finally:
-        for pid in (parent.pid, child):
-            if pid and pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+    in a new session, out of reach of a signal to torchrun's process group; found by parent pid,
+    every level below is killed."""
+    root, leaf = chain(depth=2)
+    assert len({os.getsid(root.pid), os.getsid(psutil.Process(leaf).ppid()), os.getsid(leaf)}) == 3
+    kill_tree(root.pid)
+    assert root.wait(10) == -signal.SIGKILL
+    wait_for(lambda: not pid_alive(leaf), timeout=10)
+
+
+def test_pid_alive_exited_unreaped_child_false_until_reaped():
+    """A zombie (exited, its parent has not waited for it yet) counts as dead."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=PIPE)
+    assert pid_alive(proc.pid)
+    proc.stdin.close()
+    wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE, timeout=10)
+    assert not pid_alive(proc.pid)
+    assert proc.wait(10) == 0
+    assert not pid_alive(proc.pid)
+
+
+def test_stop_supervisor_ignoring_sigterm_killed_with_its_whole_tree(chain, tmp_path):
+    """`stop` past its timeout kills the daemon and everything below it, a grandchild in
+    another session included (a rank of a torchrun trainer)."""
+    daemon, leaf = chain(depth=2, ignore_term=True)
+    paths = Paths(tmp_path / "var")
+    paths.run.mkdir(parents=True)
+    paths.pidfile.write_text(str(daemon.pid))
+    result = CliRunner().invoke(sup_app, ["stop", "--var", str(paths.var), "--timeout", "1"])
+    assert result.exit_code == 0, result.output
+    assert "killing it" in result.output and "asyncrl stopped" in result.output
+    assert daemon.wait(10) == -signal.SIGKILL
+    wait_for(lambda: not pid_alive(leaf), timeout=10)
+    assert not paths.pidfile.exists()
+
+
+def test_start_env_sets_port_defaults_flag_wins(tmp_path, monkeypatch):
+    """ASYNCRL_NATS_PORT / ASYNCRL_SCHEDULER_PORT set the defaults; --nats-port overrides
+    its variable, so the busy port `start` refuses is the scheduler's."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        monkeypatch.setenv("ASYNCRL_NATS_PORT", str(port))
+        monkeypatch.setenv("ASYNCRL_SCHEDULER_PORT", str(port))
+        args = ["start", "--var", str(tmp_path), "--nats-port", str(free_port())]
+        result = CliRunner().invoke(sup_app, args)
+    assert result.exit_code == 1, result.output
+    assert f"port {port} (scheduler) is already in use" in result.output
+    assert not (tmp_path / "run").exists()  # refused before anything was started

@@ -1,12 +1,16 @@
 """The supervisor's pure policy: restart backoff, replica numbering, each replica's command
-line (torchrun for a multi-rank trainer) and metrics port."""
+line (torchrun for a multi-rank trainer) and metrics port; `start`'s service list and the
+daemon's command line."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
+import typer
 
+from asyncrl.supervisor.commands import Launch, _parse_services
 from asyncrl.supervisor.daemon import (
     SERVICES,
     Paths,
@@ -119,3 +123,26 @@ def test_replica_as_dict_carries_metrics_port(tmp_path):
     r = Replica("rollout", 1, tmp_path / "rollout-1.log", metrics_port=9111)
     assert r.as_dict()["metrics_port"] == 9111
     assert Replica("reward", 0, tmp_path / "reward-0.log").as_dict()["metrics_port"] is None
+
+
+# ---------------------------------------------------------------- `start`'s steps
+
+
+def test_parse_services_any_order_start_order():
+    assert _parse_services(" trainer,scheduler ,,reward") == ["scheduler", "reward", "trainer"]
+
+
+def test_parse_services_unknown_name_refused():
+    with pytest.raises(typer.BadParameter, match="nats"):
+        _parse_services("scheduler,nats")
+
+
+def test_launch_daemon_command_metrics_flag_only_with_a_base(tmp_path):
+    launch = Launch(tmp_path, ["scheduler", "reward"], 4222, 50051, None, 2)
+    assert launch.daemon_command() == [
+        sys.executable, "-m", "asyncrl.supervisor", "run", "--var", str(tmp_path),
+        "--services", "scheduler,reward", "--nats-port", "4222", "--scheduler-port", "50051",
+        "--trainer-nproc", "2",
+    ]  # fmt: skip
+    with_metrics = dataclasses.replace(launch, metrics_port=9100).daemon_command()
+    assert with_metrics[-2:] == ["--metrics-port", "9100"]

@@ -21,14 +21,17 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from asyncrl.logging import configure_logging
+from asyncrl.proc import kill_tree, pid_alive
+from asyncrl.settings import Settings, settings
 from asyncrl.supervisor.daemon import (
     GRACE_S,
     SERVICES,
@@ -36,10 +39,8 @@ from asyncrl.supervisor.daemon import (
     Paths,
     Supervisor,
     metrics_port_for,
-    pid_alive,
     port_in_use,
     read_json,
-    signal_group,
     supervisor_pid,
     write_json,
 )
@@ -110,126 +111,197 @@ def _wait_stopped(pid: int, timeout: float) -> bool:
     return True
 
 
-# ---------------------------------------------------------------- commands
+def _kill_all(paths: Paths, supervisor: int) -> None:
+    """SIGKILL the daemon and every process below it (torchrun's ranks too), then the trees
+    and groups of the processes it recorded (stragglers that outlived their parent)."""
+    kill_tree(supervisor)
+    for p in (read_json(paths.state, {}) or {}).get("processes", []):
+        if p.get("pid"):
+            kill_tree(p["pid"])
+    paths.pidfile.unlink(missing_ok=True)
 
-VarOpt = Annotated[Path, typer.Option("--var", envvar="ASYNCRL_VAR", help="State directory.")]
+
+# ---------------------------------------------------------------- start, step by step
 
 
-@app.command()
-def start(
-    var: VarOpt = Path("var"),
-    services: Annotated[str, typer.Option(help="Comma-separated services to run.")] = ",".join(
-        SERVICES
-    ),
-    nats_port: Annotated[int, typer.Option(envvar="ASYNCRL_NATS_PORT")] = 4222,
-    scheduler_port: Annotated[int, typer.Option(envvar="ASYNCRL_SCHEDULER_PORT")] = 50051,
-    metrics_port: Annotated[
-        int | None,
-        typer.Option(
-            envvar="ASYNCRL_METRICS_PORT",
-            min=1,
-            help="Base port for the services' Prometheus metrics (default: no metrics).",
-        ),
-    ] = None,
-    trainer_nproc: Annotated[
-        int,
-        typer.Option(
-            envvar="ASYNCRL_TRAINER_NPROC", min=1, help="Ranks per trainer (> 1: torchrun)."
-        ),
-    ] = 1,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for healthy.")] = READY_TIMEOUT_S,
-) -> None:
-    """Start nats and the services in the background; return once all are healthy."""
-    paths = Paths(var)
+@dataclass(frozen=True)
+class Launch:
+    """What `start` runs: the daemon's settings."""
+
+    var: Path
+    services: list[str]
+    """The chosen services, in start order."""
+    nats_port: int
+    scheduler_port: int
+    metrics_port: int | None
+    """Base of the services' metrics ports; None: no metrics."""
+    trainer_nproc: int
+
+    @property
+    def paths(self) -> Paths:
+        return Paths(self.var)
+
+    @property
+    def scheduler(self) -> str:
+        return f"127.0.0.1:{self.scheduler_port}"
+
+    def daemon_command(self) -> list[str]:
+        """The argv of the daemon (`run`) that supervises these services."""
+        metrics = [] if self.metrics_port is None else ["--metrics-port", str(self.metrics_port)]
+        return [
+            sys.executable, "-m", "asyncrl.supervisor", "run",
+            "--var", str(self.var),
+            "--services", ",".join(self.services),
+            "--nats-port", str(self.nats_port),
+            "--scheduler-port", str(self.scheduler_port),
+            "--trainer-nproc", str(self.trainer_nproc),
+            *metrics,
+        ]  # fmt: skip
+
+
+def _parse_services(services: str) -> list[str]:
+    """'rollout, scheduler' -> ['scheduler', 'rollout'] (start order); unknown names refused."""
     chosen = [s.strip() for s in services.split(",") if s.strip()]
     unknown = sorted(set(chosen) - set(SERVICES))
     if unknown:
         raise typer.BadParameter(f"unknown services {unknown}; choose from {SERVICES}")
-    chosen = [s for s in SERVICES if s in chosen]
-    pid = supervisor_pid(paths)
+    return [s for s in SERVICES if s in chosen]
+
+
+def _check_ports_free(launch: Launch) -> None:
+    """Exit 1 naming the first port the cluster needs that something else holds."""
+    wanted = [
+        (launch.nats_port, "nats", "ASYNCRL_NATS_PORT"),
+        (launch.scheduler_port, "scheduler", "ASYNCRL_SCHEDULER_PORT"),
+    ]
+    for name in launch.services:
+        port = metrics_port_for(name, 0, launch.metrics_port)
+        if port is not None:
+            wanted.append((port, f"{name} metrics", "ASYNCRL_METRICS_PORT"))
+    for port, what, envvar in wanted:
+        if port_in_use(port):
+            out.print(
+                f"[red]port {port} ({what}) is already in use[/red]; stop what uses it or set "
+                f"{envvar}"
+            )
+            raise typer.Exit(1)
+
+
+def _launch_daemon(launch: Launch) -> subprocess.Popen:
+    """Prepare var/ (one replica of each service, no stale state) and start the daemon in its
+    own session, its output in var/log/supervisor.log."""
+    paths = launch.paths
+    for d in (paths.run, paths.logs, launch.var / "nats", launch.var / "weights"):
+        d.mkdir(parents=True, exist_ok=True)
+    paths.state.unlink(missing_ok=True)
+    write_json(paths.replicas, {s: 1 for s in launch.services})
+    with open(paths.supervisor_log, "ab") as logf:
+        return subprocess.Popen(
+            launch.daemon_command(),
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _wait_healthy(daemon: subprocess.Popen, launch: Launch, timeout: float) -> list[str]:
+    """Poll until everything is up or `timeout` passes; what is still missing. Exit 1 (with
+    the daemon's log) if the daemon itself exits."""
+    deadline = time.monotonic() + timeout
+    missing = ["nats", *launch.services]
+    with out.status("starting") as status:
+        while missing and time.monotonic() <= deadline:
+            if daemon.poll() is not None:
+                out.print(f"[red]the supervisor exited ({daemon.returncode})[/red]; see below")
+                _print_tail(launch.paths.supervisor_log)
+                raise typer.Exit(1)
+            missing = asyncio.run(_missing(launch.scheduler, launch.nats_port, launch.services))
+            status.update(f"waiting for: {', '.join(missing)}")
+            if missing:
+                time.sleep(0.5)
+    return missing
+
+
+def _give_up(
+    daemon: subprocess.Popen, launch: Launch, missing: list[str], timeout: float
+) -> NoReturn:
+    """Show the logs of what did not come up, stop the daemon (and so everything) and exit 1."""
+    out.print(f"[red]not healthy after {timeout:.0f}s: {', '.join(missing)}[/red]")
+    logs = launch.paths.logs
+    for s in missing:
+        for logfile in sorted(logs.glob(f"{s}-*.log")):
+            _print_tail(logfile)
+    out.print(f"logs: {logs}/; stopping")
+    daemon.terminate()
+    daemon.wait(GRACE_S * (len(launch.services) + 2))
+    raise typer.Exit(1)
+
+
+# ---------------------------------------------------------------- commands
+
+
+def _from_env(name: str, text: str | None = None, **kw) -> typer.models.OptionInfo:
+    """A typer option whose default is setting `name` as the environment holds it when the
+    command line is parsed: ASYNCRL_<NAME> sets the default, the flag wins."""
+    default = Settings.model_fields[name].default
+    return typer.Option(
+        default_factory=lambda: getattr(settings(), name),
+        show_default=f"$ASYNCRL_{name.upper()} or {default}",
+        help=text,
+        **kw,
+    )
+
+
+VarOpt = Annotated[Path, _from_env("var", "State directory.")]
+NatsPortOpt = Annotated[int, _from_env("nats_port")]
+SchedulerPortOpt = Annotated[int, _from_env("scheduler_port")]
+MetricsPortOpt = Annotated[
+    int | None,
+    _from_env("metrics_port", "Base port for the services' Prometheus metrics.", min=1),
+]
+TrainerNprocOpt = Annotated[
+    int, _from_env("trainer_nproc", "Ranks per trainer (> 1: torchrun).", min=1)
+]
+
+
+@app.command()
+def start(
+    var: VarOpt,
+    nats_port: NatsPortOpt,
+    scheduler_port: SchedulerPortOpt,
+    metrics_port: MetricsPortOpt,
+    trainer_nproc: TrainerNprocOpt,
+    services: Annotated[str, typer.Option(help="Comma-separated services to run.")] = ",".join(
+        SERVICES
+    ),
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for healthy.")] = READY_TIMEOUT_S,
+) -> None:
+    """Start nats and the services in the background; return once all are healthy."""
+    launch = Launch(
+        var, _parse_services(services), nats_port, scheduler_port, metrics_port, trainer_nproc
+    )
+    pid = supervisor_pid(launch.paths)
     if pid:
         out.print(
             f"asyncrl is already running (supervisor pid {pid}, var {var}); "
             "`make ps` to see it, `make down` to stop it"
         )
         return
-    for name, port in (("nats", nats_port), ("scheduler", scheduler_port)):
-        if port_in_use(port):
-            out.print(
-                f"[red]port {port} ({name}) is already in use[/red]; stop what uses it or "
-                f"set ASYNCRL_{name.upper()}_PORT"
-            )
-            raise typer.Exit(1)
-    for name in chosen:
-        port = metrics_port_for(name, 0, metrics_port)
-        if port is not None and port_in_use(port):
-            out.print(
-                f"[red]port {port} ({name} metrics) is already in use[/red]; stop what uses it "
-                "or set ASYNCRL_METRICS_PORT"
-            )
-            raise typer.Exit(1)
-    for d in (paths.run, paths.logs, var / "nats", var / "weights"):
-        d.mkdir(parents=True, exist_ok=True)
-    paths.state.unlink(missing_ok=True)
-    write_json(paths.replicas, {s: 1 for s in chosen})
-    cmd = [
-        sys.executable,
-        "-m",
-        "asyncrl.supervisor",
-        "run",
-        "--var",
-        str(var),
-        "--services",
-        ",".join(chosen),
-        "--nats-port",
-        str(nats_port),
-        "--scheduler-port",
-        str(scheduler_port),
-        "--trainer-nproc",
-        str(trainer_nproc),
-        *(["--metrics-port", str(metrics_port)] if metrics_port is not None else []),
-    ]
-    with open(paths.supervisor_log, "ab") as logf:
-        daemon = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    scheduler = f"127.0.0.1:{scheduler_port}"
-    deadline = time.monotonic() + timeout
-    missing = ["nats", *chosen]
-    with out.status("starting") as status:
-        while missing:
-            if daemon.poll() is not None:
-                out.print(f"[red]the supervisor exited ({daemon.returncode})[/red]; see below")
-                _print_tail(paths.supervisor_log)
-                raise typer.Exit(1)
-            if time.monotonic() > deadline:
-                break
-            missing = asyncio.run(_missing(scheduler, nats_port, chosen))
-            status.update(f"waiting for: {', '.join(missing)}")
-            if missing:
-                time.sleep(0.5)
+    _check_ports_free(launch)
+    daemon = _launch_daemon(launch)
+    missing = _wait_healthy(daemon, launch, timeout)
     if missing:
-        out.print(f"[red]not healthy after {timeout:.0f}s: {', '.join(missing)}[/red]")
-        for s in missing:
-            for logfile in sorted(paths.logs.glob(f"{s}-*.log")):
-                _print_tail(logfile)
-        out.print(f"logs: {paths.logs}/; stopping")
-        daemon.terminate()
-        daemon.wait(GRACE_S * (len(chosen) + 2))
-        raise typer.Exit(1)
+        _give_up(daemon, launch, missing, timeout)
     out.print(
-        f"asyncrl is up: scheduler {scheduler}, nats nats://127.0.0.1:{nats_port}, "
-        f"services {', '.join(chosen)} (logs in {paths.logs}/)"
+        f"asyncrl is up: scheduler {launch.scheduler}, nats nats://127.0.0.1:{nats_port}, "
+        f"services {', '.join(launch.services)} (logs in {launch.paths.logs}/)"
     )
 
 
 @app.command(hidden=True)
 def run(
-    var: VarOpt = Path("var"),
+    var: VarOpt,
     services: Annotated[str, typer.Option()] = ",".join(SERVICES),
     nats_port: Annotated[int, typer.Option()] = 4222,
     scheduler_port: Annotated[int, typer.Option()] = 50051,
@@ -256,7 +328,7 @@ def run(
 
 @app.command()
 def stop(
-    var: VarOpt = Path("var"),
+    var: VarOpt,
     timeout: Annotated[float, typer.Option(help="Seconds to wait.")] = 120.0,
 ) -> None:
     """Stop the services (reverse order) and nats."""
@@ -268,16 +340,12 @@ def stop(
     os.kill(pid, signal.SIGTERM)
     if not _wait_stopped(pid, timeout):
         out.print(f"[red]supervisor {pid} did not stop in {timeout:.0f}s; killing it[/red]")
-        os.kill(pid, signal.SIGKILL)
-        for p in (read_json(paths.state, {}) or {}).get("processes", []):
-            if p.get("pid"):
-                signal_group(p["pid"], signal.SIGKILL)
-        paths.pidfile.unlink(missing_ok=True)
+        _kill_all(paths, pid)
     out.print("asyncrl stopped")
 
 
 @app.command()
-def ps(var: VarOpt = Path("var"), as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+def ps(var: VarOpt, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Supervised processes: service, replica, pid, status, restarts, uptime, metrics port
     (when the services have one), log."""
     paths = Paths(var)
@@ -319,6 +387,7 @@ def ps(var: VarOpt = Path("var"), as_json: Annotated[bool, typer.Option("--json"
 
 @app.command()
 def logs(
+    var: VarOpt,
     service: Annotated[
         str | None,
         typer.Argument(
@@ -327,7 +396,6 @@ def logs(
     ] = None,
     follow: Annotated[bool, typer.Option("--follow", "-f")] = False,
     lines: Annotated[int, typer.Option("--lines", "-n")] = 50,
-    var: VarOpt = Path("var"),
 ) -> None:
     """Show (or follow) the logs of one service or all."""
     logdir = Paths(var).logs
@@ -345,7 +413,7 @@ def logs(
 def scale(
     service: str,
     n: int,
-    var: VarOpt = Path("var"),
+    var: VarOpt,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the change.")] = 30.0,
 ) -> None:
     """Set the replica count of a service; the supervisor applies it within a second."""

@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.logging import get_logger
-from asyncrl.natsutil import LocalNatsServer, free_port
-from asyncrl.proc import die_with_parent
+from asyncrl.natsutil import LocalNatsServer
+from asyncrl.net import free_port
+from asyncrl.proc import die_with_parent, kill_tree, pid_alive, signal_group
+from asyncrl.settings import settings
 
 SERVICES = ("scheduler", "reward", "rollout", "trainer")  # start order; stop is the reverse
 SINGLETONS = ("nats", "scheduler")
@@ -141,23 +143,6 @@ def read_json(path: Path, default=None):
         return default
 
 
-def pid_alive(pid: int | None) -> bool:
-    """True if the process exists and is not a zombie (exited, waiting to be reaped)."""
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no procfs: trust kill(0)
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def supervisor_pid(paths: Paths) -> int | None:
     """The running daemon's pid, or None."""
     try:
@@ -170,42 +155,6 @@ def supervisor_pid(paths: Paths) -> int | None:
 def port_in_use(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid` (Linux procfs; [] elsewhere), found by parent pid, so
-    also those that left its process group (torchrun starts each rank in a new session)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # exited meanwhile
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL the process group of `pid` and every descendant, wherever its group is."""
-    below = descendants(pid)
-    signal_group(pid, signal.SIGKILL)
-    for child in below:
-        try:
-            os.kill(child, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 # ---------------------------------------------------------------- the daemon
@@ -274,6 +223,7 @@ class Supervisor:
         master port each call, i.e. each spawn)."""
         if service == "nats":
             return LocalNatsServer(self.paths.var / "nats", port=self.nats_port).command()
+        config = settings()
         if service == "trainer" and self.trainer_nproc > 1:
             cmd = [*torchrun_command(self.trainer_nproc, free_port()), "-m", "services.trainer"]
         else:
@@ -281,12 +231,12 @@ class Supervisor:
         if service == "scheduler":
             cmd += ["--port", str(self.scheduler_port)]
         if service == "rollout":
-            cmd += ["--engine", os.environ.get("ASYNCRL_ROLLOUT_ENGINE", "torch")]
+            cmd += ["--engine", config.rollout_engine]
         port = metrics_port_for(service, index, self.metrics_base)
         if port is not None:
             cmd += ["--metrics-port", str(port)]
         # extra flags per service, e.g. ASYNCRL_ROLLOUT_ARGS="--sglang-url http://h:30000"
-        cmd += shlex.split(os.environ.get(f"ASYNCRL_{service.upper()}_ARGS", ""))
+        cmd += shlex.split(config.service_args(service))
         return cmd
 
     def env(self, service: str, index: int) -> dict[str, str]:
