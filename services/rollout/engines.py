@@ -12,14 +12,16 @@ ENGINES = ("torch", "sglang")
 
 
 def make_engine(kind: str, **opts) -> Engine:
-    """Build an engine of `kind`; `opts` go to its constructor
-    (torch: TorchEngine(device, seed, kv_cache, max_batch); sglang: SGLangEngine(**opts))."""
+    """Build an engine of `kind` from flat options (`--engine-opt key=value`).
+    torch: TorchEngine(device, seed, kv_cache, max_batch); sglang: the fields of SGLangConfig
+    and of its LaunchConfig (`SGLangConfig.from_options`: ValueError names an unknown one)."""
     if kind == "torch":
         from services.rollout.torch_engine import TorchEngine
 
         return TorchEngine(**opts)
     if kind == "sglang":
+        from services.rollout.sglang_config import SGLangConfig
         from services.rollout.sglang_engine import SGLangEngine
 
-        return SGLangEngine(**opts)
+        return SGLangEngine(SGLangConfig.from_options(**opts))
     raise ValueError(f"engine: unknown engine {kind!r} (expected one of {', '.join(ENGINES)})")

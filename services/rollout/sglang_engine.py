@@ -1,10 +1,13 @@
-"""The SGLang engine: drives an SGLang server over its HTTP API (see shared REFERENCE.md).
+"""The SGLang engine: drives an SGLang server over its HTTP API (SGLang 0.4.10 - 0.5.x).
 
-Two modes:
-- attach (`url=...`): a server somebody else runs; we wait for `/health_generate`.
-- launch (`launch=True` or `model_path=...`): a managed child (`SGLangProcess`), started with
-  the experiment's model on the first `load`, restarted if it dies, the current weights
-  re-applied before it serves again.
+Two modes (`SGLangConfig`):
+- attach (`url`): a server somebody else runs; we wait for `/health_generate`.
+- launch (`launch`: a `LaunchConfig`): a managed child (`SGLangProcess`), started with the
+  experiment's model on the first `load`, restarted if it dies, the current weights re-applied
+  before it serves again.
+
+Answers are checked: a 200 whose body breaks the API contract (no logprobs, ids that disagree)
+raises `SGLangBadResponse`, never a silently wrong sample.
 
 One `/generate` request per sample (`input_ids`, `return_logprob`, the sampling params, stop
 token ids) with a stable request id. The behaviour logprob of a token is SGLang's
@@ -17,7 +20,7 @@ their partial output -> `/update_weights_from_disk` (or the bucketed NCCL broadc
 `max_new_tokens` reduced; every token keeps the version that produced it. A sample whose
 server died mid-request is resubmitted the same way once the server is back.
 
-Versions differ (REFERENCE.md): SGLang >= 0.5.1 reports `weight_version` per response, older
+Versions differ: SGLang >= 0.5.1 reports `weight_version` per response, older
 ones do not, so the version is tracked here: new segments wait while an update runs and the
 update waits (drain_timeout_s) for the aborted responses before it swaps, so a response's
 version is the version served when it arrives. `/pause_generation` takes `{"mode": "abort"}`
@@ -30,15 +33,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
 
 from asyncrl.logging import get_logger
 from services.rollout.engine import Engine, GenOutput, GenRequest
+from services.rollout.sglang_config import SGLangConfig
 from services.rollout.sglang_process import (
-    LaunchConfig,
     SGLangNotInstalled,
     SGLangProcess,
     installed_sglang_version,
@@ -60,6 +63,14 @@ class SGLangError(RuntimeError):
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
         self.status = status
+
+
+class SGLangBadResponse(SGLangError):
+    """SGLang answered 200 with a body that breaks the API contract (not JSON, no logprobs,
+    token ids that disagree): an unsupported server or configuration, not retried."""
+
+    def __init__(self, message: str):
+        super().__init__(message, status=200)
 
 
 class SGLangUnavailable(RuntimeError):
@@ -91,18 +102,71 @@ class ServerApi:
 def parse_generate_response(data: Any) -> tuple[list[int], list[float], str, dict]:
     """(token ids, logprobs, finish type, meta_info) of one non-streamed /generate answer.
     Token ids come from `output_token_logprobs` ([logprob, token_id, text|None] triples),
-    present whether or not the server returns `output_ids`."""
+    present whether or not the server returns `output_ids`. Raises SGLangBadResponse when
+    the answer breaks that contract."""
     if isinstance(data, list):
-        (data,) = data
-    meta = data["meta_info"]
-    triples = meta.get("output_token_logprobs") or []
-    ids = [int(t[1]) for t in triples]
-    lps = [float(t[0]) for t in triples]
-    if "output_ids" in data and data["output_ids"] is not None:
-        assert list(data["output_ids"]) == ids, "output_ids disagree with the logprob ids"
+        if len(data) != 1:
+            raise SGLangBadResponse(f"expected one answer, got a list of {len(data)}")
+        data = data[0]
+    meta = data.get("meta_info") if isinstance(data, dict) else None
+    if not isinstance(meta, dict):
+        raise SGLangBadResponse(f"no meta_info in the answer: {str(data)[:200]}")
+    output_ids = data.get("output_ids")
+    triples = meta.get("output_token_logprobs")
+    if triples is None:
+        if output_ids or meta.get("completion_tokens"):
+            raise SGLangBadResponse(
+                "tokens without output_token_logprobs (the server ignored return_logprob)"
+            )
+        triples = []
+    ids, lps = _logprob_triples(triples)
+    if output_ids is not None and list(output_ids) != ids:
+        raise SGLangBadResponse(
+            f"output_ids ({len(output_ids)} tokens) disagree with the token ids of "
+            f"output_token_logprobs ({len(ids)})"
+        )
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type") if isinstance(finish, dict) else str(finish)
     return ids, lps, kind or "length", meta
+
+
+def _logprob_triples(triples: Any) -> tuple[list[int], list[float]]:
+    """(token ids, logprobs) of SGLang's [[logprob, token_id, text|None], ...]."""
+    expected = "output_token_logprobs is not a list of [logprob, token_id, text]"
+    if not isinstance(triples, list):
+        raise SGLangBadResponse(f"{expected}: a {type(triples).__name__}")
+    try:
+        return [int(t[1]) for t in triples], [float(t[0]) for t in triples]
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
+        raise SGLangBadResponse(f"{expected} ({exc})") from None
+
+
+def parse_json(text: str) -> Any:
+    """The JSON body of a 200 answer; SGLangBadResponse when it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise SGLangBadResponse(f"answer is not JSON: {text[:200]!r}") from None
+
+
+def generate_body(req: GenRequest, rid: str, done: list[int], stop_ids: list[int]) -> dict:
+    """The /generate request of the segment of `req` that continues after the tokens `done`."""
+    p = req.params
+    return {
+        "input_ids": list(req.input_ids) + done,
+        "rid": rid,
+        "return_logprob": True,
+        "stream": False,
+        "sampling_params": {
+            "max_new_tokens": p.max_new_tokens - len(done),
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "top_k": p.top_k,
+            "stop_token_ids": stop_ids,
+            "n": 1,
+            **({"stop": list(p.stop)} if p.stop else {}),
+        },
+    }
 
 
 def error_message(status: int, body: str) -> str:
@@ -122,83 +186,20 @@ def error_message(status: int, body: str) -> str:
 class SGLangEngine(Engine):
     name = "sglang"
 
-    def __init__(
-        self,
-        url: str | None = None,
-        *,
-        launch: bool = False,
-        model_path: str | None = None,
-        tp_size: int = 1,
-        mem_fraction: float = 0.8,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        random_seed: int = 1,
-        launch_cmd: list[str] | None = None,
-        extra_args: list[str] | None = None,
-        log_path: str | None = None,
-        env: dict[str, str] | None = None,
-        sglang_version: str | None = None,
-        weight_sync: str = "disk",
-        nccl_master: str | None = None,
-        nccl_group: str = "asyncrl-weights",
-        nccl_rank_offset: int = 1,
-        nccl_world_size: int | None = None,
-        nccl_backend: str = "nccl",
-        bucket_mb: int = 512,
-        startup_timeout_s: float = 900.0,
-        drain_timeout_s: float = 5.0,
-    ):
-        """url: attach to this server. Otherwise launch a managed child: model_path (or the
-        first `load`), tp_size, mem_fraction, host, port (0: free), random_seed, extra_args,
-        log_path (child output), env (child environment, e.g. CUDA_VISIBLE_DEVICES),
-        launch_cmd (replaces `python -m sglang.launch_server`).
-        sglang_version: skip detection (`/get_server_info`, or the installed package).
-        weight_sync: "disk" (`/update_weights_from_disk`) or "nccl" (broadcast from the
-        trainer at nccl_master="host:port"; see sglang_sync)."""
-        if weight_sync not in ("disk", "nccl"):
-            raise ValueError(f"weight_sync: expected disk or nccl, got {weight_sync!r}")
-        if weight_sync == "nccl" and not nccl_master:
-            raise ValueError(
-                "nccl_master: required (host:port of the trainer) for weight_sync nccl"
-            )
-        launch = launch or model_path is not None or launch_cmd is not None
-        if url and launch:
-            raise ValueError("sglang: give either url (attach) or launch options, not both")
-        if not url and not launch:
-            raise ValueError("sglang: needs --sglang-url URL (attach) or --sglang-launch")
-        if launch and launch_cmd is None:
+    def __init__(self, config: SGLangConfig):
+        """Raises SGLangNotInstalled when asked to launch `sglang.launch_server` on a machine
+        without it (a `launch_cmd` replaces it)."""
+        version = config.sglang_version
+        if config.launch is not None and config.launch.launch_cmd is None:
             installed = installed_sglang_version()
             if installed is None:
                 raise SGLangNotInstalled()
-            sglang_version = sglang_version or installed
-        self.url = url.rstrip("/") if url else None
-        self.launch_cfg = (
-            LaunchConfig(
-                model_path=model_path or "",
-                host=host,
-                port=port,
-                tp_size=tp_size,
-                mem_fraction=mem_fraction,
-                random_seed=random_seed,
-                extra_args=list(extra_args or []),
-                launch_cmd=launch_cmd,
-                env=dict(env or {}),
-            )
-            if launch
-            else None
-        )
-        self.log_path = log_path
-        self.api = ServerApi(parse_version(sglang_version)) if sglang_version else None
-        self.weight_sync = weight_sync
-        self.nccl_master = nccl_master
-        self.nccl_group = nccl_group
-        self.nccl_rank_offset = nccl_rank_offset
-        self.nccl_world_size = nccl_world_size or 1 + tp_size
-        self.nccl_backend = nccl_backend
-        self.bucket_bytes = bucket_mb << 20
-        self.startup_timeout_s = startup_timeout_s
-        self.drain_timeout_s = drain_timeout_s
-
+            version = version or installed
+        self.config = config
+        self.url = config.url.rstrip("/") if config.url else None
+        self.launch_cfg = replace(config.launch) if config.launch else None
+        """The managed child's launch config as last launched (None when attached)."""
+        self.api = ServerApi(parse_version(version)) if version else None
         self.process: SGLangProcess | None = None
         self._session: aiohttp.ClientSession | None = None
         self._version = 0
@@ -227,7 +228,7 @@ class SGLangEngine(Engine):
             connector=aiohttp.TCPConnector(limit=0), timeout=CONTROL_TIMEOUT
         )
         if self.url:
-            await wait_healthy(self.url, self.startup_timeout_s)
+            await wait_healthy(self.url, self.config.startup_timeout_s)
             await self._detect_api()
         elif self.launch_cfg.model_path:
             await self._launch(self.launch_cfg.model_path, None)
@@ -274,10 +275,12 @@ class SGLangEngine(Engine):
                     await self._pause()
                     try:
                         if pending:  # the aborted requests answer with their partial output
-                            _, late = await asyncio.wait(pending, timeout=self.drain_timeout_s)
+                            _, late = await asyncio.wait(
+                                pending, timeout=self.config.drain_timeout_s
+                            )
                             if late:
                                 log.warning("abort_drain_timeout", late=len(late))
-                        if self.weight_sync == "nccl":
+                        if self.config.weight_sync == "nccl":
                             await self._apply_distributed(model_dir, version)
                         else:
                             await self._apply_from_disk(model_dir, version)
@@ -311,21 +314,7 @@ class SGLangEngine(Engine):
         try:
             while len(out_ids) < p.max_new_tokens:
                 rid = req.rid if segment == 0 else f"{req.rid}/r{segment}"
-                body = {
-                    "input_ids": list(req.input_ids) + out_ids,
-                    "rid": rid,
-                    "return_logprob": True,
-                    "stream": False,
-                    "sampling_params": {
-                        "max_new_tokens": p.max_new_tokens - len(out_ids),
-                        "temperature": p.temperature,
-                        "top_p": p.top_p,
-                        "top_k": p.top_k,
-                        "stop_token_ids": stop_ids,
-                        "n": 1,
-                        **({"stop": list(p.stop)} if p.stop else {}),
-                    },
-                }
+                body = generate_body(req, rid, out_ids, stop_ids)
                 segment += 1
                 try:
                     ids, seg_lps, finish, meta, served = await self._generate_segment(rid, body)
@@ -333,7 +322,7 @@ class SGLangEngine(Engine):
                     # The server died (a managed child is being restarted) or the network
                     # failed: resubmit prompt + the tokens we have once it answers again.
                     lost_since = lost_since or loop.time()
-                    if loop.time() - lost_since > self.startup_timeout_s:
+                    if loop.time() - lost_since > self.config.startup_timeout_s:
                         raise SGLangUnavailable(f"/generate {rid}: {exc}") from exc
                     log.warning("generate_connection_lost", rid=rid, error=str(exc))
                     await asyncio.sleep(min(0.05 * 2**segment, 2.0))
@@ -385,7 +374,13 @@ class SGLangEngine(Engine):
         finally:
             self._inflight.pop(rid, None)
             done.set_result(None)
-        ids, lps, finish, meta = parse_generate_response(json.loads(text))
+        try:
+            ids, lps, finish, meta = parse_generate_response(parse_json(text))
+            asked = body["sampling_params"]["max_new_tokens"]
+            if len(ids) > asked:
+                raise SGLangBadResponse(f"{len(ids)} tokens, max_new_tokens was {asked}")
+        except SGLangBadResponse as exc:
+            raise SGLangBadResponse(f"/generate {rid}: {exc}") from None
         if finish == "abort" and self._serving.is_set() and self._updates == updates:
             reason = (meta.get("finish_reason") or {}).get("message", "aborted by the server")
             raise SGLangError(f"/generate {rid}: aborted outside a weight update: {reason}")
@@ -424,16 +419,14 @@ class SGLangEngine(Engine):
         return self.url or self.process.url
 
     async def _launch(self, model_dir: str, version: int | None) -> None:
-        self.launch_cfg.model_path = model_dir
-        self.launch_cfg.weight_version = version
+        self.launch_cfg = replace(self.launch_cfg, model_path=model_dir, weight_version=version)
         if self.api is None:
             self.api = ServerApi(parse_version(installed_sglang_version() or "0.5.9"))
         self.process = SGLangProcess(
             self.launch_cfg,
             self.api.version,
             on_restart=self._reapply,
-            log_path=self.log_path,
-            startup_timeout_s=self.startup_timeout_s,
+            startup_timeout_s=self.config.startup_timeout_s,
         )
         await self.process.start()
         if version is not None:
@@ -463,7 +456,7 @@ class SGLangEngine(Engine):
         attached server answers its health check again)."""
         if self.process is not None:
             if not self.process.ready.is_set():
-                await asyncio.wait_for(self.process.ready.wait(), self.startup_timeout_s)
+                await asyncio.wait_for(self.process.ready.wait(), self.config.startup_timeout_s)
             if self.process.failure:
                 raise SGLangUnavailable(
                     f"SGLang server could not be restarted: {self.process.failure}"
@@ -471,7 +464,7 @@ class SGLangEngine(Engine):
         elif self.url:
             if self._down:
                 try:
-                    await wait_healthy(self.url, self.startup_timeout_s)
+                    await wait_healthy(self.url, self.config.startup_timeout_s)
                 except TimeoutError as exc:
                     raise SGLangUnavailable(str(exc)) from exc
                 self._down = False
@@ -511,9 +504,14 @@ class SGLangEngine(Engine):
             if resp.status != 200:
                 raise SGLangError(f"{path}: {error_message(resp.status, text)}", resp.status)
         try:
-            return json.loads(text) if text.strip() else {}
+            data = json.loads(text) if text.strip() else {}
         except ValueError:
-            return {"message": text}
+            return {"message": text}  # e.g. /flush_cache answers plain text
+        if not isinstance(data, dict):
+            raise SGLangBadResponse(f"{path}: expected a JSON object, got {text[:200]!r}")
+        if data.get("success") is False:  # a failure must not pass for a 200
+            raise SGLangError(f"{path}: {data.get('message', text)}", resp.status)
+        return data
 
     async def _pause(self) -> None:
         await self._request("POST", "/pause_generation", self.api.pause_body)
@@ -535,27 +533,30 @@ class SGLangEngine(Engine):
     async def _apply_distributed(self, model_dir: str, version: int) -> None:
         """The engine's half of the collective update (the trainer broadcasts concurrently)."""
         if not self._group_ready:
-            host, port = self.nccl_master.rsplit(":", 1)
+            host, port = self.config.nccl_master.rsplit(":", 1)
             await self._request(
                 "POST",
                 "/init_weights_update_group",
                 {
                     "master_address": host,
                     "master_port": int(port),
-                    "rank_offset": self.nccl_rank_offset,
-                    "world_size": self.nccl_world_size,
-                    "group_name": self.nccl_group,
-                    "backend": self.nccl_backend,
+                    "rank_offset": self.config.nccl_rank_offset,
+                    "world_size": self.config.nccl_world,
+                    "group_name": self.config.nccl_group,
+                    "backend": self.config.nccl_backend,
                 },
                 timeout=UPDATE_TIMEOUT,
             )
             self._group_ready = True
         metas = await asyncio.to_thread(tensor_metas, model_dir)
-        buckets = plan_buckets(metas, self.bucket_bytes)
+        buckets = plan_buckets(metas, self.config.bucket_mb << 20)
         for i, bucket in enumerate(buckets):
             last = i == len(buckets) - 1
             body = bucket_request(
-                bucket, self.nccl_group, version if self.api.reports_weight_version else None, last
+                bucket,
+                self.config.nccl_group,
+                version if self.api.reports_weight_version else None,
+                last,
             )
             await self._request(
                 "POST", "/update_weights_from_distributed", body, timeout=UPDATE_TIMEOUT

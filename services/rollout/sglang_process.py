@@ -16,14 +16,14 @@ import importlib.util
 import os
 import re
 import signal
-import socket
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 
 from asyncrl.logging import get_logger
+from asyncrl.net import free_port
 
 log = get_logger(component="sglang_process")
 
@@ -86,26 +86,24 @@ def installed_sglang_version() -> str | None:
         return "0.0.0"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class LaunchConfig:
-    """How to start the SGLang server."""
+    """How to start the SGLang server (the `--engine-opt` launch options are its fields, but
+    `weight_version`, which the engine sets)."""
 
-    model_path: str
-    """HuggingFace model directory served first (the base model of the experiment)."""
+    model_path: str = ""
+    """HuggingFace model directory served first; empty: launch on the experiment's first
+    `load`, with its model."""
     host: str = "127.0.0.1"
+    """Interface the server listens on (`--host`)."""
     port: int = 0
-    """0: pick a free port once; restarts reuse it so the URL stays the same."""
+    """`--port`; 0: pick a free port at launch; restarts reuse it so the URL stays the same."""
     tp_size: int = 1
     """Tensor-parallel GPUs of this server (`--tp-size`)."""
     mem_fraction: float = 0.8
     """Fraction of GPU memory for weights + KV cache (`--mem-fraction-static`)."""
     random_seed: int = 1
+    """`--random-seed`."""
     weight_version: int | None = None
     """Version label of `model_path` (`--weight-version`, SGLang >= 0.5.1)."""
     extra_args: list[str] = field(default_factory=list)
@@ -113,7 +111,10 @@ class LaunchConfig:
     launch_cmd: list[str] | None = None
     """Replaces `python -m sglang.launch_server` (tests launch the HTTP fake this way)."""
     env: dict[str, str] = field(default_factory=dict)
-    """Extra environment for the child (on top of this process's and CHILD_ENV)."""
+    """Extra environment for the child (on top of this process's and CHILD_ENV), e.g.
+    CUDA_VISIBLE_DEVICES."""
+    log_path: str | None = None
+    """File the child's stdout and stderr are appended to; None: inherit this process's."""
 
 
 def build_command(cfg: LaunchConfig, sglang_version: tuple[int, int, int]) -> list[str]:
@@ -176,16 +177,12 @@ class SGLangProcess:
         on_restart: Callable[[], Awaitable[None]] | None = None,
         startup_timeout_s: float = 900.0,
         max_restarts: int = 5,
-        log_path: str | None = None,
     ):
-        if cfg.port == 0:
-            cfg.port = free_port(cfg.host)
-        self.cfg = cfg
+        self.cfg = replace(cfg, port=cfg.port or free_port(cfg.host))
         self.sglang_version = sglang_version
         self.on_restart = on_restart
         self.startup_timeout_s = startup_timeout_s
         self.max_restarts = max_restarts
-        self.log_path = log_path
         self.ready = asyncio.Event()
         """Set while the server is up and serving the engine's current weights."""
         self.restarts = 0
@@ -224,7 +221,7 @@ class SGLangProcess:
 
     async def _spawn(self) -> None:
         cmd = build_command(self.cfg, self.sglang_version)
-        out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
+        out = open(self.cfg.log_path, "ab") if self.cfg.log_path else None  # noqa: SIM115
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *die_with_parent(cmd),

@@ -70,9 +70,19 @@ class TensorMeta:
 
 
 def read_safetensors_header(path: Path) -> dict:
+    """The JSON header of a .safetensors file; ValueError when the file is not one."""
     with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(size))
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than its header size)")
+        (size,) = struct.unpack("<Q", head)
+        try:
+            header = json.loads(f.read(size))
+        except ValueError as exc:
+            raise ValueError(f"{path}: not a safetensors file ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    return header
 
 
 def tensor_metas(model_dir: str | Path) -> list[TensorMeta]:
@@ -86,7 +96,10 @@ def tensor_metas(model_dir: str | Path) -> list[TensorMeta]:
         for name, info in read_safetensors_header(f).items():
             if name == "__metadata__":
                 continue
-            metas.append(TensorMeta(name, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"])))
+            dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
+            if dtype is None:
+                raise ValueError(f"{f}: tensor {name} has unsupported dtype {info.get('dtype')!r}")
+            metas.append(TensorMeta(name, dtype, tuple(info["shape"])))
     return sorted(metas, key=lambda m: m.name)
 
 

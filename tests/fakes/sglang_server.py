@@ -1,6 +1,6 @@
 """An HTTP fake of the SGLang server, for tests (SGLang itself needs CUDA).
 
-It follows the contract in shared/REFERENCE.md with a real model: a HuggingFace causal LM
+It follows SGLang's HTTP API (0.4.10 - 0.5.x) with a real model: a HuggingFace causal LM
 (the tiny test models) generates real tokens with real logprobs, one request at a time per
 coroutine with a KV cache. What it reproduces, because the rollout engine relies on it:
 - `/generate` (one sample, no batch) with `input_ids`, `sampling_params` (max_new_tokens,
@@ -20,8 +20,9 @@ coroutine with a KV cache. What it reproduces, because the rollout engine relies
   with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (0.5.x); never renormalised by top-k/top-p.
 Test-only extras: `--token-delay-s` (sleep after each token so tests can interrupt mid-way),
 `--abort-delay-s` (an aborted request's answer arrives that much later, possibly after a
-weight swap: `weight_version` is read when the answer is built, as in SGLang) and
-`GET /fake_stats`.
+weight swap: `weight_version` is read when the answer is built, as in SGLang),
+`GET /fake_stats` and, in process, `FakeSGLang.mangle` (rewrites each `/generate` answer, to
+test how a client takes a malformed one).
 
     python -m tests.fakes.sglang_server --model-path DIR --port P [--weight-version 0]
 """
@@ -35,10 +36,10 @@ import logging
 import os
 import re
 import signal
-import socket
 import sys
 import uuid
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,7 @@ import pytest
 import torch
 from aiohttp import web
 
+from asyncrl.net import free_port
 from services.rollout.sglang_sync import init_custom_group  # SGLang's recipe
 
 log = logging.getLogger("fake_sglang")
@@ -108,6 +110,8 @@ class FakeSGLang:
         self.requests: list[_Request] = []
         self.groups: dict[str, object] = {}
         self.stats = {"requests": 0, "tokens": 0, "aborted": 0, "updates": 0}
+        self.mangle: Callable[[dict], dict | str] | None = None
+        """Test hook: rewrites each /generate answer (a str is sent as a plain-text body)."""
         self.url = ""
         self._gate = asyncio.Condition()
         self._runner: web.AppRunner | None = None
@@ -213,9 +217,14 @@ class FakeSGLang:
             rid = body.get("rid")
             if (ids and isinstance(ids[0], list)) or int(sp.get("n", 1)) != 1:
                 raise HttpError(400, "this fake serves one sample per request (no batch, n=1)")
-            return web.json_response(await self._one(ids, sp, rid, logprob))
+            answer = await self._one(ids, sp, rid, logprob)
         except HttpError as e:
             return web.json_response({"error": {"message": str(e)}}, status=e.status)
+        if self.mangle is not None:
+            answer = self.mangle(answer)
+            if isinstance(answer, str):
+                return web.Response(text=answer)
+        return web.json_response(answer)
 
     async def _one(self, ids: list[int], sp: dict, rid: str | None, logprob: bool) -> dict:
         if not ids:
@@ -494,10 +503,7 @@ def spawn_fake(
     import time
     import urllib.request
 
-    if port == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         fake_launch_cmd("--model-path", str(model_path), "--port", str(port), *args),

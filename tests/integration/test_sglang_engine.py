@@ -16,11 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from asyncrl.net import free_port
 from asyncrl.spec import SamplingParams
 from asyncrl.tiny import build_tiny_model
 from services.rollout.engine import GenRequest
-from services.rollout.sglang_engine import SGLangEngine, SGLangError
-from services.rollout.sglang_process import SGLANG_MISSING, SGLangNotInstalled, free_port
+from services.rollout.sglang_config import SGLangConfig
+from services.rollout.sglang_engine import SGLangBadResponse, SGLangEngine, SGLangError
+from services.rollout.sglang_process import SGLANG_MISSING, LaunchConfig, SGLangNotInstalled
 from services.rollout.sglang_sync import WeightBroadcaster
 from tests.fakes.sglang_server import fake_launch_cmd, serve_fake, spawn_fake
 
@@ -92,7 +94,7 @@ async def attached(models, request):
     async with serve_fake(
         models[0], weight_version="0", return_original_logprob=True, **opts
     ) as fake:
-        engine = SGLangEngine(url=fake.url)
+        engine = SGLangEngine(SGLangConfig(url=fake.url))
         await engine.start()
         await engine.load(models[0], 0)
         try:
@@ -120,7 +122,7 @@ async def test_generate_against_fake_logprobs_equal_hf_forward(attached, models)
 
 
 async def test_sglang_fake_url_fixture_serves_generate(sglang_fake_url):
-    engine = SGLangEngine(url=sglang_fake_url)
+    engine = SGLangEngine(SGLangConfig(url=sglang_fake_url))
     await engine.start()
     try:
         out = await engine.generate(req("fixture", max_new=4))
@@ -140,7 +142,7 @@ async def test_update_mid_generation_keeps_both_versions_in_order_no_sample_lost
         abort_delay_s=0.1,  # aborted answers arrive late, as through SGLang's detokenizer
         return_original_logprob=True,
     ) as fake:
-        engine = SGLangEngine(url=fake.url)
+        engine = SGLangEngine(SGLangConfig(url=fake.url))
         await engine.start()
         try:
             await engine.load(models[0], 0)
@@ -218,10 +220,86 @@ async def test_update_bad_path_raises_clear_error_old_weights_keep_serving(attac
     assert set(out.versions) == {0}
 
 
+def _without_logprobs(answer: dict) -> dict:
+    del answer["meta_info"]["output_token_logprobs"]
+    return answer
+
+
+def _one_logprob_short(answer: dict) -> dict:
+    answer["meta_info"]["output_token_logprobs"].pop()
+    return answer
+
+
+def _null_logprob(answer: dict) -> dict:
+    answer["meta_info"]["output_token_logprobs"][0][0] = None
+    return answer
+
+
+def _too_many_tokens(answer: dict) -> dict:
+    triples = answer["meta_info"]["output_token_logprobs"]
+    triples += [list(triples[0])] * 8  # asked for at most 6
+    answer["output_ids"] = [t[1] for t in triples]
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("mangle", "message"),
+    [
+        (_without_logprobs, "without output_token_logprobs"),
+        (_one_logprob_short, "output_ids .* disagree"),
+        (_null_logprob, r"not a list of \[logprob, token_id, text\]"),
+        (_too_many_tokens, "max_new_tokens was 6"),
+        (lambda answer: "Internal Server Error", "not JSON"),
+        (lambda answer: {"text": answer["text"]}, "no meta_info"),
+    ],
+)
+async def test_generate_malformed_answer_raises_bad_response_naming_the_fault(
+    attached, mangle, message
+):
+    engine, fake = attached
+    fake.mangle = mangle
+    with pytest.raises(SGLangBadResponse, match=message) as exc:
+        await engine.generate(req("bad", max_new=6))
+    assert str(exc.value).startswith("/generate bad: ")
+    fake.mangle = None  # the engine is not wedged by a bad answer
+    out = await engine.generate(req("good", max_new=6))
+    assert 0 < len(out.output_ids) == len(out.logprobs) <= 6
+
+
+async def test_control_call_answering_200_with_success_false_raises_sglang_error(tmp_path):
+    """An update that reports failure in a 200 body must not pass for a success."""
+    from aiohttp import web
+
+    async def ok(request):
+        return web.json_response({"version": "0.5.9", "status": "ok"})
+
+    async def failed_update(request):
+        return web.json_response({"success": False, "message": "weights not loaded: oom"})
+
+    app = web.Application()
+    app.router.add_get("/health_generate", ok)
+    app.router.add_get("/get_server_info", ok)
+    app.router.add_post("/pause_generation", ok)
+    app.router.add_post("/continue_generation", ok)
+    app.router.add_post("/update_weights_from_disk", failed_update)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    engine = SGLangEngine(SGLangConfig(url=f"http://127.0.0.1:{runner.addresses[0][1]}"))
+    try:
+        await engine.start()
+        with pytest.raises(SGLangError, match="oom") as exc:
+            await engine.update_weights(str(tmp_path), 1)
+    finally:
+        await engine.stop()
+        await runner.cleanup()
+    assert exc.value.status == 200 and engine.version == 0
+
+
 @pytest.mark.parametrize("version", ["0.5.9", "0.5.4", "0.4.10"])
 async def test_model_info_follows_server_version(models, version):
     async with serve_fake(models[0], sglang_version=version, weight_version="0") as fake:
-        engine = SGLangEngine(url=fake.url)
+        engine = SGLangEngine(SGLangConfig(url=fake.url))
         await engine.start()
         try:
             await engine.load(models[1], 1)
@@ -233,11 +311,10 @@ async def test_model_info_follows_server_version(models, version):
 
 
 async def test_managed_child_killed_restarts_with_current_weights(models, tmp_path):
-    engine = SGLangEngine(
-        launch_cmd=fake_launch_cmd("--token-delay-s", "0.02"),
-        log_path=str(tmp_path / "child.log"),
-        sglang_version="0.5.9",
+    launch = LaunchConfig(
+        launch_cmd=fake_launch_cmd("--token-delay-s", "0.02"), log_path=str(tmp_path / "child.log")
     )
+    engine = SGLangEngine(SGLangConfig(launch=launch, sglang_version="0.5.9"))
     await engine.start()
     try:
         await engine.load(models[0], 0)
@@ -268,7 +345,7 @@ async def test_managed_child_killed_restarts_with_current_weights(models, tmp_pa
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang installed")
 def test_launch_without_sglang_raises_clear_error():
     with pytest.raises(SGLangNotInstalled) as exc:
-        SGLangEngine(launch=True)
+        SGLangEngine(SGLangConfig(launch=LaunchConfig()))
     assert str(exc.value) == SGLANG_MISSING
     assert "--sglang-url" in SGLANG_MISSING and "rollout.engine: torch" in SGLANG_MISSING
 
@@ -278,11 +355,13 @@ async def _collective_update(models, backend: str, trainer_device: str, child_en
     port = free_port()
     with spawn_fake(models[0], "--weight-version", "0", env=child_env) as url:
         engine = SGLangEngine(
-            url=url,
-            weight_sync="nccl",
-            nccl_master=f"127.0.0.1:{port}",
-            nccl_backend=backend,
-            bucket_mb=0,  # one bucket per tensor: many update calls
+            SGLangConfig(
+                url=url,
+                weight_sync="nccl",
+                nccl_master=f"127.0.0.1:{port}",
+                nccl_backend=backend,
+                bucket_mb=0,  # one bucket per tensor: many update calls
+            )
         )
         await engine.start()
         try:

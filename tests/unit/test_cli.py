@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from asyncrl.cli import ProgressView, app, load_spec, load_spec_dict
 from asyncrl.client import AsyncrlError
-from asyncrl.natsutil import free_port
+from asyncrl.net import free_port
 from asyncrl.spec import SpecError
 from asyncrl.v1 import common_pb2, scheduler_pb2
 

@@ -1,14 +1,85 @@
-"""Pure parts of the SGLang adapter: launch command, version differences, response parsing,
-error messages, bucket plans for the collective weight update."""
+"""Pure parts of the SGLang adapter: its config from flat options, launch command, version
+differences, response parsing, error messages, bucket plans for the collective weight
+update."""
 
 from __future__ import annotations
+
+import json
+import struct
 
 import pytest
 
 from asyncrl.tiny import build_tiny_model
-from services.rollout.sglang_engine import ServerApi, error_message, parse_generate_response
+from services.rollout.engines import make_engine
+from services.rollout.sglang_config import SGLangConfig
+from services.rollout.sglang_engine import (
+    ServerApi,
+    SGLangBadResponse,
+    error_message,
+    parse_generate_response,
+)
 from services.rollout.sglang_process import LaunchConfig, build_command, parse_version
 from services.rollout.sglang_sync import TensorMeta, bucket_request, plan_buckets, tensor_metas
+
+FAKE_CMD = ["python", "-m", "tests.fakes.sglang_server"]
+
+
+def test_make_engine_flat_launch_options_fill_the_nested_launch_config():
+    engine = make_engine(
+        "sglang",
+        launch=True,
+        launch_cmd=FAKE_CMD,
+        tp_size=2,
+        mem_fraction=0.7,
+        extra_args=["--dtype", "bfloat16"],
+        log_path="/tmp/child.log",
+        drain_timeout_s=1.5,
+        weight_sync="nccl",
+        nccl_master="10.0.0.1:29500",
+    )
+    assert engine.url is None
+    assert engine.launch_cfg == LaunchConfig(
+        launch_cmd=FAKE_CMD,
+        tp_size=2,
+        mem_fraction=0.7,
+        extra_args=["--dtype", "bfloat16"],
+        log_path="/tmp/child.log",
+    )
+    assert engine.config.drain_timeout_s == 1.5
+    assert engine.config.nccl_world == 3  # the trainer + two server GPUs
+
+
+def test_make_engine_attach_keeps_defaults():
+    engine = make_engine("sglang", url="http://127.0.0.1:30000/")
+    assert engine.url == "http://127.0.0.1:30000" and engine.launch_cfg is None
+    assert engine.config == SGLangConfig(url="http://127.0.0.1:30000/")
+    assert (engine.config.weight_sync, engine.config.bucket_mb, engine.config.nccl_world) == (
+        "disk",
+        512,
+        2,
+    )
+
+
+def test_sglang_options_launch_implied_by_model_path_or_launch_cmd():
+    assert SGLangConfig.from_options(model_path="/m").launch == LaunchConfig(model_path="/m")
+    assert SGLangConfig.from_options(launch_cmd=FAKE_CMD).launch.launch_cmd == FAKE_CMD
+
+
+@pytest.mark.parametrize(
+    ("opts", "message"),
+    [
+        ({"url": "http://h:1", "tp_sise": 2}, "unknown engine option 'tp_sise'"),
+        ({"launch": True, "weight_version": 3}, "unknown engine option 'weight_version'"),
+        ({"url": "http://h:1", "tp_size": 2}, "tp_size: options of a launched server.*nccl_world"),
+        ({"url": "http://h:1", "launch_cmd": FAKE_CMD}, "either url .* or launch"),
+        ({"tp_size": 2}, "needs --sglang-url URL"),
+        ({"url": "http://h:1", "weight_sync": "shm"}, "weight_sync: expected disk or nccl"),
+        ({"url": "http://h:1", "weight_sync": "nccl"}, "nccl_master: required as host:port"),
+    ],
+)
+def test_sglang_options_misconfigured_raise_value_error_naming_it(opts, message):
+    with pytest.raises(ValueError, match=message):
+        make_engine("sglang", **opts)
 
 
 def test_parse_version_release_candidates_and_garbage():
@@ -97,6 +168,28 @@ def test_parse_generate_response_without_output_ids_or_tokens():
     assert (ids, lps, finish) == ([], [], "abort")
 
 
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ([], "expected one answer, got a list of 0"),
+        ({"text": "ab", "output_ids": [7]}, "no meta_info"),
+        ({"output_ids": [7], "meta_info": {}}, "without output_token_logprobs"),
+        ({"meta_info": {"completion_tokens": 2}}, "without output_token_logprobs"),
+        (
+            {"output_ids": [7, 8], "meta_info": {"output_token_logprobs": [[-0.5, 7, None]]}},
+            r"output_ids \(2 tokens\) disagree .* \(1\)",
+        ),
+        ({"meta_info": {"output_token_logprobs": [[-0.5]]}}, "not a list of"),
+        ({"meta_info": {"output_token_logprobs": [[None, 7, None]]}}, "not a list of"),
+        ({"meta_info": {"output_token_logprobs": {"7": -0.5}}}, "not a list of"),
+    ],
+)
+def test_parse_generate_response_malformed_raises_bad_response(data, message):
+    with pytest.raises(SGLangBadResponse, match=message) as exc:
+        parse_generate_response(data)
+    assert exc.value.status == 200
+
+
 def test_error_message_reads_both_sglang_error_shapes():
     assert error_message(400, '{"success": false, "message": "bad path"}') == "bad path"
     assert error_message(400, '{"error": {"message": "too long"}}') == "too long"
@@ -138,3 +231,16 @@ def test_tensor_metas_reads_safetensors_headers_sorted(tmp_path):
     assert "lm_head.weight" not in names  # tied: not saved, not sent
     for m in metas:
         assert m.dtype == "float32" and m.shape == tuple(state[m.name].shape)
+
+
+def test_tensor_metas_unsupported_dtype_raises_value_error_naming_tensor(tmp_path):
+    header = json.dumps({"w": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0")
+    with pytest.raises(ValueError, match="tensor w has unsupported dtype 'F4'"):
+        tensor_metas(tmp_path)
+
+
+def test_tensor_metas_truncated_file_raises_value_error(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\0")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        tensor_metas(tmp_path)
