@@ -3,11 +3,11 @@ metrics flags, and the loop that runs a service until SIGINT/SIGTERM.
 
     def parse_args(argv):
         p = argparse.ArgumentParser(prog="python -m services.x", description=__doc__)
-        add_service_args(p, port=0, register=True, metrics=True)
+        add_service_args(p, port=0, register=True)
         ...
 
     async def main(args):
-        await run_until_signal(start(args), stop)   # start() -> handle; stop(handle)
+        await run_until_signal(start(args))   # start() -> ServiceRuntime, closed on a signal
 
 Each `services/<name>/__main__.py` keeps only its own flags and the wiring of its service.
 """
@@ -17,14 +17,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable
 
-from prometheus_client.registry import Collector
-
-from asyncrl.metrics import registry_for, start_metrics_server
-
-T = TypeVar("T")
+from asyncrl.runtime import ServiceRuntime
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 PORT_HELP = "port to bind (0: any free port)"
@@ -38,14 +33,13 @@ def add_service_args(
     *,
     port: int,
     register: bool,
-    metrics: bool,
+    metrics: bool = True,
     port_help: str = PORT_HELP,
     host_help: str = HOST_HELP,
     register_help: str = REGISTER_HELP,
 ) -> None:
     """--port (default `port`) and --host; --no-register for a service that registers with the
-    scheduler; --metrics-port (default: off) for one with a Prometheus collector. The
-    supervisor passes --metrics-port to exactly the services that have it."""
+    scheduler; --metrics-port (default: off) to serve Prometheus metrics."""
     p.add_argument("--port", type=int, default=port, help=port_help)
     p.add_argument("--host", default="127.0.0.1", help=host_help)
     if register:
@@ -54,14 +48,8 @@ def add_service_args(
         p.add_argument("--metrics-port", type=int, default=None, help=METRICS_HELP)
 
 
-def maybe_serve_metrics(port: int | None, collector: Collector) -> None:
-    """Serve `collector` at http://host:port/metrics when --metrics-port was given."""
-    if port is not None:
-        start_metrics_server(port, registry_for(collector))
-
-
-async def run_until_signal(startup: Awaitable[T], shutdown: Callable[[T], Awaitable[None]]) -> None:
-    """Await `startup`, wait for SIGINT or SIGTERM, then await `shutdown(what startup returned)`.
+async def run_until_signal(startup: Awaitable[ServiceRuntime]) -> None:
+    """Await `startup`, wait for SIGINT or SIGTERM, then close the runtime it returned.
 
     The handlers go in before startup, so a stop signal that arrives while the service is still
     starting is not lost (nor fatal): the service finishes starting and then shuts down cleanly.
@@ -70,6 +58,6 @@ async def run_until_signal(startup: Awaitable[T], shutdown: Callable[[T], Awaita
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
-    started = await startup
+    runtime = await startup
     await stop.wait()
-    await shutdown(started)
+    await runtime.close()

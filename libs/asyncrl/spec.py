@@ -15,18 +15,12 @@ from typing import Any, Literal
 from google.protobuf import json_format
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from asyncrl.errors import SpecError
 from asyncrl.v1 import experiment_pb2
 
+__all__ = ["SpecError"]  # raised by every validator here; defined with its kin in asyncrl.errors
+
 _PLUGIN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
-
-
-class SpecError(ValueError):
-    """A spec field is invalid. `field` is the dotted path, `reason` says why."""
-
-    def __init__(self, field: str, reason: str):
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
 
 
 class _Section(BaseModel):

@@ -4,7 +4,6 @@ scheduler forgot us (e.g. it restarted). Used by rollout, reward and trainer ser
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 
 import grpc
@@ -12,22 +11,14 @@ import grpc
 from asyncrl.grpcutil import channel
 from asyncrl.logging import get_logger
 from asyncrl.retry import connect_policy, idempotent_rpc
+from asyncrl.settings import settings
 from asyncrl.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = get_logger()
 
 
-def scheduler_address() -> str:
-    return os.environ.get("ASYNCRL_SCHEDULER", "127.0.0.1:50051")
-
-
-def advertise_host() -> str:
-    """The host other services use to reach this one (ASYNCRL_ADVERTISE_HOST, else loopback)."""
-    return os.environ.get("ASYNCRL_ADVERTISE_HOST", "127.0.0.1")
-
-
 class WorkerAgent:
-    """Keeps one worker registered. `load_fn` reports current load on each heartbeat."""
+    """Keeps one worker registered. `load` reports current load on each heartbeat."""
 
     def __init__(
         self,
@@ -36,14 +27,14 @@ class WorkerAgent:
         name: str | None = None,
         capacity: int = 1,
         scheduler: str | None = None,
-        load_fn=lambda: 0,
+        load=lambda: 0,
     ):
         self.kind = kind
         self.address = address
         self.name = name or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}"
         self.capacity = capacity
-        self.scheduler = scheduler or scheduler_address()
-        self.load_fn = load_fn
+        self.scheduler = scheduler or settings().scheduler
+        self.load = load
         self.worker_id: str | None = None
         self.interval = 1.0
         self._task: asyncio.Task | None = None
@@ -75,7 +66,7 @@ class WorkerAgent:
                     with attempt:
                         resp = await self._stub.Heartbeat(
                             scheduler_pb2.HeartbeatRequest(
-                                worker_id=self.worker_id, load=int(self.load_fn())
+                                worker_id=self.worker_id, load=int(self.load())
                             ),
                             timeout=max(1.0, self.interval),
                         )

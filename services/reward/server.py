@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 import time
 
+from prometheus_client.registry import Collector
+
 from asyncrl import rewards
-from asyncrl.grpcutil import create_server, rpc_errors
 from asyncrl.logging import get_logger
+from asyncrl.metrics import gauge
+from asyncrl.runtime import ServiceRuntime
 from asyncrl.spec import SpecError
 from asyncrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from asyncrl.worker import WorkerAgent, advertise_host
 from services.reward.pool import Item, Result, ScoringPool, Status
 
 log = get_logger()
@@ -31,13 +33,24 @@ def result_to_proto(result: Result) -> reward_pb2.ScoreResult:
     )
 
 
+class RewardCollector(Collector):
+    """Scoring processes and the items being scored now."""
+
+    def __init__(self, pool: ScoringPool):
+        self.pool = pool
+
+    def collect(self):
+        workers = gauge("asyncrl_reward_workers", "Scoring processes")
+        workers.add_metric([], float(self.pool.workers))
+        in_flight = gauge("asyncrl_reward_in_flight", "Items being scored")
+        in_flight.add_metric([], float(self.pool.in_flight))
+        yield from (workers, in_flight)
+
+
 class RewardService(reward_pb2_grpc.RewardServicer):
     def __init__(self, pool: ScoringPool):
         self.pool = pool
-        self.server = None
-        self.agent: WorkerAgent | None = None
 
-    @rpc_errors
     async def Score(self, request, context):
         kwargs = dict(request.kwargs)
         rewards.validate_reward_function(request.function, kwargs)
@@ -61,19 +74,8 @@ class RewardService(reward_pb2_grpc.RewardServicer):
         )
         return reward_pb2.ScoreResponse(results=[result_to_proto(r) for r in results])
 
-    @rpc_errors
     async def ListRewardFunctions(self, request, context):
         return reward_pb2.ListRewardFunctionsResponse(names=list(rewards.REWARD_FUNCTIONS))
-
-    async def stop(self, grace: float = 5.0) -> None:
-        """Graceful stop: leave the registry, finish in-flight RPCs, then shut the pool down."""
-        if self.agent:
-            await self.agent.stop()
-        if self.server:
-            await self.server.health_servicer.enter_graceful_shutdown()
-            await self.server.stop(grace)
-        await self.pool.close()
-        log.info("reward_stopped")
 
 
 async def create_reward(
@@ -82,31 +84,31 @@ async def create_reward(
     scheduler: str | None = None,
     register: bool = True,
     host: str = "127.0.0.1",
-):
-    """Start the reward service; returns (server, port, service). `await service.stop()` stops
-    the server and its process pool. With register=True it registers with the scheduler
-    (`scheduler` address, else ASYNCRL_SCHEDULER) as a WORKER_KIND_REWARD worker."""
+    metrics_port: int | None = None,
+) -> tuple[ServiceRuntime, RewardService]:
+    """Start the reward service; returns (runtime, service), `runtime.port` is the bound port
+    and `await runtime.close()` stops the server and its process pool. With register=True it
+    registers with the scheduler (`scheduler`, else ASYNCRL_SCHEDULER) as a reward worker."""
+    runtime = ServiceRuntime("reward", host=host)
     pool = ScoringPool(workers)
+    runtime.on_close(pool.close)
     service = RewardService(pool)
-    server, bound = await create_server(
-        [(reward_pb2_grpc.add_RewardServicer_to_server, service)],
-        [reward_pb2.DESCRIPTOR.services_by_name["Reward"].full_name],
-        port=port,
-        host=host,
-    )
-    service.server = server
-    log.info("reward_serving", port=bound, workers=pool.workers)
-    if register:
-        service.agent = WorkerAgent(
-            common_pb2.WORKER_KIND_REWARD,
-            f"{advertise_host()}:{bound}",
-            capacity=pool.workers,
-            scheduler=scheduler,
-            load_fn=lambda: pool.in_flight,
+    try:
+        await runtime.serve(
+            [(reward_pb2_grpc.add_RewardServicer_to_server, service)],
+            [reward_pb2.DESCRIPTOR.services_by_name["Reward"].full_name],
+            port=port,
         )
-        try:
-            await service.agent.start()
-        except BaseException:
-            await service.stop(grace=0)
-            raise
-    return server, bound, service
+        if register:
+            await runtime.register(
+                common_pb2.WORKER_KIND_REWARD,
+                capacity=pool.workers,
+                scheduler=scheduler,
+                load=lambda: pool.in_flight,
+            )
+        await runtime.serve_metrics(metrics_port, RewardCollector(pool))
+    except BaseException:
+        await runtime.close()
+        raise
+    log.info("reward_ready", port=runtime.port, workers=pool.workers)
+    return runtime, service

@@ -12,10 +12,10 @@ import asyncio
 
 import yaml
 
-from asyncrl.logging import configure_logging, get_logger
-from asyncrl.metrics import RolloutCollector
-from asyncrl.natsutil import nats_url
-from asyncrl.service_main import add_service_args, maybe_serve_metrics, run_until_signal
+from asyncrl.logging import configure_logging
+from asyncrl.runtime import ServiceRuntime
+from asyncrl.service_main import add_service_args, run_until_signal
+from asyncrl.settings import settings
 from services.rollout.engines import ENGINES, make_engine
 from services.rollout.server import DEFAULT_CAPACITY, create_rollout
 
@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="extra engine constructor option (value parsed as YAML); repeatable",
     )
-    add_service_args(p, port=0, register=True, metrics=True)
+    add_service_args(p, port=0, register=True)
     p.add_argument(
         "--capacity",
         type=int,
@@ -71,10 +71,10 @@ def engine_opts(args: argparse.Namespace) -> dict:
     return opts
 
 
-async def start(args: argparse.Namespace):
+async def start(args: argparse.Namespace) -> ServiceRuntime:
     engine = make_engine(args.engine, **engine_opts(args))
-    _, port, service = await create_rollout(
-        nats_url(),
+    runtime, _ = await create_rollout(
+        settings().nats_url,
         engine,
         port=args.port,
         register=not args.no_register,
@@ -82,14 +82,9 @@ async def start(args: argparse.Namespace):
         host=args.host,
         engine_kind=args.engine,
         openai_port=args.openai_port,
+        metrics_port=args.metrics_port,
     )
-    maybe_serve_metrics(args.metrics_port, RolloutCollector(service))
-    get_logger().info("rollout_ready", port=port, engine=args.engine)
-    return service
-
-
-async def main(args: argparse.Namespace) -> None:
-    await run_until_signal(start(args), lambda service: service.stop())
+    return runtime
 
 
 if __name__ == "__main__":
@@ -97,4 +92,4 @@ if __name__ == "__main__":
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # weight loading logs through structlog, not tqdm
-    asyncio.run(main(parse_args()))
+    asyncio.run(run_until_signal(start(parse_args())))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from asyncrl.errors import BadRequest
 from asyncrl.types import RewardStatus, Sample
 
 FILTERS = ("none", "nonconstant_reward")
@@ -36,7 +37,7 @@ def resolve_filter(name: str) -> str:
     """The filter to apply: an empty name (unset on the wire) means the spec's default."""
     name = name or DEFAULT_FILTER
     if name not in FILTERS:
-        raise ValueError(f"filter: unknown filter {name!r} (expected one of {', '.join(FILTERS)})")
+        raise BadRequest("filter", f"unknown filter {name!r} (one of {', '.join(FILTERS)})")
     return name
 
 

@@ -1,22 +1,22 @@
 """Rollout gRPC server: a thin servicer over RolloutService, plus proto <-> domain conversion.
 
 `create_rollout` connects to NATS (ensuring the trajectory stream), starts the engine, serves
-Rollout + health + reflection, and registers with the scheduler as a WORKER_KIND_ROLLOUT
-worker. `await service.stop()` stops it gracefully.
+Rollout + health + reflection, and registers with the scheduler as a rollout worker, all on
+one `ServiceRuntime`; `await runtime.close()` stops it gracefully.
 """
 
 from __future__ import annotations
 
 from google.protobuf import json_format
+from prometheus_client.registry import Collector
 from pydantic import BaseModel, ValidationError
 
-from asyncrl.grpcutil import create_server, rpc_errors
 from asyncrl.logging import get_logger
-from asyncrl.natsutil import connect, ensure_stream
-from asyncrl.retry import connect_policy
+from asyncrl.metrics import gauge
+from asyncrl.natsutil import ensure_stream
+from asyncrl.runtime import ServiceRuntime
 from asyncrl.spec import RewardSpec, SamplingParams, SpecError, WorkflowSpec
 from asyncrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from asyncrl.worker import WorkerAgent, advertise_host
 from services.rollout.engine import Engine
 from services.rollout.filters import GroupStatus
 from services.rollout.service import GroupJob, GroupSummary, RolloutService
@@ -83,12 +83,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def __init__(self, service: RolloutService):
         self.service = service
 
-    @rpc_errors
     async def GenerateGroup(self, request, context):
         summary = await self.service.generate_group(job_from_proto(request))
         return summary_to_proto(summary)
 
-    @rpc_errors
     async def UpdateWeights(self, request, context):
         r = await self.service.update_weights(
             request.experiment_id,
@@ -101,7 +99,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             version=r.version, seconds=r.seconds, interrupted=r.interrupted
         )
 
-    @rpc_errors
     async def GetStatus(self, request, context):
         s = self.service.status()
         return rollout_pb2.RolloutStatus(
@@ -116,6 +113,27 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         )
 
 
+class RolloutCollector(Collector):
+    """Running groups/samples, tokens generated and the version the engine serves."""
+
+    def __init__(self, service: RolloutService):
+        self.service = service
+
+    def collect(self):
+        s = self.service
+        values = {
+            "running_groups": ("Groups being generated", s.running_groups),
+            "running_samples": ("Samples in the engine", s.engine.running),
+            "tokens_generated": ("Tokens generated since start", s.throughput.total),
+            "tokens_per_s": ("Generated tokens per second", s.throughput.rate()),
+            "engine_version": ("Weights version the engine serves", s.engine.version),
+        }
+        for key, (doc, value) in values.items():
+            family = gauge(f"asyncrl_rollout_{key}", doc, ["experiment"])
+            family.add_metric([s.experiment_id], float(value))
+            yield family
+
+
 async def create_rollout(
     nats_url: str,
     engine: Engine,
@@ -126,47 +144,48 @@ async def create_rollout(
     host: str = "127.0.0.1",
     engine_kind: str | None = None,
     openai_port: int = 0,
-):
-    """Start a rollout worker around `engine`; returns (server, port, service).
+    metrics_port: int | None = None,
+) -> tuple[ServiceRuntime, RolloutService]:
+    """Start a rollout worker around `engine`; returns (runtime, service): `runtime.port` is
+    the gRPC port, `await runtime.close()` stops everything in reverse order.
 
     With register=True it registers with the scheduler (`scheduler`, else ASYNCRL_SCHEDULER)
-    as a WORKER_KIND_ROLLOUT worker of `capacity` concurrent groups; its load is the number of
-    running groups."""
-    async for attempt in connect_policy(max_delay_s=60):
-        with attempt:
-            nc = await connect(nats_url)
-    js = nc.jetstream()
-    await ensure_stream(js)
-    await engine.start()
-    service = RolloutService(engine, js, engine_kind=engine_kind, openai_port=openai_port)
-    service.nc = nc
+    as a rollout worker of `capacity` concurrent groups; its load is its running groups."""
+    runtime = ServiceRuntime("rollout", host=host)
     try:
-        server, bound = await create_server(
+        nc = await runtime.connect_nats(nats_url)
+        js = nc.jetstream()
+        await ensure_stream(js)
+        await engine.start()
+        service = RolloutService(
+            engine,
+            js,
+            engine_kind=engine_kind,
+            worker=lambda: runtime.worker_id or f"rollout@{runtime.address}",
+            openai_port=openai_port,
+        )
+        runtime.on_close(service.close)
+        await runtime.serve(
             [(rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(service))],
             [SERVICE_NAME],
             port=port,
-            host=host,
         )
-        service.server = server
-        address = f"{advertise_host()}:{bound}"
-        service.worker = f"rollout@{address}"
         if register:
-            service.agent = WorkerAgent(
+            await runtime.register(
                 common_pb2.WORKER_KIND_ROLLOUT,
-                address,
                 capacity=capacity,
                 scheduler=scheduler,
-                load_fn=lambda: service.running_groups,
+                load=lambda: service.running_groups,
             )
-            service.worker = await service.agent.start()
+        await runtime.serve_metrics(metrics_port, RolloutCollector(service))
     except BaseException:
-        await service.stop(grace=0)
+        await runtime.close()
         raise
     log.info(
-        "rollout_serving",
-        port=bound,
+        "rollout_ready",
+        port=runtime.port,
         engine=service.engine_kind,
         worker=service.worker,
         capacity=capacity,
     )
-    return server, bound, service
+    return runtime, service

@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncrl.grpcutil import Conflict
+from asyncrl.errors import BadRequest, Conflict
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import publish_group
 from asyncrl.spec import RewardSpec, SamplingParams, SpecError, WorkflowSpec
@@ -122,13 +123,13 @@ class RolloutService:
         engine: Engine,
         js,
         engine_kind: str | None = None,
-        worker: str = "",
+        worker: Callable[[], str] = lambda: "",
         openai_port: int = 0,
     ):
         self.engine = engine
         self.js = js
         self.engine_kind = engine_kind or engine.name
-        self.worker = worker
+        self._worker = worker
         self.experiment_id = ""
         self.tokenizer = None
         self.rewards = RewardClient()
@@ -136,10 +137,11 @@ class RolloutService:
         self._groups: dict[str, _Running] = {}
         self._weights_lock = asyncio.Lock()
         self.openai = OpenAIEndpoint(port=openai_port)
-        # set by server.create_rollout: things to close on stop
-        self.server = None
-        self.agent = None
-        self.nc = None
+
+    @property
+    def worker(self) -> str:
+        """This worker's registered id (its address until it registers)."""
+        return self._worker()
 
     # ---------------------------------------------------------------- weights
     async def update_weights(
@@ -153,10 +155,10 @@ class RolloutService:
                 f"the experiment asks for {engine!r}"
             )
         if not experiment_id:
-            raise ValueError("experiment_id: required")
+            raise BadRequest("experiment_id", "required")
         path = uri_to_path(uri)
         if not (path / "config.json").is_file():
-            raise ValueError(f"uri: no HuggingFace config.json in {path}")
+            raise BadRequest("uri", f"no HuggingFace config.json in {path}")
         start = time.perf_counter()
         async with self._weights_lock:
             if self.tokenizer is None or experiment_id != self.experiment_id:
@@ -222,9 +224,9 @@ class RolloutService:
         except ValueError as e:
             raise SpecError("workflow", str(e)) from None
         if job.n <= 0:
-            raise ValueError(f"n: must be positive, got {job.n}")
+            raise BadRequest("n", f"must be positive, got {job.n}")
         if not job.group_id:
-            raise ValueError("group_id: required")
+            raise BadRequest("group_id", "required")
         if self.tokenizer is None or job.experiment_id != self.experiment_id:
             raise Conflict(
                 f"experiment_id: this rollout serves {self.experiment_id or 'nothing'!r},"
@@ -417,20 +419,13 @@ class RolloutService:
             engine=self.engine_kind,
         )
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """Graceful stop: leave the registry, finish in-flight RPCs, then release resources."""
-        if self.agent:
-            await self.agent.stop()
-        if self.server:
-            await self.server.health_servicer.enter_graceful_shutdown()
-            await self.server.stop(grace)
+    async def close(self) -> None:
+        """Abort what still runs (the gRPC server has stopped), then release the engine, the
+        OpenAI endpoint and the reward channels."""
         await self._abort_all("aborted: rollout stopping")
         await self.engine.stop()
         await self.openai.stop()
         await self.rewards.close()
-        if self.nc:
-            await self.nc.drain()
-        log.info("rollout_stopped")
 
 
 async def _run_all(workflow: Workflow, contexts: list[WorkflowContext]) -> list[Trajectory]:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from asyncrl.logging import configure_logging, get_logger
-from asyncrl.metrics import SchedulerCollector
-from asyncrl.natsutil import nats_url
-from asyncrl.service_main import add_service_args, maybe_serve_metrics, run_until_signal
+from asyncrl.logging import configure_logging
+from asyncrl.runtime import ServiceRuntime
+from asyncrl.service_main import add_service_args, run_until_signal
+from asyncrl.settings import settings
 from services.scheduler.server import create_scheduler
 
 
@@ -22,7 +22,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_service_args(p, port=50051, register=False, metrics=True, port_help="port to bind")
+    add_service_args(p, port=50051, register=False, port_help="port to bind")
     p.add_argument(
         "--lease-ttl",
         type=float,
@@ -35,23 +35,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def start(args: argparse.Namespace):
-    _, port, scheduler = await create_scheduler(
-        nats_url(),
+async def start(args: argparse.Namespace) -> ServiceRuntime:
+    runtime, _ = await create_scheduler(
+        settings().nats_url,
         port=args.port,
         host=args.host,
         lease_ttl_s=args.lease_ttl,
         heartbeat_interval_s=args.heartbeat_interval,
+        metrics_port=args.metrics_port,
     )
-    maybe_serve_metrics(args.metrics_port, SchedulerCollector(scheduler))
-    get_logger().info("scheduler_ready", port=port)
-    return scheduler
-
-
-async def main(args: argparse.Namespace) -> None:
-    await run_until_signal(start(args), lambda scheduler: scheduler.stop(grace=2.0))
+    return runtime
 
 
 if __name__ == "__main__":
     configure_logging("scheduler")
-    asyncio.run(main(parse_args()))
+    asyncio.run(run_until_signal(start(parse_args())))

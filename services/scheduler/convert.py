@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from asyncrl.errors import BadRequest
 from asyncrl.spec import spec_to_proto, validate_spec
 from asyncrl.v1 import common_pb2, scheduler_pb2
 from services.scheduler.records import (
@@ -34,7 +35,7 @@ _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
 
 def kind_from_proto(kind: int) -> WorkerKind:
     if kind not in _KIND_FROM_PB:
-        raise ValueError(f"kind: unknown worker kind {kind}")
+        raise BadRequest("kind", f"unknown worker kind {kind}")
     return _KIND_FROM_PB[kind]
 
 

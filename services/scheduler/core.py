@@ -17,10 +17,8 @@ import time
 
 import grpc
 
-from asyncrl.grpcutil import NotFound
+from asyncrl.errors import BadRequest, NotFound
 from asyncrl.logging import get_logger
-from asyncrl.natsutil import connect
-from asyncrl.retry import connect_policy
 from asyncrl.rewards import validate_reward_function
 from asyncrl.spec import ExperimentSpec, SpecError, check_files, spec_from_proto, validate_spec
 from asyncrl.v1 import experiment_pb2, trainer_pb2, trainer_pb2_grpc
@@ -60,15 +58,13 @@ def load_datasets(spec: ExperimentSpec) -> tuple[list[Prompt], list[Prompt]]:
 
 
 class Scheduler:
-    def __init__(self, nats_url: str | None = None, config: SchedulerConfig | None = None):
-        self.nats_url = nats_url
+    def __init__(self, js, config: SchedulerConfig | None = None):
+        self.js = js  # JetStream context: the KV bucket holding experiment state
         self.config = config or SchedulerConfig()
         self.registry = Registry(self.config.lease_ttl_s, self.config.heartbeat_interval_s)
         self.channels = ChannelPool()
         self.runners: dict[str, ExperimentRunner] = {}
         self.store: StateStore | None = None
-        self.server: grpc.aio.Server | None = None
-        self._nc = None
         self._ctx: RunnerContext | None = None
         self._tasks: set[asyncio.Task] = set()
         self._reconcile_scheduled = False
@@ -76,10 +72,7 @@ class Scheduler:
     # ---- start / stop ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        async for attempt in connect_policy():
-            with attempt:
-                self._nc = await connect(self.nats_url)
-        self.store = await StateStore.open(self._nc.jetstream(), self.config.save_interval_s)
+        self.store = await StateStore.open(self.js, self.config.save_interval_s)
         self._ctx = RunnerContext(
             self.config, self.registry, self.channels, self.store, self._reconcile_soon
         )
@@ -90,15 +83,12 @@ class Scheduler:
         log.info(
             "scheduler_started",
             experiments=len(self.runners),
-            nats=self.nats_url,
             lease_ttl_s=self.config.lease_ttl_s,
         )
 
-    async def stop(self, grace: float = 1.0) -> None:
-        """Stop serving, stop the runners (their state stays in KV and resumes), flush, close."""
-        if self.server is not None:
-            await self.server.health_servicer.enter_graceful_shutdown()
-            await self.server.stop(grace)
+    async def close(self) -> None:
+        """Stop the runners (their state stays in KV and resumes), flush, close channels. The
+        runtime has stopped the gRPC server before and drains NATS after."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -107,9 +97,6 @@ class Scheduler:
         if self.store is not None:
             await self.store.close()
         await self.channels.close_all()
-        if self._nc is not None:
-            await self._nc.drain()
-        log.info("scheduler_stopped")
 
     async def _restore(self, record: ExperimentRecord) -> None:
         spec = validate_spec(record.spec)
@@ -185,7 +172,7 @@ class Scheduler:
         self, experiment_id: str, version: int, uri: str, metrics: StepMetrics, trainer_id: str = ""
     ) -> CommitResult:
         if not uri:
-            raise ValueError("uri: required")
+            raise BadRequest("uri", "required")
         return await self.get(experiment_id).commit(version, uri, metrics, trainer_id)
 
     def report_dropped(self, experiment_id: str, group_ids: list[str]) -> int:
@@ -195,7 +182,7 @@ class Scheduler:
 
     def register(self, kind: WorkerKind, address: str, name: str, capacity: int) -> Worker:
         if not address:
-            raise ValueError("address: required (host:port of the worker's gRPC server)")
+            raise BadRequest("address", "required (host:port of the worker's gRPC server)")
         worker, is_new = self.registry.register(kind, address, name, capacity)
         log.info(
             "worker_registered",

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from prometheus_client.registry import Collector
 
-from asyncrl.grpcutil import NotFound, create_server, rpc_errors
+from asyncrl.errors import NotFound
 from asyncrl.logging import get_logger
+from asyncrl.metrics import gauge
+from asyncrl.runtime import ServiceRuntime
 from asyncrl.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.context import SchedulerConfig
 from services.scheduler.convert import (
@@ -21,6 +24,7 @@ from services.scheduler.convert import (
 from services.scheduler.core import Scheduler
 from services.scheduler.experiments import ExperimentRunner
 from services.scheduler.records import Event
+from services.scheduler.registry import WorkerKind
 
 log = get_logger()
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
@@ -45,21 +49,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     # ---- experiments -------------------------------------------------------------------------
 
-    @rpc_errors
     async def SubmitExperiment(self, request, context):
         return _experiment(await self.scheduler.submit(request.spec))
 
-    @rpc_errors
     async def GetExperiment(self, request, context):
         return _experiment(self.scheduler.get(request.experiment_id), request.with_history)
 
-    @rpc_errors
     async def ListExperiments(self, request, context):
         return scheduler_pb2.ListExperimentsResponse(
             experiments=[_experiment(r) for r in self.scheduler.list()]
         )
 
-    @rpc_errors
     async def CancelExperiment(self, request, context):
         return _experiment(await self.scheduler.cancel(request.experiment_id))
 
@@ -90,7 +90,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     # ---- workers -----------------------------------------------------------------------------
 
-    @rpc_errors
     async def RegisterWorker(self, request, context):
         worker = self.scheduler.register(
             kind_from_proto(request.kind), request.address, request.name, request.capacity
@@ -102,13 +101,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             heartbeat_interval_s=config.heartbeat_interval_s,
         )
 
-    @rpc_errors
     async def Heartbeat(self, request, context):
         return scheduler_pb2.HeartbeatResponse(
             known=self.scheduler.heartbeat(request.worker_id, request.load)
         )
 
-    @rpc_errors
     async def ListWorkers(self, request, context):
         return scheduler_pb2.ListWorkersResponse(
             workers=[worker_to_proto(w) for w in self.scheduler.workers()]
@@ -116,7 +113,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     # ---- trainer -----------------------------------------------------------------------------
 
-    @rpc_errors
     async def CommitWeights(self, request, context):
         result = await self.scheduler.commit(
             request.experiment_id,
@@ -132,10 +128,62 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             stop=result.stop,
         )
 
-    @rpc_errors
     async def ReportDropped(self, request, context):
         self.scheduler.report_dropped(request.experiment_id, [g.group_id for g in request.groups])
         return scheduler_pb2.ReportDroppedResponse()
+
+
+class SchedulerCollector(Collector):
+    """Per experiment (label `experiment`): progress counters, the last step and eval; and the
+    registered workers by kind."""
+
+    PROGRESS = {
+        "version": "Fleet version: the weights the rollouts serve",
+        "accepted": "Groups accepted into training",
+        "rejected": "Groups rejected by the filters",
+        "failed": "Groups that failed",
+        "stale_dropped": "Groups dropped as too stale",
+        "running": "Groups in flight",
+        "trained_groups": "Groups the trainer trained on",
+        "rollout_tokens_per_s": "Rollout throughput in generated tokens per second",
+    }
+    LAST_STEP = ("loss", "reward_mean", "staleness_max")
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+
+    def collect(self):
+        yield from self._experiments()
+        workers = gauge("asyncrl_scheduler_workers", "Registered workers by kind", ["kind"])
+        counts = {str(kind): 0 for kind in WorkerKind}
+        for worker in self.scheduler.workers():
+            counts[str(worker.kind)] += 1
+        for kind, n in counts.items():
+            workers.add_metric([kind], float(n))
+        yield workers
+
+    def _experiments(self):
+        label = ["experiment"]
+        progress = {
+            key: gauge(f"asyncrl_scheduler_{key}", doc, label) for key, doc in self.PROGRESS.items()
+        }
+        last_step = {
+            key: gauge(f"asyncrl_scheduler_last_step_{key}", f"Last step's {key}", label)
+            for key in self.LAST_STEP
+        }
+        accuracy = gauge("asyncrl_scheduler_last_eval_accuracy", "Accuracy of the last eval", label)
+        for runner in self.scheduler.runners.values():
+            record = runner.record
+            for key, family in progress.items():
+                family.add_metric([record.id], float(getattr(record.progress, key)))
+            if record.history:
+                for key, family in last_step.items():
+                    family.add_metric([record.id], float(getattr(record.history[-1], key)))
+            if record.evals:
+                accuracy.add_metric([record.id], float(record.evals[-1].accuracy))
+        yield from progress.values()
+        yield from last_step.values()
+        yield accuracy
 
 
 async def create_scheduler(
@@ -144,27 +192,29 @@ async def create_scheduler(
     lease_ttl_s: float = 10.0,
     heartbeat_interval_s: float = 1.0,
     host: str = "127.0.0.1",
+    metrics_port: int | None = None,
+    grace_s: float = 2.0,
     **config,
-) -> tuple[grpc.aio.Server, int, Scheduler]:
-    """Start a scheduler serving on host:port (0 = a free port); returns (server, port,
-    scheduler). `config` overrides SchedulerConfig fields. Stop with `await scheduler.stop()`."""
-    scheduler = Scheduler(
-        nats_url,
-        SchedulerConfig(
-            lease_ttl_s=lease_ttl_s, heartbeat_interval_s=heartbeat_interval_s, **config
-        ),
-    )
-    await scheduler.start()
+) -> tuple[ServiceRuntime, Scheduler]:
+    """Start a scheduler serving on host:port (0 = a free port); returns (runtime, scheduler),
+    `runtime.port` is the bound port. `config` overrides SchedulerConfig fields. Stop with
+    `await runtime.close()` (experiment state stays in NATS KV; a new scheduler resumes it)."""
+    runtime = ServiceRuntime("scheduler", host=host, grace_s=grace_s)
     try:
-        server, bound = await create_server(
+        nc = await runtime.connect_nats(nats_url)
+        config = SchedulerConfig(
+            lease_ttl_s=lease_ttl_s, heartbeat_interval_s=heartbeat_interval_s, **config
+        )
+        scheduler = Scheduler(nc.jetstream(), config)
+        await scheduler.start()
+        runtime.on_close(scheduler.close)
+        await runtime.serve(
             [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, SchedulerServicer(scheduler))],
             [SERVICE_NAME],
             port=port,
-            host=host,
         )
+        await runtime.serve_metrics(metrics_port, SchedulerCollector(scheduler))
     except BaseException:
-        await scheduler.stop()
+        await runtime.close()
         raise
-    scheduler.server = server
-    log.info("scheduler_serving", port=bound, host=host)
-    return server, bound, scheduler
+    return runtime, scheduler

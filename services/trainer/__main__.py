@@ -12,35 +12,23 @@ import signal
 
 import torch
 
-from asyncrl.logging import configure_logging, get_logger
-from asyncrl.metrics import TrainerCollector
-from asyncrl.natsutil import nats_url
-from asyncrl.service_main import add_service_args, maybe_serve_metrics, run_until_signal
+from asyncrl.logging import configure_logging
+from asyncrl.runtime import ServiceRuntime
+from asyncrl.service_main import add_service_args, run_until_signal
+from asyncrl.settings import settings
 from services.trainer.server import create_trainer
 
 
-async def start(args: argparse.Namespace):
-    server, port, service = await create_trainer(
+async def start(args: argparse.Namespace) -> ServiceRuntime:
+    runtime, _ = await create_trainer(
         args.nats_url,
         port=args.port,
         scheduler=args.scheduler,
         register=not args.no_register,
         host=args.host,
+        metrics_port=args.metrics_port,
     )
-    maybe_serve_metrics(args.metrics_port, TrainerCollector(service))
-    return server, port, service
-
-
-async def stop(started) -> None:
-    server, port, service = started
-    get_logger().info("trainer_shutting_down", port=port)
-    await server.health_servicer.enter_graceful_shutdown()
-    await service.close()  # final checkpoint at the step boundary
-    await server.stop(5)
-
-
-async def main(args: argparse.Namespace) -> None:
-    await run_until_signal(start(args), stop)
+    return runtime
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,12 +37,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p,
         port=0,
         register=True,
-        metrics=True,
         port_help="gRPC port (0: any free port)",
         host_help="address to bind (0.0.0.0 for other hosts)",
         register_help="do not register with a scheduler",
     )
-    p.add_argument("--nats-url", default=nats_url(), help="NATS server (env NATS_URL)")
+    p.add_argument("--nats-url", default=settings().nats_url, help="NATS server (env NATS_URL)")
     p.add_argument(
         "--scheduler",
         default=None,
@@ -70,7 +57,7 @@ if __name__ == "__main__":
     if args.threads:
         torch.set_num_threads(args.threads)
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        asyncio.run(main(args))
+        asyncio.run(run_until_signal(start(args)))
     else:
         # under torchrun (megatron backend, TP/DP > 1) only rank 0 serves; the others follow it
         from services.trainer.backends.megatron_backend import follow, release_followers
@@ -89,6 +76,6 @@ if __name__ == "__main__":
                 signal.signal(sig, signal.SIG_IGN)
             follow()
         else:
-            asyncio.run(main(args))
+            asyncio.run(run_until_signal(start(args)))
             release_followers()
         shutdown_distributed()

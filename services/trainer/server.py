@@ -1,53 +1,68 @@
-"""The Trainer gRPC servicer (thin, over TrainerService) and `create_trainer` for tests and
-`python -m services.trainer`."""
+"""The Trainer gRPC servicer (thin, over TrainerService), its Prometheus collector, and
+`create_trainer` for tests and `python -m services.trainer`."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from asyncrl.grpcutil import channel, create_server, rpc_errors
+from prometheus_client.registry import Collector
+
+from asyncrl.grpcutil import channel
 from asyncrl.logging import get_logger
-from asyncrl.natsutil import connect, ensure_stream
-from asyncrl.retry import connect_policy
+from asyncrl.metrics import gauge
+from asyncrl.natsutil import ensure_stream
+from asyncrl.runtime import ServiceRuntime
+from asyncrl.settings import settings
 from asyncrl.v1 import common_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-from asyncrl.weights import weight_root
-from asyncrl.worker import WorkerAgent, advertise_host, scheduler_address
 from services.trainer.service import TrainerService
 
 log = get_logger()
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
+STEP_FIELDS = ("loss", "reward_mean", "staleness_max", "tokens_per_s", "step_time_s")
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, service: TrainerService):
         self.service = service
 
-    @rpc_errors
     async def GetStatus(self, request, context):
         return self.service.status()
 
-    @rpc_errors
     async def StartExperiment(self, request, context):
         version, resumed = await self.service.start_experiment(request.experiment_id, request.spec)
         return trainer_pb2.StartExperimentResponse(
             version=version, resumed=resumed, uri=self.service.weights_uri(version)
         )
 
-    @rpc_errors
     async def StopExperiment(self, request, context):
         await self.service.stop_experiment(request.experiment_id)
         return trainer_pb2.StopExperimentResponse()
 
-    @rpc_errors
     async def CheckpointNow(self, request, context):
         path, step = await self.service.checkpoint_now(request.experiment_id)
         return trainer_pb2.CheckpointNowResponse(path=path, step=step)
 
 
-def var_root() -> Path:
-    return Path(os.environ.get("ASYNCRL_VAR", "var")).absolute()
+class TrainerCollector(Collector):
+    """Version, step and the last step's metrics."""
+
+    def __init__(self, service: TrainerService):
+        self.service = service
+
+    def collect(self):
+        s = self.service
+        labels = [s.experiment_id]
+        version = gauge("asyncrl_trainer_version", "Weights version trained", ["experiment"])
+        version.add_metric(labels, float(s.version))
+        step = gauge("asyncrl_trainer_step", "Optimizer steps taken", ["experiment"])
+        step.add_metric(labels, float(s.step))
+        yield from (version, step)
+        for key in STEP_FIELDS:
+            family = gauge(f"asyncrl_trainer_last_step_{key}", f"Last step's {key}", ["experiment"])
+            if s.last_metrics is not None:
+                family.add_metric(labels, float(getattr(s.last_metrics, key)))
+            yield family
 
 
 async def create_trainer(
@@ -58,44 +73,44 @@ async def create_trainer(
     var_dir: str | Path | None = None,
     weights_dir: str | Path | None = None,
     host: str = "127.0.0.1",
-):
-    """Connect to NATS, start the Trainer gRPC server and (optionally) register with the
-    scheduler. Returns (server, port, service); `await service.close()` then
-    `await server.stop(grace)` shut it down."""
-    async for attempt in connect_policy():
-        with attempt:
-            nc = await connect(nats_url)
-    js = nc.jetstream()
-    await ensure_stream(js)
-    sched_channel = channel(scheduler or scheduler_address())
-    service = TrainerService(
-        js,
-        scheduler_pb2_grpc.SchedulerStub(sched_channel),
-        var_dir=Path(var_dir) if var_dir else var_root(),
-        weights_root=Path(weights_dir).absolute() if weights_dir else weight_root(),
-    )
-    service.on_close(nc.drain)
-    service.on_close(sched_channel.close)
-    server, bound = await create_server(
-        [(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(service))],
-        [SERVICE_NAME],
-        port=port,
-        host=host,
-    )
-    if register:
-        agent = WorkerAgent(
-            common_pb2.WORKER_KIND_TRAINER,
-            f"{advertise_host()}:{bound}",
-            scheduler=scheduler,
-            load_fn=service.load,
+    metrics_port: int | None = None,
+) -> tuple[ServiceRuntime, TrainerService]:
+    """Connect to NATS, serve the Trainer API and (optionally) register with the scheduler.
+    Returns (runtime, service); `await runtime.close()` stops it (the service's close takes a
+    final checkpoint at the step boundary)."""
+    runtime = ServiceRuntime("trainer", host=host)
+    try:
+        nc = await runtime.connect_nats(nats_url)
+        js = nc.jetstream()
+        await ensure_stream(js)
+        sched_channel = channel(scheduler or settings().scheduler)
+        runtime.on_close(sched_channel.close)
+        service = TrainerService(
+            js,
+            scheduler_pb2_grpc.SchedulerStub(sched_channel),
+            var_dir=Path(var_dir or settings().var).absolute(),
+            weights_root=Path(weights_dir or settings().weights).absolute(),
+            worker=lambda: runtime.worker_id,
         )
-        service.worker_id = await agent.start()
-        service.on_close(agent.stop)
+        runtime.on_close(service.close)
+        await runtime.serve(
+            [(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(service))],
+            [SERVICE_NAME],
+            port=port,
+        )
+        if register:
+            await runtime.register(
+                common_pb2.WORKER_KIND_TRAINER, scheduler=scheduler, load=service.load
+            )
+        await runtime.serve_metrics(metrics_port, TrainerCollector(service))
+    except BaseException:
+        await runtime.close()
+        raise
     log.info(
-        "trainer_listening",
-        port=bound,
+        "trainer_ready",
+        port=runtime.port,
         var_dir=str(service.var_dir),
         weights=str(service.weights_root),
         registered=register,
     )
-    return server, bound, service
+    return runtime, service

@@ -15,12 +15,11 @@ import contextlib
 import shutil
 import time
 import uuid
-from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from asyncrl.grpcutil import Conflict, NotFound
+from asyncrl.errors import Conflict, NotFound
 from asyncrl.logging import get_logger
 from asyncrl.retry import idempotent_rpc
 from asyncrl.spec import ExperimentSpec, SpecError, spec_from_proto
@@ -77,14 +76,20 @@ class TrainerService:
     """State and training loop of one trainer; the gRPC servicer is a thin layer over it."""
 
     def __init__(
-        self, js, scheduler, var_dir: Path, weights_root: Path, fetch_timeout_s: float = 1.0
+        self,
+        js,
+        scheduler,
+        var_dir: Path,
+        weights_root: Path,
+        fetch_timeout_s: float = 1.0,
+        worker: Callable[[], str] = lambda: "",
     ):
         self.js = js
         self.scheduler = scheduler  # scheduler_pb2_grpc.SchedulerStub
         self.var_dir = Path(var_dir)
         self.weights_root = Path(weights_root)
         self.fetch_timeout_s = fetch_timeout_s
-        self.worker_id = ""
+        self._worker = worker
         self.experiment_id = ""
         self.spec: ExperimentSpec | None = None
         self.backend = None
@@ -94,14 +99,12 @@ class TrainerService:
         self.step = 0
         self.resumed = False
         self.last_metrics: StepMetrics | None = None
-        self.trained_group_ids: deque[str] = deque(maxlen=10_000)
         self.log = log
         self._consumer: GroupConsumer | None = None
         self._boundary_seq = 0  # last stream seq consumed at the last step boundary
         self._task: asyncio.Task | None = None
         self._stop = asyncio.Event()
         self._lock = asyncio.Lock()  # one of: start, a step, a checkpoint
-        self._on_close: list[Callable[[], Awaitable]] = []
 
     # -- RPC-facing operations ------------------------------------------------------------
     async def start_experiment(self, experiment_id: str, spec_msg) -> tuple[int, bool]:
@@ -164,9 +167,10 @@ class TrainerService:
         """Heartbeat load: 1 while an experiment is active."""
         return int(self.state in ACTIVE)
 
-    def on_close(self, fn: Callable[[], Awaitable]) -> None:
-        """Register a resource closer (scheduler channel, worker agent, NATS) for close()."""
-        self._on_close.append(fn)
+    @property
+    def worker_id(self) -> str:
+        """The id this trainer registered under ("" when it did not register)."""
+        return self._worker()
 
     async def close(self, checkpoint: bool = True) -> None:
         """Shut down (idempotent). checkpoint=False ends the loop without a final checkpoint,
@@ -182,8 +186,6 @@ class TrainerService:
         if self.backend is not None:
             await asyncio.to_thread(self.backend.close)
         await self._release()
-        while self._on_close:  # each resource once, even if close() is called again
-            await self._on_close.pop()()
 
     # -- setup ------------------------------------------------------------------------------
     def _require(self, experiment_id: str) -> None:
@@ -196,7 +198,6 @@ class TrainerService:
         self.version = self.step = self._boundary_seq = 0
         self.resumed, self.last_metrics = False, None
         self._stop = asyncio.Event()  # a StopExperiment during loading stops the new run
-        self.trained_group_ids.clear()
         self.log = log.bind(experiment=experiment_id)
 
     async def _release(self) -> None:
@@ -298,7 +299,6 @@ class TrainerService:
         self.version += 1
         self.step += 1
         self._boundary_seq = batch.last_seq
-        self.trained_group_ids.extend(g.group_id for g in batch.groups)
         m = step_metrics(
             step=self.step,
             version=self.version,

@@ -12,20 +12,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.grpcutil import channel
-from asyncrl.metrics import (
-    RolloutCollector,
-    SchedulerCollector,
-    TrainerCollector,
-    registry_for,
-    serve_metrics,
-)
+from asyncrl.metrics import MetricsServer
 from asyncrl.spec import dict_to_proto
 from asyncrl.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.rollout.server import RolloutCollector
 from services.rollout.service import RolloutService
 from services.rollout.torch_engine import TorchEngine
 from services.scheduler.records import EvalResult, StepMetrics
 from services.scheduler.server import create_scheduler
 from services.trainer.metrics import StepMetrics as TrainerStepMetrics
+from services.trainer.server import TrainerCollector
 from services.trainer.service import TrainerService
 
 
@@ -62,9 +58,9 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 
 async def test_scheduler_metrics_scrape_shows_experiment_and_workers(nats_server, spec_pb):
-    _, port, scheduler = await create_scheduler(nats_server.url)
-    http, metrics_port = serve_metrics(0, registry_for(SchedulerCollector(scheduler)))
-    ch = channel(f"127.0.0.1:{port}")
+    runtime, scheduler = await create_scheduler(nats_server.url, metrics_port=0)
+    metrics_port = runtime.metrics_port
+    ch = channel(f"127.0.0.1:{runtime.port}")
     try:
         assert metrics_port > 0
         stub = scheduler_pb2_grpc.SchedulerStub(ch)
@@ -94,13 +90,11 @@ async def test_scheduler_metrics_scrape_shows_experiment_and_workers(nats_server
         assert got[("asyncrl_scheduler_last_eval_accuracy", e)] == 0.75
         assert ("asyncrl_scheduler_rollout_tokens_per_s", e) in got
     finally:
-        http.shutdown()
-        http.server_close()
         await ch.close()
-        await scheduler.stop(grace=0)
+        await runtime.close()
 
 
-def test_worker_collectors_one_registry_each_report_live_state_without_conflict(tmp_path):
+async def test_worker_collectors_one_registry_each_report_live_state_without_conflict(tmp_path):
     """Real rollout and trainer service objects (not serving); two of a kind in one process
     each get their own registry, so there is no duplicate-registration error."""
     rollout = RolloutService(TorchEngine(seed=0), js=None)
@@ -112,23 +106,25 @@ def test_worker_collectors_one_registry_each_report_live_state_without_conflict(
         **{f.name: 0 for f in fields(TrainerStepMetrics)}
         | {"loss": 1.5, "staleness_max": 2, "tokens_per_s": 9.0}
     )
-    http, port = serve_metrics(0, registry_for(RolloutCollector(rollout)))
-    http2, port2 = serve_metrics(0, registry_for(TrainerCollector(trainer)))
-    registry_for(RolloutCollector(RolloutService(TorchEngine(seed=0), js=None)))
+    servers = [
+        MetricsServer(RolloutCollector(rollout)),
+        MetricsServer(TrainerCollector(trainer)),
+        MetricsServer(RolloutCollector(RolloutService(TorchEngine(seed=0), js=None))),
+    ]
+    port, port2, _ = [await server.start(0) for server in servers]
     try:
         e = (("experiment", "exp-1"),)
-        got = scrape(port)
+        got = await asyncio.to_thread(scrape, port)
         assert got[("asyncrl_rollout_running_groups", e)] == 0.0
         assert got[("asyncrl_rollout_running_samples", e)] == 0.0
         assert got[("asyncrl_rollout_tokens_generated", e)] == 120.0
         assert got[("asyncrl_rollout_engine_version", e)] == 0.0
-        got = scrape(port2)
+        got = await asyncio.to_thread(scrape, port2)
         assert got[("asyncrl_trainer_step", e)] == 6.0
         assert got[("asyncrl_trainer_version", e)] == 5.0
         assert got[("asyncrl_trainer_last_step_loss", e)] == 1.5
         assert got[("asyncrl_trainer_last_step_staleness_max", e)] == 2.0
         assert got[("asyncrl_trainer_last_step_tokens_per_s", e)] == 9.0
     finally:
-        for h in (http, http2):
-            h.shutdown()
-            h.server_close()
+        for server in servers:
+            await server.stop()

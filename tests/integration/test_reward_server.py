@@ -18,11 +18,11 @@ FAILED = common_pb2.REWARD_STATUS_FAILED
 
 @pytest.fixture
 async def reward():
-    server, port, service = await create_reward(port=0, workers=2, register=False)
-    address = f"127.0.0.1:{port}"
+    runtime, _ = await create_reward(port=0, workers=2, register=False)
+    address = f"127.0.0.1:{runtime.port}"
     async with channel(address) as ch:
         yield address, reward_pb2_grpc.RewardStub(ch)
-    await service.stop(grace=1)
+    await runtime.close()
 
 
 def _items(*completions: str, answer: str = "1") -> list[reward_pb2.ScoreItem]:

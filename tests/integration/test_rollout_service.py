@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 
 from asyncrl.convert import group_from_bytes
 from asyncrl.grpcutil import channel
-from asyncrl.natsutil import STREAM, eval_subject, free_port, train_subject, wait_until
+from asyncrl.natsutil import STREAM, eval_subject, train_subject, wait_until
+from asyncrl.net import free_port
 from asyncrl.tiny import build_tiny_model
 from asyncrl.types import RewardStatus
 from asyncrl.v1 import common_pb2, experiment_pb2, rollout_pb2, rollout_pb2_grpc
@@ -45,17 +46,17 @@ def no_eos_tokenizer(models, tmp_path_factory):
 
 @pytest.fixture
 async def reward_address():
-    server, port, service = await create_reward(port=0, workers=1, register=False)
-    yield f"127.0.0.1:{port}"
-    await service.stop(grace=0)
+    runtime, _ = await create_reward(port=0, workers=1, register=False)
+    yield f"127.0.0.1:{runtime.port}"
+    await runtime.close()
 
 
 @pytest.fixture
 async def rollout(nats_server, models):
-    server, port, service = await create_rollout(
+    runtime, service = await create_rollout(
         nats_server.url, TorchEngine(seed=0), port=0, register=False
     )
-    async with channel(f"127.0.0.1:{port}") as ch:
+    async with channel(f"127.0.0.1:{runtime.port}") as ch:
         stub = rollout_pb2_grpc.RolloutStub(ch)
         await stub.UpdateWeights(
             rollout_pb2.UpdateWeightsRequest(
@@ -64,7 +65,7 @@ async def rollout(nats_server, models):
             timeout=30,
         )
         yield stub, service
-    await service.stop(grace=0)
+    await runtime.close()
 
 
 def _request(

@@ -14,7 +14,8 @@ import json
 import grpc
 import pytest
 
-from asyncrl.grpcutil import channel, create_server
+from asyncrl.grpcutil import channel
+from asyncrl.runtime import ServiceRuntime
 from asyncrl.natsutil import wait_until
 from asyncrl.spec import dict_to_proto
 from asyncrl.v1 import (
@@ -106,13 +107,15 @@ class Cluster:
     def __init__(self, nats_url: str):
         self.nats_url = nats_url
         self.scheduler = None
+        self.runtime = None
         self.address = ""
         self._closers = []
 
     async def start_scheduler(self, **kw):
         kw.setdefault("lease_ttl_s", 3.0)
         kw.setdefault("heartbeat_interval_s", 0.2)
-        _, self.port, self.scheduler = await create_scheduler(self.nats_url, **kw)
+        self.runtime, self.scheduler = await create_scheduler(self.nats_url, grace_s=0, **kw)
+        self.port = self.runtime.port
         self.address = f"127.0.0.1:{self.port}"
         ch = channel(self.address)
         self._closers.append(ch.close)
@@ -120,18 +123,20 @@ class Cluster:
         return self.scheduler
 
     async def stop_scheduler(self):
-        await self.scheduler.stop(grace=0)
+        await self.runtime.close()
 
     async def worker(self, kind, servicer=None, capacity=8):
         """Serve `servicer` (if any) on port 0 and register it with a heartbeating agent."""
         port = 1
         server = None
         if isinstance(servicer, FakeRollout):
-            server, port = await create_server(
+            server = ServiceRuntime("fake-rollout", grace_s=0)
+            port = await server.serve(
                 [(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer)], ["asyncrl.v1.Rollout"]
             )
         elif isinstance(servicer, FakeTrainer):
-            server, port = await create_server(
+            server = ServiceRuntime("fake-trainer", grace_s=0)
+            port = await server.serve(
                 [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)], ["asyncrl.v1.Trainer"]
             )
         agent = WorkerAgent(
@@ -145,7 +150,7 @@ class Cluster:
         async def close():
             await agent.stop()
             if server is not None:
-                await server.stop(0)
+                await server.close()
 
         self._closers.append(close)
         return agent, close
@@ -153,8 +158,8 @@ class Cluster:
     async def close(self):
         for fn in reversed(self._closers):
             await fn()
-        if self.scheduler is not None:
-            await self.scheduler.stop(grace=0)
+        if self.runtime is not None:
+            await self.runtime.close()
 
     async def experiment(self, exp_id):
         return await self.stub.GetExperiment(

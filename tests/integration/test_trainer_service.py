@@ -18,8 +18,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.algo import token_logprobs
-from asyncrl.grpcutil import channel, create_server
+from asyncrl.grpcutil import channel
 from asyncrl.natsutil import STREAM, publish_group, wait_until
+from asyncrl.runtime import ServiceRuntime
+from asyncrl.net import free_port
 from asyncrl.spec import (
     DatasetSpec,
     ExperimentSpec,
@@ -34,7 +36,6 @@ from asyncrl.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, trainer_pb
 from asyncrl.weights import uri_to_path
 from services.trainer.checkpoint import checkpoint_root, latest_checkpoint
 from services.trainer.consumer import durable_name
-from services.trainer.megatron.parallel import free_port
 from services.trainer.server import create_trainer
 
 EXP = "exp-trainer"
@@ -80,12 +81,13 @@ def tiny(tmp_path_factory):
 @pytest.fixture
 async def scheduler():
     servicer = RecordingScheduler()
-    server, port = await create_server(
+    runtime = ServiceRuntime("fake-scheduler", grace_s=0)
+    port = await runtime.serve(
         [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer)], ["asyncrl.v1.Scheduler"]
     )
     servicer.address = f"127.0.0.1:{port}"
     yield servicer
-    await server.stop(0)
+    await runtime.close()
 
 
 @pytest.fixture
@@ -94,21 +96,21 @@ async def start_trainer(nats_server, scheduler, tmp_path):
     started = []
 
     async def start():
-        server, port, service = await create_trainer(
+        runtime, service = await create_trainer(
             nats_server.url,
             scheduler=scheduler.address,
             var_dir=tmp_path / "var",
             weights_dir=tmp_path / "weights",
         )
-        ch = channel(f"127.0.0.1:{port}")
-        started.append((server, service, ch))
+        ch = channel(f"127.0.0.1:{runtime.port}")
+        started.append((runtime, service, ch))
         return service, trainer_pb2_grpc.TrainerStub(ch)
 
     yield start
-    for server, service, ch in started:
+    for runtime, service, ch in started:
         await ch.close()
-        await service.close(checkpoint=False)
-        await server.stop(0)
+        await service.close(checkpoint=False)  # as a crash leaves it: no final checkpoint
+        await runtime.close()
 
 
 def _spec(model_dir: Path, eta: int = 0, batch_size: int = 2, checkpoint_every: int = 1):
@@ -164,6 +166,17 @@ async def _wait_commits(scheduler, n: int, timeout: float = 30.0) -> None:
     await wait_until(lambda: len(scheduler.commits) >= n, timeout=timeout)
 
 
+async def _wait_acked(js, stream_seq: int, timeout: float = 30.0):
+    """The trainer's consumer once it has taken (and acked) every message up to `stream_seq`;
+    the trainer acks a group as it takes it into a batch or drops it."""
+    async with asyncio.timeout(timeout):
+        while True:
+            info = await js.consumer_info(STREAM, durable_name(EXP))
+            if info.ack_floor.stream_seq >= stream_seq:
+                return info
+            await asyncio.sleep(0.05)  # poll the consumer's state
+
+
 async def test_trainer_b_groups_one_step_commits_version_1_loadable_weights(
     tiny, scheduler, start_trainer, js
 ):
@@ -179,8 +192,9 @@ async def test_trainer_b_groups_one_step_commits_version_1_loadable_weights(
     assert scheduler.workers[0].kind == common_pb2.WORKER_KIND_TRAINER
 
     await publish_group(js, _group(tiny, "g0", 0))
-    await asyncio.sleep(0.5)
-    assert scheduler.commits == []  # one group < B: no step
+    await _wait_acked(js, 1)  # the trainer holds g0: one group < B, so it waits for more
+    assert (await _status(stub)).state == "waiting"
+    assert scheduler.commits == []
     await publish_group(js, _group(tiny, "g1", 0))
     await _wait_commits(scheduler, 1)
 
@@ -221,7 +235,7 @@ async def test_trainer_group_staler_than_eta_is_dropped_acked_not_trained(
     assert scheduler.dropped[0].reason == "staleness 1 > eta 0"
     m = scheduler.commits[1].metrics
     assert (m.version, m.groups, m.stale_dropped, m.staleness_max) == (2, 2, 1, 0)
-    assert list(service.trained_group_ids) == ["g0", "g1", "g2", "g3"]
+    assert [c.metrics.groups for c in scheduler.commits] == [2, 2]  # all but "old" trained
     info = await js.consumer_info(STREAM, durable_name(EXP))
     assert (info.num_pending, info.num_ack_pending) == (0, 0)  # the stale one was acked too
 
@@ -254,9 +268,12 @@ async def test_trainer_crash_restart_resumes_checkpoint_and_retrains_only_later_
     assert (uri_to_path(resp.uri) / "model.safetensors").is_file()
     await _wait_commits(scheduler, 4)
     assert [c.version for c in scheduler.commits] == [1, 2, 3, 3]
-    await asyncio.sleep(1.5)  # nothing else is re-consumed
-    assert len(scheduler.commits) == 4
-    assert list(service2.trained_group_ids) == ["g4", "g5"]
+    assert scheduler.commits[3].metrics.groups == 2
+    # the resumed consumer delivered g4 and g5 only (stream seqs 5, 6), once each, and holds
+    # nothing more: g0..g3 are not trained twice
+    info = await _wait_acked(js, 6)
+    assert (info.delivered.consumer_seq, info.delivered.stream_seq) == (2, 6)
+    assert (info.num_pending, info.num_ack_pending, info.num_redelivered) == (0, 0, 0)
 
     ck = await stub2.CheckpointNow(trainer_pb2.CheckpointNowRequest(experiment_id=EXP), timeout=30)
     assert (Path(ck.path).name, ck.step) == ("step_000003", 3)

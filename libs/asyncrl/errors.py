@@ -1,0 +1,48 @@
+"""The domain exceptions every service raises, and the one mapping from them to gRPC status
+codes (applied by `asyncrl.runtime.ErrorInterceptor`, once per process).
+
+Only `BadRequest` (and its kin `SpecError`) blames the caller with INVALID_ARGUMENT. Any other
+exception is a bug or an outage on our side: INTERNAL, with an id that the service's log
+carries next to the traceback.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class BadRequest(ValueError):
+    """A request field is invalid. `field` is its dotted path, `reason` says why."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class SpecError(BadRequest):
+    """An experiment spec field is invalid (`field` is e.g. ``trainer.lr``)."""
+
+
+class NotFound(LookupError):
+    """A named entity (experiment, worker) does not exist."""
+
+
+class Conflict(RuntimeError):
+    """The request contradicts the current state (e.g. wrong experiment bound)."""
+
+
+_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (Conflict, grpc.StatusCode.FAILED_PRECONDITION),
+    (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+]
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The status code a domain exception maps to; INTERNAL for anything else."""
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL

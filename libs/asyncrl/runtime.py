@@ -1,0 +1,183 @@
+"""The one service runtime: what every asyncrl service process is made of.
+
+    runtime = ServiceRuntime("rollout")
+    nc = await runtime.connect_nats(url)                  # retried; drained on close
+    ... build the service; runtime.on_close(service.close)
+    port = await runtime.serve([(add_RolloutServicer_to_server, servicer)], [SERVICE_NAME])
+    worker_id = await runtime.register(WorkerKind.ROLLOUT, capacity=64, load=lambda: ...)
+    await runtime.serve_metrics(metrics_port, collector)
+    ...
+    await runtime.close()                                  # everything, in reverse order
+
+Each step pushes its own undo onto one `AsyncExitStack`, so a service stops in the reverse of
+the order it started: it leaves the registry, stops serving (health NOT_SERVING first, then
+in-flight RPCs get `grace` seconds), closes its own logic, and drains NATS last. A failure
+half-way through start-up closes what was already open.
+
+Every gRPC server gets the standard health service, server reflection and one interceptor
+chain; `ErrorInterceptor` maps exceptions to status codes in one place.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client.registry import Collector
+
+from asyncrl.errors import status_for
+from asyncrl.grpcutil import CHANNEL_OPTIONS
+from asyncrl.logging import get_logger
+from asyncrl.metrics import MetricsServer
+from asyncrl.natsutil import connect
+from asyncrl.retry import connect_policy
+from asyncrl.settings import settings
+from asyncrl.worker import WorkerAgent
+
+log = get_logger()
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Domain exceptions -> gRPC statuses for every unary and server-streaming method.
+
+    `BadRequest`/`SpecError` -> INVALID_ARGUMENT, `NotFound` -> NOT_FOUND, `Conflict` ->
+    FAILED_PRECONDITION, `TimeoutError` -> DEADLINE_EXCEEDED; anything else is INTERNAL with an
+    error id that the log line carrying the traceback also has."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                try:
+                    return await inner(request, context)
+                except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
+                    await _abort(context, method, exc)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def stream(request, context):
+                try:
+                    async for item in inner_stream(request, context):
+                        yield item
+                except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
+                    await _abort(context, method, exc)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+
+async def _abort(context, method: str, exc: Exception) -> None:
+    if isinstance(exc, grpc.aio.AbortError | grpc.RpcError):
+        raise exc
+    code = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        error_id = secrets.token_hex(4)
+        log.error("rpc_internal_error", method=method, error_id=error_id, exc_info=exc)
+        message = f"internal error {error_id}: {type(exc).__name__} (details in the service log)"
+    else:
+        message = str(exc) or code.name.lower()
+    await context.abort(code, message)
+
+
+class ServiceRuntime:
+    """NATS, the gRPC server, registration and /metrics of one service process; closed in
+    reverse order by `close()`."""
+
+    def __init__(self, name: str, host: str = "127.0.0.1", grace_s: float = 5.0):
+        self.name = name
+        self.host = host
+        self.grace_s = grace_s
+        self.port = 0
+        self.worker_id = ""
+        self.metrics_port: int | None = None
+        self._stack = AsyncExitStack()
+        self._health: health.aio.HealthServicer | None = None
+
+    @property
+    def address(self) -> str:
+        """host:port other services reach this one at (ASYNCRL_ADVERTISE_HOST)."""
+        return f"{settings().advertise_host}:{self.port}"
+
+    def on_close(self, fn: Callable[[], Awaitable[object]]) -> None:
+        """Run `fn` on close, before everything opened earlier is closed."""
+        self._stack.push_async_callback(fn)
+
+    async def connect_nats(self, url: str | None = None, max_delay_s: float = 60.0):
+        """Connect (retrying while the server starts); drained on close."""
+        async for attempt in connect_policy(max_delay_s=max_delay_s):
+            with attempt:
+                nc = await connect(url)
+        self.on_close(nc.drain)
+        return nc
+
+    async def serve(
+        self,
+        servicers: Sequence[tuple[Callable, object]],
+        service_names: Sequence[str],
+        port: int = 0,
+    ) -> int:
+        """Start the gRPC server: `servicers` are (add_XServicer_to_server, servicer) pairs,
+        plus health and reflection. Returns the bound port (pass 0 for a free one)."""
+        server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[ErrorInterceptor()])
+        for add, servicer in servicers:
+            add(servicer, server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
+        self.port = server.add_insecure_port(f"{self.host}:{port}")
+        await server.start()
+        self.on_close(lambda: self._stop_server(server))
+        for name in ["", *service_names]:
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(f"{self.name}_serving", host=self.host, port=self.port)
+        return self.port
+
+    async def _stop_server(self, server: grpc.aio.Server) -> None:
+        await self._health.enter_graceful_shutdown()
+        await server.stop(self.grace_s)
+
+    async def register(
+        self,
+        kind: int,
+        capacity: int = 1,
+        load: Callable[[], int] = lambda: 0,
+        scheduler: str | None = None,
+    ) -> str:
+        """Register this worker with the scheduler and heartbeat until close."""
+        agent = WorkerAgent(kind, self.address, capacity=capacity, scheduler=scheduler, load=load)
+        self.worker_id = await agent.start()
+        self.on_close(agent.stop)
+        return self.worker_id
+
+    async def serve_metrics(self, port: int | None, *collectors: Collector) -> int | None:
+        """Serve `collectors` at http://ASYNCRL_METRICS_HOST:port/metrics from this event loop
+        (None: off; 0: a free port)."""
+        if port is None:
+            return None
+        server = MetricsServer(*collectors)
+        self.metrics_port = await server.start(port, settings().metrics_host)
+        self.on_close(server.stop)
+        return self.metrics_port
+
+    async def close(self) -> None:
+        """Close everything, last opened first."""
+        log.info(f"{self.name}_shutting_down", port=self.port)
+        await self._stack.aclose()
+        log.info(f"{self.name}_stopped")
