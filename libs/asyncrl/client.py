@@ -14,7 +14,6 @@ trajectory groups back from JetStream.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator
 
 import grpc
@@ -25,11 +24,11 @@ from asyncrl import natsutil
 from asyncrl.convert import group_from_bytes
 from asyncrl.grpcutil import channel
 from asyncrl.retry import RETRYABLE_CODES, idempotent_rpc
+from asyncrl.settings import settings
 from asyncrl.spec import dict_to_proto
 from asyncrl.types import TrajectoryGroup
 from asyncrl.v1 import experiment_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-DEFAULT_SCHEDULER = "127.0.0.1:50051"
 TERMINAL_STATES = frozenset(
     {
         scheduler_pb2.EXPERIMENT_STATE_COMPLETED,
@@ -40,7 +39,7 @@ TERMINAL_STATES = frozenset(
 
 
 def default_address() -> str:
-    return os.environ.get("ASYNCRL_SCHEDULER", DEFAULT_SCHEDULER)
+    return settings().scheduler
 
 
 def state_name(state: int) -> str:

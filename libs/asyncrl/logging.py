@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import structlog
 
+from asyncrl.settings import settings
+
 
 def configure_logging(service: str, json: bool | None = None, level: str | None = None) -> None:
     """Configure structlog for `service`. JSON unless ASYNCRL_LOG_FORMAT=console."""
+    config = settings()
     if json is None:
-        json = os.environ.get("ASYNCRL_LOG_FORMAT", "json") == "json"
-    lvl = getattr(logging, (level or os.environ.get("ASYNCRL_LOG_LEVEL", "INFO")).upper())
+        json = config.log_format == "json"
+    lvl = getattr(logging, (level or config.log_level).upper())
     logging.basicConfig(level=lvl, stream=sys.stderr, format="%(message)s")
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
     structlog.configure(

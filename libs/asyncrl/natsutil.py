@@ -4,7 +4,6 @@ trajectory stream, subjects, and group publishing with Nats-Msg-Id dedup."""
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import socket
 import subprocess
@@ -17,6 +16,7 @@ from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
 from asyncrl.convert import group_to_bytes
 from asyncrl.net import free_port
+from asyncrl.settings import settings
 from asyncrl.types import TrajectoryGroup
 
 STREAM = "ASYNCRL_TRAJ"
@@ -105,7 +105,7 @@ class LocalNatsServer:
 
 
 def nats_url() -> str:
-    return os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
+    return settings().nats_url
 
 
 async def connect(url: str | None = None) -> nats.NATS:
