@@ -7,10 +7,15 @@ version). URIs are file:// URLs of that directory.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
+
+if TYPE_CHECKING:
+    import torch
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -21,10 +26,6 @@ TOKENIZER_FILES = (
     "generation_config.json",
     "chat_template.jinja",
 )
-
-
-def weight_root() -> Path:
-    return Path(os.environ.get("ASYNCRL_WEIGHTS", "var/weights")).absolute()
 
 
 def uri_to_path(uri: str) -> Path:
@@ -39,6 +40,25 @@ def path_to_uri(path: Path) -> str:
 
 def version_dir(root: Path, experiment_id: str, version: int) -> Path:
     return Path(root) / experiment_id / f"v{version:06d}"
+
+
+def load_state_dict_files(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a HuggingFace directory: model.safetensors, or every shard named by
+    model.safetensors.index.json."""
+    from safetensors.torch import load_file
+
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_file(str(d / shard)))
+        return state
+    single = d / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"no model.safetensors in {d}")
+    return load_file(str(single))
 
 
 def copy_tokenizer(src_dir: Path, dst_dir: Path) -> None:

@@ -25,16 +25,14 @@ and the request id, so a request's samples do not depend on what else is in the 
 from __future__ import annotations
 
 import asyncio
-import json
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from asyncrl.logging import get_logger
 from asyncrl.spec import SamplingParams
+from asyncrl.weights import load_state_dict_files
 from services.rollout.engine import Engine, GenOutput, GenRequest
 
 log = get_logger(component="torch_engine")
@@ -95,22 +93,6 @@ def sample_token(
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     token = int(torch.multinomial(probs, 1, generator=gen))
     return token, float(logprobs[token])
-
-
-def load_state_dict_files(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Read model.safetensors, or every shard named by model.safetensors.index.json."""
-    d = Path(model_dir)
-    index = d / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        state: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            state.update(load_file(str(d / shard)))
-        return state
-    single = d / "model.safetensors"
-    if not single.exists():
-        raise FileNotFoundError(f"no model.safetensors in {d}")
-    return load_file(str(single))
 
 
 class TorchEngine(Engine):

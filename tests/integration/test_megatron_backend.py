@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from asyncrl.algo import pack_groups, ppo_decoupled_loss, token_logprobs
+from asyncrl.net import free_port
 from asyncrl.tiny import build_tiny_model
 from tests.integration.megatron_tp_worker import MICRO_BATCH, make_groups, make_spec, run_case
 
@@ -211,12 +212,6 @@ def test_load_world_size_not_tp_times_dp_raises(tiny_models):
         backend.load(str(tiny_models["qwen2"]))
 
 
-def _free_port() -> int:
-    from services.trainer.megatron.parallel import free_port
-
-    return free_port()
-
-
 def test_tp2_and_dp2_under_torchrun_match_tp1(tiny_models, tmp_path):
     src = tiny_models["qwen2"]
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'libs'}:{ROOT}", OMP_NUM_THREADS="1")
@@ -231,7 +226,7 @@ def test_tp2_and_dp2_under_torchrun_match_tp1(tiny_models, tmp_path):
         "--master_addr",
         "127.0.0.1",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         str(ROOT / "tests/integration/megatron_tp_worker.py"),
         str(src),
         str(tmp_path / "multi"),

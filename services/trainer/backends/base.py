@@ -1,10 +1,16 @@
-"""The trainer-backend contract: one optimizer version per `train_step`."""
+"""The trainer-backend contract: one optimizer version per `train_step`, plus what every backend
+shares (packing groups onto its device, the RNG state a checkpoint carries)."""
 
 from __future__ import annotations
 
+import random
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from asyncrl.algo import PackedBatch, pack_groups
 from asyncrl.spec import ExperimentSpec
 from asyncrl.types import TrajectoryGroup
 
@@ -12,8 +18,12 @@ from asyncrl.types import TrajectoryGroup
 class TrainerBackend(ABC):
     """Owns the model and optimizer. Implementations: torch (HF) and megatron (megatron-core)."""
 
+    device: torch.device
+    """Where the model runs and packed batches go (set by each backend)."""
+
     def __init__(self, spec: ExperimentSpec):
         self.spec = spec
+        self.pad_id = 0  # the model config's pad_token_id once loaded
 
     @abstractmethod
     def load(self, model_dir: str) -> None:
@@ -44,3 +54,28 @@ class TrainerBackend(ABC):
         """Release what the backend holds beyond this process (e.g. follower ranks under
         torchrun). Called once when the trainer shuts down; a no-op by default."""
         return None
+
+    # -- shared by the implementations ------------------------------------------------------
+    def _pack(self, groups: list[TrajectoryGroup]) -> PackedBatch:
+        """The groups packed with `pad_id`, every tensor on `device`."""
+        batch = pack_groups(groups, pad_id=self.pad_id)
+        return PackedBatch(
+            **{
+                k: (v.to(self.device) if isinstance(v, torch.Tensor) else v)
+                for k, v in vars(batch).items()
+            }
+        )
+
+    def _rng_state(self) -> dict:
+        """The RNG states a checkpoint saves: torch (CPU), python and numpy."""
+        return {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+        }
+
+    def _set_rng_state(self, state: dict) -> None:
+        """Restore what `_rng_state` returned."""
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])

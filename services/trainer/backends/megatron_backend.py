@@ -15,12 +15,10 @@ In-process (one rank, TP=1) nothing is broadcast.
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -28,12 +26,11 @@ from asyncrl.algo import (
     PackedBatch,
     kl_k3,
     lr_at,
-    pack_groups,
     ppo_decoupled_loss,
     unpack_output_logprobs,
 )
 from asyncrl.types import TrajectoryGroup
-from asyncrl.weights import copy_tokenizer
+from asyncrl.weights import copy_tokenizer, load_state_dict_files
 from services.trainer.backends.base import TrainerBackend
 from services.trainer.megatron import model as mg
 from services.trainer.megatron.optim import build_optimizer
@@ -58,8 +55,11 @@ class MegatronBackend(TrainerBackend):
         self.ref: mg.BuiltModel | None = None
         self.opt = None
         self.model_dir: Path | None = None
-        self.pad_id = 0
         self.steps = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.par.device
 
     # -- setup ----------------------------------------------------------------------------
     def load(self, model_dir: str) -> None:
@@ -71,7 +71,7 @@ class MegatronBackend(TrainerBackend):
         cfg = mg.read_hf_config(model_dir)
         self.pad_id = cfg.get("pad_token_id") or 0
         cuda = self.par.device.type == "cuda"
-        hf = mg.read_hf_weights(model_dir)
+        hf = load_state_dict_files(model_dir)
         self.built = mg.build_model(cfg, self.par.tp_rank, self.par.tp_size, cuda=cuda)
         mg.load_hf_weights(self.built, hf)
         if t.kl_coef > 0:
@@ -83,13 +83,6 @@ class MegatronBackend(TrainerBackend):
 
     def _vocab(self) -> int:
         return self.built.layout.vocab_size
-
-    def _pack(self, groups: list[TrajectoryGroup]) -> PackedBatch:
-        batch = pack_groups(groups, pad_id=self.pad_id)
-        dev = self.par.device
-        return PackedBatch(
-            **{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in vars(batch).items()}
-        )
 
     @torch.no_grad()
     def _logprobs_rows(
@@ -236,7 +229,7 @@ class MegatronBackend(TrainerBackend):
         ckpt_dir = Path(ckpt_dir)
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         self.opt.save(ckpt_dir)
-        torch.save(_rng_state(), ckpt_dir / f"rng_rank{self.par.rank:03d}.pt")
+        torch.save(self._rng_state(), ckpt_dir / f"rng_rank{self.par.rank:03d}.pt")
         if self.par.is_writer:
             state = {"steps": self.steps, "tp_size": self.par.tp_size, "dp_size": self.par.dp_size}
             (ckpt_dir / STATE_FILE).write_text(json.dumps(state))
@@ -254,8 +247,28 @@ class MegatronBackend(TrainerBackend):
                 f"dp={state['dp_size']}, running tp={self.par.tp_size} dp={self.par.dp_size}"
             )
         self.opt.load(ckpt_dir)
-        _set_rng_state(torch.load(ckpt_dir / f"rng_rank{self.par.rank:03d}.pt", weights_only=False))
+        self._set_rng_state(
+            torch.load(ckpt_dir / f"rng_rank{self.par.rank:03d}.pt", weights_only=False)
+        )
         self.steps = state["steps"]
+
+    def _rng_state(self) -> dict:
+        """The host RNG states, plus on CUDA the device's and megatron's model-parallel tracker's."""
+        state = super()._rng_state()
+        if torch.cuda.is_available():
+            from megatron.core import tensor_parallel
+
+            state["cuda"] = torch.cuda.get_rng_state()
+            state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+        return state
+
+    def _set_rng_state(self, state: dict) -> None:
+        super()._set_rng_state(state)
+        if "cuda" in state:
+            from megatron.core import tensor_parallel
+
+            torch.cuda.set_rng_state(state["cuda"])
+            tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
     def close(self) -> None:
         """Release the follower ranks (they return from `follow()`); a no-op in-process."""
@@ -301,28 +314,3 @@ def follow() -> None:
             backend.load(model_dir)
         else:
             getattr(backend, op)(*args)
-
-
-def _rng_state() -> dict:
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-    }
-    if torch.cuda.is_available():
-        from megatron.core import tensor_parallel
-
-        state["cuda"] = torch.cuda.get_rng_state()
-        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state:
-        from megatron.core import tensor_parallel
-
-        torch.cuda.set_rng_state(state["cuda"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import copy
 import json
-import random
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from asyncrl.algo import (
@@ -22,7 +20,6 @@ from asyncrl.algo import (
     kl_k3,
     lr_at,
     masked_mean,
-    pack_groups,
     ppo_decoupled_loss,
     token_entropy,
     token_logprobs,
@@ -44,20 +41,6 @@ def _forward_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     return out.logits[:, :-1].float()
 
 
-def _rng_state() -> dict:
-    return {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-    }
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-
-
 class TorchBackend(TrainerBackend):
     """HuggingFace `AutoModelForCausalLM` + AdamW on one process (CPU or one GPU)."""
 
@@ -68,7 +51,6 @@ class TorchBackend(TrainerBackend):
         self.ref_model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.model_dir: Path | None = None
-        self.pad_id = 0
         self.steps = 0  # optimizer versions trained so far (train_step calls)
 
     # -- setup ----------------------------------------------------------------------------
@@ -91,15 +73,6 @@ class TorchBackend(TrainerBackend):
             weight_decay=t.weight_decay,
         )
         self.steps = 0
-
-    def _pack(self, groups: list[TrajectoryGroup]) -> PackedBatch:
-        batch = pack_groups(groups, pad_id=self.pad_id)
-        return PackedBatch(
-            **{
-                k: (v.to(self.device) if isinstance(v, torch.Tensor) else v)
-                for k, v in vars(batch).items()
-            }
-        )
 
     @torch.no_grad()
     def _frozen_logprobs(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
@@ -182,7 +155,7 @@ class TorchBackend(TrainerBackend):
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         torch.save(self.model.state_dict(), ckpt_dir / MODEL_FILE)
         torch.save(self.optimizer.state_dict(), ckpt_dir / OPTIM_FILE)
-        torch.save(_rng_state(), ckpt_dir / RNG_FILE)
+        torch.save(self._rng_state(), ckpt_dir / RNG_FILE)
         (ckpt_dir / STATE_FILE).write_text(json.dumps({"steps": self.steps}))
 
     def load_checkpoint(self, ckpt_dir: Path) -> None:
@@ -192,5 +165,5 @@ class TorchBackend(TrainerBackend):
         ckpt_dir = Path(ckpt_dir)
         self.model.load_state_dict(torch.load(ckpt_dir / MODEL_FILE, map_location=self.device))
         self.optimizer.load_state_dict(torch.load(ckpt_dir / OPTIM_FILE, map_location=self.device))
-        _set_rng_state(torch.load(ckpt_dir / RNG_FILE, weights_only=False))
+        self._set_rng_state(torch.load(ckpt_dir / RNG_FILE, weights_only=False))
         self.steps = json.loads((ckpt_dir / STATE_FILE).read_text())["steps"]

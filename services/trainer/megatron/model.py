@@ -192,23 +192,6 @@ def token_entropy(logits: torch.Tensor, vocab_size: int, tp_rank: int, group) ->
 # -- weights in and out ------------------------------------------------------------------------
 
 
-def read_hf_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a HuggingFace directory (one model.safetensors or an indexed set)."""
-    from safetensors.torch import load_file
-
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    files = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        if index.exists()
-        else ["model.safetensors"]
-    )
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(model_dir / f)))
-    return out
-
-
 def params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return dict(model.named_parameters())
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from asyncrl.net import free_port
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,6 @@ def _cpu_device() -> torch.device:
 def apply_cpu_shims() -> None:
     """megatron-core allocates buffers on `torch.cuda.current_device()`: point it at the CPU."""
     torch.cuda.current_device = _cpu_device  # type: ignore[assignment]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_default_group() -> None:
