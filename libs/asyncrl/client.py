@@ -14,6 +14,7 @@ trajectory groups back from JetStream.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import grpc
@@ -25,9 +26,9 @@ from asyncrl.convert import group_from_bytes
 from asyncrl.grpcutil import channel
 from asyncrl.retry import RETRYABLE_CODES, idempotent_rpc
 from asyncrl.settings import settings
-from asyncrl.spec import dict_to_proto
+from asyncrl.spec import ExperimentSpec, spec_from_json
 from asyncrl.types import TrajectoryGroup
-from asyncrl.v1 import experiment_pb2, scheduler_pb2, scheduler_pb2_grpc
+from asyncrl.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 TERMINAL_STATES = frozenset(
     {
@@ -36,6 +37,11 @@ TERMINAL_STATES = frozenset(
         scheduler_pb2.EXPERIMENT_STATE_CANCELLED,
     }
 )
+
+
+def experiment_spec(exp: scheduler_pb2.Experiment) -> ExperimentSpec:
+    """The validated spec an Experiment message carries (as JSON)."""
+    return spec_from_json(exp.spec_json)
 
 
 def default_address() -> str:
@@ -102,13 +108,13 @@ class AsyncrlClient:
         except grpc.aio.AioRpcError as e:
             raise AsyncrlError.from_rpc(e) from None
 
-    async def submit(self, spec: dict | experiment_pb2.ExperimentSpec) -> scheduler_pb2.Experiment:
-        """Submit a spec (a YAML-shaped dict or the proto). Not retried: it is not idempotent."""
-        if isinstance(spec, dict):
-            spec = dict_to_proto(spec)
-        return await self._once(
-            self._stub.SubmitExperiment, scheduler_pb2.SubmitExperimentRequest(spec=spec)
-        )
+    async def submit(self, spec: dict | ExperimentSpec) -> scheduler_pb2.Experiment:
+        """Submit a spec (a YAML-shaped dict, or a validated ExperimentSpec); the scheduler
+        validates it (INVALID_ARGUMENT names the bad field). Not retried: not idempotent."""
+        if isinstance(spec, ExperimentSpec):
+            spec = spec.model_dump()
+        request = scheduler_pb2.SubmitExperimentRequest(spec_json=json.dumps(spec))
+        return await self._once(self._stub.SubmitExperiment, request)
 
     async def get(self, experiment_id: str, with_history: bool = False) -> scheduler_pb2.Experiment:
         return await self._idempotent(

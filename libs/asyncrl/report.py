@@ -13,6 +13,7 @@ from google.protobuf import json_format
 from rich.console import Console
 from rich.table import Table
 
+from asyncrl.client import experiment_spec
 from asyncrl.v1 import scheduler_pb2
 
 COUNTERS = ("accepted", "rejected", "failed", "stale_dropped", "trained_groups")
@@ -53,7 +54,7 @@ def summarize(experiment: scheduler_pb2.Experiment | dict, wall_seconds: float) 
         "wall_seconds": wall_seconds,
         "max_staleness": max_staleness,
         "stale_fraction": stale / groups if groups else 0.0,
-        "max_head_offpolicyness": exp.spec.rollout.max_head_offpolicyness,
+        "max_head_offpolicyness": experiment_spec(exp).rollout.max_head_offpolicyness,
         "final_reward_mean": history[-1].reward_mean if history else None,
     }
     for name in COUNTERS:
@@ -93,7 +94,7 @@ def plot_experiment(experiment: scheduler_pb2.Experiment | dict, out: str | Path
     bottom.plot(versions, [h.staleness_max for h in history], marker="^", label="staleness max")
     bottom.plot(versions, [h.staleness_mean for h in history], marker=".", label="staleness mean")
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
-    eta = exp.spec.rollout.max_head_offpolicyness
+    eta = experiment_spec(exp).rollout.max_head_offpolicyness
     bottom.axhline(eta, color="grey", linestyle="--", linewidth=1, label=f"η = {eta}")
     bottom.set_xlabel("version (optimizer step)")
     bottom.set_ylabel("staleness")

@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable
 from fractions import Fraction
 
-from asyncrl.spec import SpecError
+from asyncrl.errors import SpecError
 
 RewardFn = Callable[..., float]
 

@@ -1,22 +1,27 @@
-"""The experiment spec: pydantic models that validate what a user submits.
+"""The experiment spec: the one definition of what a user submits, as pydantic models.
 
-The proto `asyncrl.v1.ExperimentSpec` is the wire form; `ExperimentSpec` here is the validated
-domain form. `spec_from_proto` / `spec_to_proto` convert, and `SpecError` names the offending
-field (e.g. ``trainer.lr``) so servers can answer INVALID_ARGUMENT with it.
+These models are the source of truth. On the wire a spec travels as JSON (`spec_json` fields
+in the protos), validated here on submit; its JSON Schema, generated from these models
+(`make schema` -> protos/asyncrl/v1/experiment.schema.json), lets a client in any language
+build one. Choice fields (engine, filter, backend, workflow) take their names from
+`asyncrl.registry`, reward functions from `asyncrl.rewards`. `SpecError` names the offending
+field (e.g. ``trainer.lr``) so servers answer INVALID_ARGUMENT with it.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from google.protobuf import json_format
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from asyncrl.errors import SpecError
-from asyncrl.v1 import experiment_pb2
+from asyncrl.registry import ENGINES, FILTERS, TRAINER_BACKENDS, WORKFLOWS
+from asyncrl.rewards import PLUGIN_PREFIX, REWARD_FUNCTIONS
 
 __all__ = ["SpecError"]  # raised by every validator here; defined with its kin in asyncrl.errors
 
@@ -64,15 +69,27 @@ class DatasetSpec(_Section):
 
 class RewardSpec(_Section):
     function: str = "exact_match"
-    """exact_match | numeric_match | math_verify | regex | plugin:<module>:<fn>."""
+    """A built-in (exact_match, numeric_match, math_verify, regex) or plugin:<module>:<fn>."""
     timeout_s: float = Field(5.0, gt=0)
     """Per-item timeout; a timeout is a FAILED sample, never a silent 0."""
     kwargs: dict[str, str] = Field(default_factory=dict)
+    """Keyword arguments of the function (strings; each function parses its own)."""
+
+    @field_validator("function")
+    @classmethod
+    def _known_or_plugin(cls, v: str) -> str:
+        """Checked by name only: the reward service that runs a plugin imports it."""
+        plugin = v.removeprefix(PLUGIN_PREFIX)
+        if v not in REWARD_FUNCTIONS and not (v != plugin and _PLUGIN.fullmatch(plugin)):
+            known = ", ".join([*REWARD_FUNCTIONS, "plugin:<module>:<fn>"])
+            raise ValueError(f"unknown reward function {v!r} (one of {known})")
+        return v
 
 
 class WorkflowSpec(_Section):
     name: str = "single_turn"
-    """single_turn | multi_turn | module:Class (an asyncrl.workflow.Workflow subclass)."""
+    """A built-in (single_turn, multi_turn) or module:Class (an asyncrl.workflow.Workflow
+    subclass)."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the workflow's constructor."""
     chat_template: bool = False
@@ -82,15 +99,11 @@ class WorkflowSpec(_Section):
     @field_validator("name")
     @classmethod
     def _known_or_plugin(cls, v: str) -> str:
-        if v not in ("single_turn", "multi_turn") and not _PLUGIN.fullmatch(v):
-            raise ValueError(f"unknown workflow {v!r}: single_turn, multi_turn or module:Class")
+        """Checked by name only: the rollout that runs a plugin imports it."""
+        if v not in WORKFLOWS.names and not _PLUGIN.fullmatch(v):
+            known = ", ".join([*WORKFLOWS.names, "module:Class"])
+            raise ValueError(f"unknown workflow {v!r} (one of {known})")
         return v
-
-    @field_validator("args")
-    @classmethod
-    def _integral_floats_to_int(cls, v: dict[str, Any]) -> dict[str, Any]:
-        # the wire form (google.protobuf.Struct) carries every number as a double
-        return {k: int(x) if isinstance(x, float) and x.is_integer() else x for k, x in v.items()}
 
 
 class RolloutSpec(_Section):
@@ -101,8 +114,9 @@ class RolloutSpec(_Section):
     max_concurrent_rollouts: int = Field(64, gt=0)
     """Upper bound on groups in flight."""
     gconfig: SamplingParams = Field(default_factory=SamplingParams)
-    engine: Literal["torch", "sglang"] = "torch"
-    filter: Literal["none", "nonconstant_reward"] = "nonconstant_reward"
+    engine: ENGINES.literal() = "torch"
+    """Inference engine the rollouts must run."""
+    filter: FILTERS.literal() = "nonconstant_reward"
     """Dynamic filter: `nonconstant_reward` rejects groups whose rewards are all equal."""
     group_timeout_s: float = Field(600.0, gt=0)
     workflow: WorkflowSpec = Field(default_factory=WorkflowSpec)
@@ -110,7 +124,7 @@ class RolloutSpec(_Section):
 
 
 class TrainerSpec(_Section):
-    backend: Literal["megatron", "torch"] = "megatron"
+    backend: TRAINER_BACKENDS.literal() = "megatron"
     batch_size: int = Field(8, gt=0)
     """B: groups per optimizer step (= per version)."""
     total_steps: int = Field(10, gt=0)
@@ -184,40 +198,60 @@ def validate_spec(data: dict) -> ExperimentSpec:
     try:
         return ExperimentSpec.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "spec"
-        raise SpecError(field, err["msg"]) from None
+        raise _spec_error(e) from None
 
 
-def spec_from_proto(msg: experiment_pb2.ExperimentSpec) -> ExperimentSpec:
-    data = json_format.MessageToDict(msg, preserving_proto_field_name=True)
-    return validate_spec(data)
-
-
-def spec_to_proto(spec: ExperimentSpec) -> experiment_pb2.ExperimentSpec:
-    data = spec.model_dump(exclude_none=True)
-    return json_format.ParseDict(data, experiment_pb2.ExperimentSpec())
-
-
-def dict_to_proto(data: dict) -> experiment_pb2.ExperimentSpec:
-    """Client side: a YAML dict to the wire form (unknown fields raise SpecError)."""
+def spec_from_json(text: str | bytes) -> ExperimentSpec:
+    """The wire form (a JSON object) to a validated spec; SpecError names the first bad field."""
     try:
-        return json_format.ParseDict(data, experiment_pb2.ExperimentSpec())
-    except json_format.ParseError as e:
-        raise SpecError("spec", str(e)) from None
+        return ExperimentSpec.model_validate_json(text)
+    except ValidationError as e:
+        raise _spec_error(e) from None
+
+
+def spec_to_json(spec: ExperimentSpec) -> str:
+    """The wire form: every field, defaults included, so a reader needs no defaults of its own."""
+    return spec.model_dump_json()
+
+
+def _spec_error(e: ValidationError) -> SpecError:
+    """The first bad field with its reason; the others are named after it."""
+    fields = [".".join(str(p) for p in err["loc"]) or "spec" for err in e.errors()]
+    reason = e.errors()[0]["msg"]
+    if len(fields) > 1:
+        reason += f" (also invalid: {', '.join(fields[1:])})"
+    return SpecError(fields[0], reason)
+
+
+def json_schema() -> dict:
+    """The JSON Schema of a spec, for clients in other languages."""
+    return ExperimentSpec.model_json_schema()
+
+
+def parse_assignments(
+    items: list[str], what: str = "override", example: str = "a.b=value"
+) -> list[tuple[str, Any]]:
+    """`key=value` strings (value parsed as YAML) -> [(key, value)]; SpecError otherwise."""
+    pairs = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecError(item, f"{what} must look like {example}")
+        pairs.append((key.strip(), yaml.safe_load(raw)))
+    return pairs
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict in place."""
-    import yaml
-
-    for item in overrides:
-        if "=" not in item:
-            raise SpecError(item, "override must look like a.b=value")
-        key, raw = item.split("=", 1)
+    for key, value in parse_assignments(overrides):
         node = data
-        parts = key.strip().split(".")
+        parts = key.split(".")
         for p in parts[:-1]:
             node = node.setdefault(p, {})
-        node[parts[-1]] = yaml.safe_load(raw)
+        node[parts[-1]] = value
     return data
+
+
+if __name__ == "__main__":  # `make schema`
+    json.dump(json_schema(), sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import math
+import collections
 import time
 
 from prometheus_client.registry import Collector
 
 from asyncrl import rewards
+from asyncrl.errors import BadRequest, Conflict
 from asyncrl.logging import get_logger
 from asyncrl.metrics import gauge
 from asyncrl.runtime import ServiceRuntime
-from asyncrl.spec import SpecError
+from asyncrl.spec import RewardSpec, spec_from_json
 from asyncrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from services.reward.pool import Item, Result, ScoringPool, Status
 
 log = get_logger()
-
-DEFAULT_TIMEOUT_S = 5.0
-"""Per-item timeout when a request leaves timeout_s unset (the spec's default)."""
 
 _STATUS = {Status.OK: common_pb2.REWARD_STATUS_OK, Status.FAILED: common_pb2.REWARD_STATUS_FAILED}
 
@@ -48,25 +46,45 @@ class RewardCollector(Collector):
 
 
 class RewardService(reward_pb2_grpc.RewardServicer):
+    """Scores items with the reward function of the experiment they belong to; each
+    experiment's function is loaded once, when a rollout binds it here."""
+
+    MAX_BOUND = 256
+    """Experiments remembered; the oldest is forgotten first (its rollouts bind it again)."""
+
     def __init__(self, pool: ScoringPool):
         self.pool = pool
+        self._bound: collections.OrderedDict[str, RewardSpec] = collections.OrderedDict()
+
+    async def BindExperiment(self, request, context):
+        if not request.experiment_id:
+            raise BadRequest("experiment_id", "required")
+        reward = spec_from_json(request.spec_json).reward
+        rewards.validate_reward_function(reward.function, reward.kwargs)  # imports a plugin
+        self._bound[request.experiment_id] = reward
+        self._bound.move_to_end(request.experiment_id)
+        while len(self._bound) > self.MAX_BOUND:
+            self._bound.popitem(last=False)
+        log.info("experiment_bound", experiment=request.experiment_id, function=reward.function)
+        return common_pb2.BindExperimentResponse()
 
     async def Score(self, request, context):
-        kwargs = dict(request.kwargs)
-        rewards.validate_reward_function(request.function, kwargs)
-        timeout_s = request.timeout_s or DEFAULT_TIMEOUT_S
-        if not (math.isfinite(timeout_s) and timeout_s > 0):
-            raise SpecError("timeout_s", f"must be a positive number of seconds, got {timeout_s}")
+        reward = self._bound.get(request.experiment_id)
+        if reward is None:
+            raise Conflict(
+                f"experiment_id: {request.experiment_id!r} is not bound here (BindExperiment first)"
+            )
         if not request.items:
             return reward_pb2.ScoreResponse()
         start = time.perf_counter()
         results = await self.pool.score(
-            request.function, kwargs, items_from_proto(request), timeout_s
+            reward.function, reward.kwargs, items_from_proto(request), reward.timeout_s
         )
         failed = [r for r in results if r.status is Status.FAILED]
         log.info(
             "batch_scored",
-            function=request.function,
+            experiment=request.experiment_id,
+            function=reward.function,
             items=len(results),
             failed=len(failed),
             seconds=round(time.perf_counter() - start, 4),

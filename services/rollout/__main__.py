@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-import yaml
-
 from asyncrl.logging import configure_logging
+from asyncrl.registry import ENGINES
 from asyncrl.runtime import ServiceRuntime
 from asyncrl.service_main import add_service_args, run_until_signal
 from asyncrl.settings import settings
-from services.rollout.engines import ENGINES, make_engine
+from asyncrl.spec import SpecError, parse_assignments
+from services.rollout.engines import make_engine
 from services.rollout.server import DEFAULT_CAPACITY, create_rollout
 
 
@@ -26,7 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--engine", choices=ENGINES, default="torch", help="inference backend")
+    p.add_argument("--engine", choices=ENGINES.names, default="torch", help="inference backend")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--sglang-url", help="drive an SGLang server already running at URL")
     g.add_argument(
@@ -58,12 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_opts(args: argparse.Namespace) -> dict:
-    opts: dict = {}
-    for item in args.engine_opt:
-        if "=" not in item:
-            raise SystemExit(f"--engine-opt must look like key=value, got {item!r}")
-        key, raw = item.split("=", 1)
-        opts[key.strip().replace("-", "_")] = yaml.safe_load(raw)
+    try:
+        pairs = parse_assignments(args.engine_opt, "--engine-opt", "key=value")
+    except SpecError as e:
+        raise SystemExit(str(e)) from None
+    opts = {key.replace("-", "_"): value for key, value in pairs}
     if args.sglang_url:
         opts["url"] = args.sglang_url
     if args.sglang_launch:

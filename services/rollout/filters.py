@@ -10,11 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from asyncrl.errors import BadRequest
+from asyncrl.registry import FILTERS
 from asyncrl.types import RewardStatus, Sample
-
-FILTERS = ("none", "nonconstant_reward")
-DEFAULT_FILTER = "nonconstant_reward"  # the spec's default (RolloutSpec.filter)
 
 
 class GroupStatus(StrEnum):
@@ -33,12 +30,16 @@ class GroupDecision:
         return self.status is GroupStatus.ACCEPTED
 
 
-def resolve_filter(name: str) -> str:
-    """The filter to apply: an empty name (unset on the wire) means the spec's default."""
-    name = name or DEFAULT_FILTER
-    if name not in FILTERS:
-        raise BadRequest("filter", f"unknown filter {name!r} (one of {', '.join(FILTERS)})")
-    return name
+def keep_all(rewards: list[float]) -> str:
+    """`none`: every scored group is trained on."""
+    return ""
+
+
+def nonconstant_reward(rewards: list[float]) -> str:
+    """`nonconstant_reward`: equal rewards carry no GRPO signal (every advantage is 0)."""
+    if len(set(rewards)) == 1:
+        return f"constant reward {rewards[0]:g} across {len(rewards)} scored samples"
+    return ""
 
 
 def decide(samples: list[Sample], filter_name: str, eval_group: bool = False) -> GroupDecision:
@@ -46,22 +47,20 @@ def decide(samples: list[Sample], filter_name: str, eval_group: bool = False) ->
 
     - every sample FAILED -> FAILED (the first failure's reason);
     - eval groups are never filtered -> ACCEPTED;
-    - `none` -> ACCEPTED;
-    - `nonconstant_reward` -> REJECTED when the OK samples' rewards are all equal.
+    - otherwise the filter (asyncrl.registry.FILTERS) named by the spec: a reason -> REJECTED.
     """
-    name = resolve_filter(filter_name)
+    reject = FILTERS.load(filter_name)
     ok = [s.reward for s in samples if s.reward_status is RewardStatus.OK]
     if not ok:
         reasons = [s.reward_reason for s in samples if s.reward_reason]
         first = reasons[0] if reasons else "no samples"
         return GroupDecision(GroupStatus.FAILED, f"all {len(samples)} samples failed: {first}")
-    if eval_group or name == "none":
-        return GroupDecision(GroupStatus.ACCEPTED)
-    if len(set(ok)) == 1:
-        return GroupDecision(
-            GroupStatus.REJECTED, f"constant reward {ok[0]:g} across {len(ok)} scored samples"
-        )
-    return GroupDecision(GroupStatus.ACCEPTED)
+    reason = "" if eval_group else reject(ok)
+    return (
+        GroupDecision(GroupStatus.REJECTED, reason)
+        if reason
+        else GroupDecision(GroupStatus.ACCEPTED)
+    )
 
 
 def failed_samples(samples: list[Sample]) -> int:

@@ -16,7 +16,6 @@ import grpc
 from asyncrl.grpcutil import channel
 from asyncrl.logging import get_logger
 from asyncrl.retry import idempotent_rpc
-from asyncrl.spec import RewardSpec
 from asyncrl.types import RewardStatus
 from asyncrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
@@ -48,11 +47,23 @@ def score_deadline(timeout_s: float, n_items: int) -> float:
     return 10.0 + timeout_s * max(1, n_items)
 
 
+@dataclass(frozen=True)
+class RewardBinding:
+    """What a reward worker needs to score an experiment's items: sent once per worker."""
+
+    experiment_id: str
+    spec_json: str
+    timeout_s: float
+    """Per-item timeout of the experiment's reward function."""
+
+
 class RewardClient:
     def __init__(self, attempts_per_address: int = 2, max_delay_s: float = 30.0):
         self.attempts_per_address = attempts_per_address
         self.max_delay_s = max_delay_s
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._bound: set[tuple[str, str]] = set()
+        """(address, experiment) pairs already bound."""
         self._rr = itertools.count()
 
     def _stub(self, address: str) -> reward_pb2_grpc.RewardStub:
@@ -61,16 +72,14 @@ class RewardClient:
         return reward_pb2_grpc.RewardStub(self._channels[address])
 
     async def score(
-        self, addresses: list[str], reward: RewardSpec, items: list[ScoreItem]
+        self, addresses: list[str], binding: RewardBinding, items: list[ScoreItem]
     ) -> list[Score]:
         """Score `items` with one Score call; results come back in the order of `items`.
         Raises RewardUnavailable when no address answers, or when the call is refused."""
         if not addresses:
             raise RewardUnavailable("no reward service address")
         req = reward_pb2.ScoreRequest(
-            function=reward.function,
-            kwargs=reward.kwargs,
-            timeout_s=reward.timeout_s,
+            experiment_id=binding.experiment_id,
             items=[
                 reward_pb2.ScoreItem(
                     id=i.id, prompt=i.prompt, completion=i.completion, answer=i.answer
@@ -81,7 +90,7 @@ class RewardClient:
         start = next(self._rr)
         order = [addresses[(start + k) % len(addresses)] for k in range(len(addresses))]
         tried = itertools.cycle(order)
-        deadline = score_deadline(reward.timeout_s, len(items))
+        deadline = score_deadline(binding.timeout_s, len(items))
         policy = idempotent_rpc(
             attempts=self.attempts_per_address * len(addresses), max_delay_s=self.max_delay_s
         )
@@ -90,7 +99,7 @@ class RewardClient:
             async for attempt in policy:
                 with attempt:
                     address = next(tried)
-                    resp = await self._stub(address).Score(req, timeout=deadline)
+                    resp = await self._score_once(address, binding, req, deadline)
         except grpc.aio.AioRpcError as e:
             log.warning(
                 "reward_unavailable",
@@ -105,10 +114,36 @@ class RewardClient:
         by_id = {r.id: r for r in resp.results}
         return [_score(by_id.get(i.id)) for i in items]
 
+    async def _score_once(
+        self, address: str, binding: RewardBinding, req: reward_pb2.ScoreRequest, deadline: float
+    ) -> reward_pb2.ScoreResponse:
+        """Bind the experiment on `address` the first time; once more if the worker forgot it
+        (it restarted: FAILED_PRECONDITION)."""
+        await self._bind(address, binding)
+        try:
+            return await self._stub(address).Score(req, timeout=deadline)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+        self._bound.discard((address, binding.experiment_id))
+        await self._bind(address, binding)
+        return await self._stub(address).Score(req, timeout=deadline)
+
+    async def _bind(self, address: str, binding: RewardBinding) -> None:
+        key = (address, binding.experiment_id)
+        if key in self._bound:
+            return
+        request = common_pb2.BindExperimentRequest(
+            experiment_id=binding.experiment_id, spec_json=binding.spec_json
+        )
+        await self._stub(address).BindExperiment(request, timeout=10.0)
+        self._bound.add(key)
+
     async def close(self) -> None:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        self._bound.clear()
 
 
 def _score(result: reward_pb2.ScoreResult | None) -> Score:

@@ -7,15 +7,12 @@ one `ServiceRuntime`; `await runtime.close()` stops it gracefully.
 
 from __future__ import annotations
 
-from google.protobuf import json_format
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ValidationError
 
 from asyncrl.logging import get_logger
 from asyncrl.metrics import gauge
 from asyncrl.natsutil import ensure_stream
 from asyncrl.runtime import ServiceRuntime
-from asyncrl.spec import RewardSpec, SamplingParams, SpecError, WorkflowSpec
 from asyncrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.rollout.engine import Engine
 from services.rollout.filters import GroupStatus
@@ -33,17 +30,6 @@ _STATUS = {
 }
 
 
-def _section(model: type[BaseModel], msg, name: str):
-    """A proto sub-message to its validated pydantic section; unset fields take defaults."""
-    data = json_format.MessageToDict(msg, preserving_proto_field_name=True)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join([name, *(str(p) for p in err["loc"])])
-        raise SpecError(field, err["msg"]) from None
-
-
 def job_from_proto(req: rollout_pb2.GenerateGroupRequest) -> GroupJob:
     return GroupJob(
         experiment_id=req.experiment_id,
@@ -51,15 +37,9 @@ def job_from_proto(req: rollout_pb2.GenerateGroupRequest) -> GroupJob:
         prompt_id=req.prompt_id,
         prompt=req.prompt,
         answer=req.answer,
-        n=req.n,
-        params=_section(SamplingParams, req.gconfig, "gconfig"),
-        reward=_section(RewardSpec, req.reward, "reward"),
-        filter=req.filter,
         reward_addresses=list(req.reward_addresses),
         eval=req.eval,
         epoch=req.epoch,
-        expected_version=req.expected_version,
-        workflow=_section(WorkflowSpec, req.workflow, "workflow"),
     )
 
 
@@ -83,18 +63,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def __init__(self, service: RolloutService):
         self.service = service
 
+    async def BindExperiment(self, request, context):
+        await self.service.bind(request.experiment_id, request.spec_json)
+        return common_pb2.BindExperimentResponse()
+
     async def GenerateGroup(self, request, context):
         summary = await self.service.generate_group(job_from_proto(request))
         return summary_to_proto(summary)
 
     async def UpdateWeights(self, request, context):
-        r = await self.service.update_weights(
-            request.experiment_id,
-            request.version,
-            request.uri,
-            tokenizer_path=request.tokenizer_path,
-            engine=request.engine,
-        )
+        r = await self.service.update_weights(request.experiment_id, request.version, request.uri)
         return rollout_pb2.UpdateWeightsResponse(
             version=r.version, seconds=r.seconds, interrupted=r.interrupted
         )

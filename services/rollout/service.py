@@ -21,36 +21,84 @@ from pathlib import Path
 from asyncrl.errors import BadRequest, Conflict
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import publish_group
-from asyncrl.spec import RewardSpec, SamplingParams, SpecError, WorkflowSpec
+from asyncrl.spec import ExperimentSpec, SamplingParams, SpecError, spec_from_json
 from asyncrl.types import RewardStatus, Sample, TrajectoryGroup
 from asyncrl.weights import uri_to_path
-from asyncrl.workflow import Completion, Score, Trajectory, Workflow, WorkflowContext, make_workflow
+from asyncrl.workflow import (
+    Completion,
+    Score,
+    Trajectory,
+    Workflow,
+    WorkflowContext,
+    make_workflow,
+    resolve_workflow,
+)
 from services.rollout.engine import Engine, GenRequest
-from services.rollout.filters import GroupStatus, decide, failed_samples, resolve_filter
+from services.rollout.filters import GroupStatus, decide, failed_samples
 from services.rollout.openai_api import OpenAIEndpoint
-from services.rollout.reward_client import RewardClient, RewardUnavailable, ScoreItem
+from services.rollout.reward_client import (
+    RewardBinding,
+    RewardClient,
+    RewardUnavailable,
+    ScoreItem,
+)
 
 log = get_logger(component="rollout")
 
 
 @dataclass
 class GroupJob:
-    """One GenerateGroup request, decoded."""
+    """One GenerateGroup request, decoded; the rest comes from the bound spec."""
 
     experiment_id: str
     group_id: str
     prompt_id: str
     prompt: str
     answer: str
-    n: int
-    params: SamplingParams
-    reward: RewardSpec
-    filter: str = ""
     reward_addresses: list[str] = field(default_factory=list)
     eval: bool = False
     epoch: int = 0
-    expected_version: int = 0
-    workflow: WorkflowSpec = field(default_factory=WorkflowSpec)
+
+
+@dataclass(frozen=True)
+class Binding:
+    """The experiment this rollout serves, as BindExperiment sent it (once per binding)."""
+
+    experiment_id: str
+    spec: ExperimentSpec
+    spec_json: str
+    """The spec as sent: forwarded to reward workers when they bind."""
+    workflow_cls: type[Workflow]
+
+    @classmethod
+    def create(cls, experiment_id: str, spec_json: str) -> Binding:
+        """Validate the spec and load its workflow (a plugin is imported here, once);
+        SpecError names what is wrong."""
+        if not experiment_id:
+            raise BadRequest("experiment_id", "required")
+        spec = spec_from_json(spec_json)
+        wf = spec.rollout.workflow
+        try:
+            make_workflow(wf.name, wf.args)
+        except ValueError as e:
+            raise SpecError("rollout.workflow", str(e)) from None
+        return cls(experiment_id, spec, spec_json, resolve_workflow(wf.name))
+
+    def workflow(self) -> Workflow:
+        return self.workflow_cls(**self.spec.rollout.workflow.args)
+
+    def n(self, eval_group: bool) -> int:
+        return self.spec.eval.n_samples if eval_group else self.spec.rollout.n_samples
+
+    def params(self, eval_group: bool) -> SamplingParams:
+        return self.spec.eval.gconfig if eval_group else self.spec.rollout.gconfig
+
+    def filter(self, eval_group: bool) -> str:
+        return "none" if eval_group else self.spec.rollout.filter
+
+    @property
+    def rewards(self) -> RewardBinding:
+        return RewardBinding(self.experiment_id, self.spec_json, self.spec.reward.timeout_s)
 
 
 @dataclass
@@ -130,7 +178,9 @@ class RolloutService:
         self.js = js
         self.engine_kind = engine_kind or engine.name
         self._worker = worker
+        self.binding: Binding | None = None
         self.experiment_id = ""
+        """The experiment whose model is loaded (set once UpdateWeights loaded it)."""
         self.tokenizer = None
         self.rewards = RewardClient()
         self.throughput = Throughput()
@@ -143,27 +193,43 @@ class RolloutService:
         """This worker's registered id (its address until it registers)."""
         return self._worker()
 
-    # ---------------------------------------------------------------- weights
-    async def update_weights(
-        self, experiment_id: str, version: int, uri: str, tokenizer_path: str = "", engine: str = ""
-    ) -> WeightsResult:
-        """First load / experiment switch (cancels in-flight groups, loads model + tokenizer),
-        or an interrupting weight update of the served experiment."""
-        if engine and engine != self.engine_kind:
+    # ---------------------------------------------------------------- binding, weights
+    async def bind(self, experiment_id: str, spec_json: str) -> None:
+        """Serve `experiment_id` from now on (its model loads with the next UpdateWeights).
+        Binding another experiment aborts the groups of the previous one."""
+        binding = Binding.create(experiment_id, spec_json)
+        if binding.spec.rollout.engine != self.engine_kind:
             raise Conflict(
-                f"engine: this rollout worker runs the {self.engine_kind!r} engine, "
-                f"the experiment asks for {engine!r}"
+                f"rollout.engine: this rollout worker runs the {self.engine_kind!r} engine, "
+                f"the experiment asks for {binding.spec.rollout.engine!r}"
             )
-        if not experiment_id:
-            raise BadRequest("experiment_id", "required")
+        async with self._weights_lock:
+            previous = self.binding.experiment_id if self.binding else ""
+            self.binding = binding
+            if experiment_id != previous:
+                self.experiment_id, self.tokenizer = "", None  # no groups until loaded
+                await self._abort_all(
+                    f"aborted: rollout switched from experiment {previous!r} to {experiment_id!r}"
+                )
+        log.info("experiment_bound", experiment=experiment_id, previous=previous)
+
+    async def update_weights(self, experiment_id: str, version: int, uri: str) -> WeightsResult:
+        """First load of the bound experiment (model + tokenizer), or an interrupting weight
+        update of the served one."""
+        if self.binding is None or self.binding.experiment_id != experiment_id:
+            bound = self.binding.experiment_id if self.binding else "nothing"
+            raise Conflict(
+                f"experiment_id: this rollout is bound to {bound!r}, not {experiment_id!r}"
+                " (BindExperiment first)"
+            )
         path = uri_to_path(uri)
         if not (path / "config.json").is_file():
             raise BadRequest("uri", f"no HuggingFace config.json in {path}")
         start = time.perf_counter()
         async with self._weights_lock:
             if self.tokenizer is None or experiment_id != self.experiment_id:
-                await self._switch(experiment_id, path, version, tokenizer_path)
-                interrupted = 0  # its in-flight groups were aborted, not continued
+                await self._load(self.binding, path, version)
+                interrupted = 0  # nothing of this experiment ran before
             elif version == self.engine.version:
                 interrupted = 0  # a retried UpdateWeights: already served
             else:
@@ -178,29 +244,19 @@ class RolloutService:
         )
         return WeightsResult(self.engine.version, seconds, interrupted)
 
-    async def _switch(
-        self, experiment_id: str, path: Path, version: int, tokenizer_path: str
-    ) -> None:
+    async def _load(self, binding: Binding, path: Path, version: int) -> None:
         from transformers import AutoTokenizer
 
-        previous = self.experiment_id
-        self.experiment_id = ""  # no new groups until the new model is in place
-        self.tokenizer = None
-        aborted = await self._abort_all(
-            f"aborted: rollout switched from experiment {previous!r} to {experiment_id!r}"
+        model = binding.spec.model
+        tokenizer = await asyncio.to_thread(
+            AutoTokenizer.from_pretrained, model.tokenizer_path or model.path
         )
+        if binding.spec.rollout.workflow.chat_template and not tokenizer.chat_template:
+            raise SpecError("rollout.workflow.chat_template", "the tokenizer has no chat template")
         await self.engine.load(str(path), version)
-        self.tokenizer = await asyncio.to_thread(
-            AutoTokenizer.from_pretrained, tokenizer_path or str(path)
-        )
-        self.experiment_id = experiment_id
-        log.info(
-            "experiment_loaded",
-            experiment=experiment_id,
-            version=version,
-            previous=previous,
-            aborted_groups=aborted,
-        )
+        self.tokenizer = tokenizer
+        self.experiment_id = binding.experiment_id
+        log.info("experiment_loaded", experiment=binding.experiment_id, version=version)
 
     async def _abort_all(self, reason: str) -> int:
         tasks = []
@@ -218,46 +274,32 @@ class RolloutService:
         return len(self._groups)
 
     async def generate_group(self, job: GroupJob) -> GroupSummary:
-        resolve_filter(job.filter)
-        try:
-            workflow = make_workflow(job.workflow.name, job.workflow.args)
-        except ValueError as e:
-            raise SpecError("workflow", str(e)) from None
-        if job.n <= 0:
-            raise BadRequest("n", f"must be positive, got {job.n}")
         if not job.group_id:
             raise BadRequest("group_id", "required")
-        if self.tokenizer is None or job.experiment_id != self.experiment_id:
+        binding = self.binding
+        if self.tokenizer is None or binding is None or job.experiment_id != self.experiment_id:
             raise Conflict(
                 f"experiment_id: this rollout serves {self.experiment_id or 'nothing'!r},"
-                f" not {job.experiment_id!r} (UpdateWeights first)"
+                f" not {job.experiment_id!r} (BindExperiment and UpdateWeights first)"
             )
         if job.group_id in self._groups:
             raise Conflict(f"group_id: group {job.group_id} is already running here")
-        if job.workflow.chat_template and not self.tokenizer.chat_template:
-            raise SpecError("workflow.chat_template", "the model's tokenizer has no chat template")
         running = _Running(job)
         self._groups[job.group_id] = running
         try:
-            return await self._run_group(job, running, workflow)
+            return await self._run_group(job, binding, running)
         finally:
             self._groups.pop(job.group_id, None)
 
-    async def _run_group(
-        self, job: GroupJob, running: _Running, workflow: Workflow
-    ) -> GroupSummary:
+    async def _run_group(self, job: GroupJob, binding: Binding, running: _Running) -> GroupSummary:
         t0 = time.perf_counter()
         version_at_start = self.engine.version
-        chat_prompt = None
-        if job.workflow.chat_template:
-            chat_prompt = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": job.prompt}],
-                add_generation_prompt=True,
-                tokenize=False,
-            )
-        prompt_ids = self.tokenizer(chat_prompt or job.prompt, add_special_tokens=False).input_ids
-        contexts = [self._context(job, prompt_ids, i, chat_prompt) for i in range(job.n)]
-        running.task = asyncio.create_task(_run_all(workflow, contexts))
+        prompt_ids, chat_prompt = self._prompt(job, binding)
+        contexts = [
+            self._context(job, binding, prompt_ids, i, chat_prompt)
+            for i in range(binding.n(job.eval))
+        ]
+        running.task = asyncio.create_task(_run_all(binding.workflow(), contexts))
         try:
             trajectories = await running.task
         except asyncio.CancelledError:
@@ -268,35 +310,19 @@ class RolloutService:
             log.info("group_cancelled", group=job.group_id)
             raise
         except Exception as exc:  # noqa: BLE001 - reported as a FAILED group with the reason
-            log.exception("generation_failed", group=job.group_id, workflow=job.workflow.name)
+            log.exception("generation_failed", group=job.group_id)
             return self._summary(
                 job, GroupStatus.FAILED, f"generation failed: {exc}", [], version_at_start, t0
             )
         samples = [self._sample(t) for t in trajectories]
-        await self._score(
-            job, [s for s, t in zip(samples, trajectories, strict=True) if t.reward is None]
-        )
-        decision = decide(samples, job.filter, job.eval)
+        unscored = [s for s, t in zip(samples, trajectories, strict=True) if t.reward is None]
+        await self._score(job, binding, unscored)
+        decision = decide(samples, binding.filter(job.eval), job.eval)
         summary = self._summary(
             job, decision.status, decision.reason, samples, version_at_start, t0
         )
         if decision.publish or job.eval:
-            group = TrajectoryGroup(
-                experiment_id=job.experiment_id,
-                group_id=job.group_id,
-                prompt_id=job.prompt_id,
-                prompt=job.prompt,
-                answer=job.answer,
-                prompt_ids=list(prompt_ids),
-                samples=samples,
-                start_version=summary.start_version,
-                eval=job.eval,
-                created_unix_ms=int(time.time() * 1000),
-                rollout_worker=self.worker,
-                epoch=job.epoch,
-            )
-            await publish_group(self.js, group)
-            summary.published = True
+            await self._publish(job, prompt_ids, samples, summary)
             summary.duration_s = time.perf_counter() - t0
         log.info(
             "group_done",
@@ -310,15 +336,54 @@ class RolloutService:
         )
         return summary
 
+    def _prompt(self, job: GroupJob, binding: Binding) -> tuple[list[int], str | None]:
+        """The group's prompt tokens, and the chat-templated text when the spec asks for it."""
+        chat_prompt = None
+        if binding.spec.rollout.workflow.chat_template:
+            chat_prompt = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": job.prompt}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+        ids = self.tokenizer(chat_prompt or job.prompt, add_special_tokens=False).input_ids
+        return list(ids), chat_prompt
+
+    async def _publish(
+        self, job: GroupJob, prompt_ids: list[int], samples: list[Sample], summary: GroupSummary
+    ) -> None:
+        """To JetStream with Nats-Msg-Id = group id, before the summary goes back."""
+        group = TrajectoryGroup(
+            experiment_id=job.experiment_id,
+            group_id=job.group_id,
+            prompt_id=job.prompt_id,
+            prompt=job.prompt,
+            answer=job.answer,
+            prompt_ids=prompt_ids,
+            samples=samples,
+            start_version=summary.start_version,
+            eval=job.eval,
+            created_unix_ms=int(time.time() * 1000),
+            rollout_worker=self.worker,
+            epoch=job.epoch,
+        )
+        await publish_group(self.js, group)
+        summary.published = True
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _context(
-        self, job: GroupJob, prompt_ids: list[int], index: int, chat_prompt: str | None = None
+        self,
+        job: GroupJob,
+        binding: Binding,
+        prompt_ids: list[int],
+        index: int,
+        chat_prompt: str | None = None,
     ) -> WorkflowContext:
         """Sample `index`'s view of the system: the engine (interruptible, per-token
         versions) and the experiment's reward function."""
-        stop_ids = list(job.params.stop_token_ids)
+        params = binding.params(job.eval)
+        stop_ids = list(params.stop_token_ids)
         if self.tokenizer.eos_token_id is not None:
             stop_ids.append(self.tokenizer.eos_token_id)
 
@@ -333,7 +398,7 @@ class RolloutService:
         async def score(prompt: str, text: str) -> Score:
             item = ScoreItem(f"{job.group_id}:{index}", prompt, text, job.answer)
             try:
-                [got] = await self.rewards.score(job.reward_addresses, job.reward, [item])
+                [got] = await self.rewards.score(job.reward_addresses, binding.rewards, [item])
             except RewardUnavailable as exc:
                 return Score(0.0, RewardStatus.FAILED, str(exc))
             return Score(got.reward, got.status, got.reason)
@@ -344,7 +409,7 @@ class RolloutService:
             prompt_ids=prompt_ids,
             index=index,
             is_eval=job.eval,
-            params=job.params,
+            params=params,
             tokenizer=self.tokenizer,
             generate=generate,
             score=score,
@@ -368,14 +433,14 @@ class RolloutService:
             loss_mask=[] if t.all_policy else list(t.loss_mask),
         )
 
-    async def _score(self, job: GroupJob, samples: list[Sample]) -> None:
+    async def _score(self, job: GroupJob, binding: Binding, samples: list[Sample]) -> None:
         """Fill reward fields in place; an unreachable reward service fails every sample."""
         items = [
             ScoreItem(f"{job.group_id}:{i}", job.prompt, s.text, job.answer)
             for i, s in enumerate(samples)
         ]
         try:
-            scores = await self.rewards.score(job.reward_addresses, job.reward, items)
+            scores = await self.rewards.score(job.reward_addresses, binding.rewards, items)
         except RewardUnavailable as exc:
             for s in samples:
                 s.reward, s.reward_status, s.reward_reason = 0.0, RewardStatus.FAILED, str(exc)

@@ -186,6 +186,11 @@ def error_message(status: int, body: str) -> str:
 class SGLangEngine(Engine):
     name = "sglang"
 
+    @classmethod
+    def from_options(cls, **opts: Any) -> SGLangEngine:
+        """From the flat `--engine-opt key=value` options (`SGLangConfig.from_options`)."""
+        return cls(SGLangConfig.from_options(**opts))
+
     def __init__(self, config: SGLangConfig):
         """Raises SGLangNotInstalled when asked to launch `sglang.launch_server` on a machine
         without it (a `launch_cmd` replaces it)."""

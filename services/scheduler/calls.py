@@ -1,6 +1,6 @@
-"""The calls an experiment runner makes to its workers, each with a deadline: GenerateGroup
-requests, UpdateWeights (and the set of rollouts that serve the fleet version), and the
-trainer's StartExperiment / StopExperiment."""
+"""The calls an experiment runner makes to its workers, each with a deadline: BindExperiment
+(the spec, once per binding), GenerateGroup requests, UpdateWeights (and the set of rollouts
+that serve the fleet version), and the trainer's StartExperiment / StopExperiment."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from asyncrl.spec import ExperimentSpec, spec_to_proto
-from asyncrl.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from asyncrl.spec import ExperimentSpec, spec_to_json
+from asyncrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from services.scheduler.context import ChannelPool
 from services.scheduler.dataset import Prompt, Ticket
 from services.scheduler.evaluation import EvalRound
@@ -38,53 +38,44 @@ class WorkerCalls:
     def __init__(self, experiment_id: str, spec: ExperimentSpec, channels: ChannelPool):
         self.experiment_id = experiment_id
         self.spec = spec
-        self.spec_pb = spec_to_proto(spec)
+        self.spec_json = spec_to_json(spec)
         self.channels = channels
 
-    def train_request(
-        self, prompt: Prompt, ticket: Ticket, version: int, reward_addresses: list[str]
-    ) -> rollout_pb2.GenerateGroupRequest:
-        return rollout_pb2.GenerateGroupRequest(
-            experiment_id=self.experiment_id,
-            group_id=ticket.group_id(self.experiment_id),
-            prompt_id=prompt.prompt_id,
-            prompt=prompt.prompt,
-            answer=prompt.answer,
-            n=self.spec.rollout.n_samples,
-            gconfig=self.spec_pb.rollout.gconfig,
-            expected_version=version,
-            eval=False,
-            reward=self.spec_pb.reward,
-            filter=self.spec.rollout.filter,
-            reward_addresses=reward_addresses,
-            epoch=ticket.epoch,
-            workflow=self.spec_pb.rollout.workflow,
-        )
-
-    def eval_request(
+    def group_request(
         self,
+        group_id: str,
         prompt: Prompt,
-        eval_round: EvalRound,
-        attempt: int,
-        version: int,
         reward_addresses: list[str],
+        *,
+        eval: bool,
+        epoch: int = 0,
     ) -> rollout_pb2.GenerateGroupRequest:
-        group_id = f"{self.experiment_id}-eval-v{eval_round.version}-p{prompt.index}-a{attempt}"
+        """A training group or an eval group; the rollout takes n, the sampling settings, the
+        workflow and the filter from the spec it was bound with."""
         return rollout_pb2.GenerateGroupRequest(
             experiment_id=self.experiment_id,
             group_id=group_id,
             prompt_id=prompt.prompt_id,
             prompt=prompt.prompt,
             answer=prompt.answer,
-            n=self.spec.eval.n_samples,
-            gconfig=self.spec_pb.eval.gconfig,
-            expected_version=version,
-            eval=True,
-            reward=self.spec_pb.reward,
-            filter="none",
+            eval=eval,
             reward_addresses=reward_addresses,
-            workflow=self.spec_pb.rollout.workflow,
+            epoch=epoch,
         )
+
+    def train_group_id(self, ticket: Ticket) -> str:
+        return ticket.group_id(self.experiment_id)
+
+    def eval_group_id(self, eval_round: EvalRound, prompt: Prompt, attempt: int) -> str:
+        return f"{self.experiment_id}-eval-v{eval_round.version}-p{prompt.index}-a{attempt}"
+
+    async def bind(self, worker: Worker, timeout: float) -> None:
+        """Send a rollout the experiment's spec: once per binding, before its weights."""
+        stub = rollout_pb2_grpc.RolloutStub(self.channels.get(worker.address))
+        request = common_pb2.BindExperimentRequest(
+            experiment_id=self.experiment_id, spec_json=self.spec_json
+        )
+        await stub.BindExperiment(request, timeout=timeout)
 
     async def generate_group(
         self, worker: Worker, request: rollout_pb2.GenerateGroupRequest
@@ -97,11 +88,7 @@ class WorkerCalls:
     ) -> rollout_pb2.UpdateWeightsResponse:
         stub = rollout_pb2_grpc.RolloutStub(self.channels.get(worker.address))
         request = rollout_pb2.UpdateWeightsRequest(
-            experiment_id=self.experiment_id,
-            version=version,
-            uri=uri,
-            tokenizer_path=self.spec.model.tokenizer_path or self.spec.model.path,
-            engine=self.spec.rollout.engine,
+            experiment_id=self.experiment_id, version=version, uri=uri
         )
         return await stub.UpdateWeights(request, timeout=timeout)
 
@@ -110,7 +97,7 @@ class WorkerCalls:
     ) -> trainer_pb2.StartExperimentResponse:
         stub = trainer_pb2_grpc.TrainerStub(self.channels.get(trainer.address))
         request = trainer_pb2.StartExperimentRequest(
-            experiment_id=self.experiment_id, spec=self.spec_pb
+            experiment_id=self.experiment_id, spec_json=self.spec_json
         )
         return await stub.StartExperiment(request, timeout=timeout)
 
@@ -137,6 +124,7 @@ class FleetWeights:
     ) -> int | None:
         """Load the fleet's weights into `worker` (again if a commit lands meanwhile); returns
         the version, or None if it was unbound meanwhile. Raises AioRpcError on failure."""
+        await self.calls.bind(worker, timeout)
         while True:
             version, uri = self.fleet()
             await self.calls.update_weights(worker, version, uri, timeout)

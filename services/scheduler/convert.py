@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
 
 from asyncrl.errors import BadRequest
-from asyncrl.spec import spec_to_proto, validate_spec
 from asyncrl.v1 import common_pb2, scheduler_pb2
 from services.scheduler.records import (
     EvalResult,
@@ -87,7 +87,7 @@ def experiment_to_proto(
     msg = scheduler_pb2.Experiment(
         id=r.id,
         name=r.name,
-        spec=spec_to_proto(validate_spec(r.spec)),
+        spec_json=json.dumps(r.spec),
         state=state_to_proto(r.state),
         progress=progress_to_proto(r.progress, r.history, r.evals),
         message=r.message,

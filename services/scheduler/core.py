@@ -20,8 +20,8 @@ import grpc
 from asyncrl.errors import BadRequest, NotFound
 from asyncrl.logging import get_logger
 from asyncrl.rewards import validate_reward_function
-from asyncrl.spec import ExperimentSpec, SpecError, check_files, spec_from_proto, validate_spec
-from asyncrl.v1 import experiment_pb2, trainer_pb2, trainer_pb2_grpc
+from asyncrl.spec import ExperimentSpec, SpecError, check_files, spec_from_json, validate_spec
+from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 from asyncrl.workflow import make_workflow
 from services.scheduler.context import ChannelPool, RunnerContext, SchedulerConfig
 from services.scheduler.dataset import Prompt, load_prompts
@@ -117,9 +117,9 @@ class Scheduler:
 
     # ---- experiments -------------------------------------------------------------------------
 
-    async def submit(self, spec_pb: experiment_pb2.ExperimentSpec) -> ExperimentRunner:
+    async def submit(self, spec_json: str) -> ExperimentRunner:
         """Validate (SpecError names the field), persist, and start waiting for workers."""
-        spec = spec_from_proto(spec_pb)
+        spec = spec_from_json(spec_json)
         check_files(spec)
         validate_reward_function(spec.reward.function, spec.reward.kwargs)
         try:

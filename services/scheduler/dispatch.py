@@ -121,9 +121,9 @@ class Dispatcher:
             nxt = self.evaluator.next()
             if nxt is not None:
                 eval_round, index, attempt = nxt
-                request = self.calls.eval_request(
-                    self.eval_prompts[index], eval_round, attempt, version, reward_addresses
-                )
+                prompt = self.eval_prompts[index]
+                group_id = self.calls.eval_group_id(eval_round, prompt, attempt)
+                request = self.calls.group_request(group_id, prompt, reward_addresses, eval=True)
                 self.evaluator.running += 1
                 self._start(
                     InFlight(
@@ -142,8 +142,12 @@ class Dispatcher:
         ticket = self.cursor.next()
         if ticket is None:
             return False
-        request = self.calls.train_request(
-            self.prompts[ticket.index], ticket, version, reward_addresses
+        request = self.calls.group_request(
+            self.calls.train_group_id(ticket),
+            self.prompts[ticket.index],
+            reward_addresses,
+            eval=False,
+            epoch=ticket.epoch,
         )
         self.staleness.on_submit()
         self.record.progress.dispatched += 1

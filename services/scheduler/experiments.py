@@ -55,6 +55,7 @@ class ExperimentRunner:
             record, spec, prompts, eval_prompts, self.calls, hooks, self.log, lambda: self.version
         )
         self._wake = asyncio.Event()
+        self._idle = asyncio.Event()  # the dispatch loop waits for an event, nothing dispatchable
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self._subscribers: set[asyncio.Queue] = set()
@@ -249,7 +250,20 @@ class ExperimentRunner:
                 if dispatched % 32 == 0:
                     await asyncio.sleep(0)  # let the started calls go out
                 continue
+            self._idle.set()
             await self._wake.wait()
+            self._idle.clear()
+
+    async def settled(self) -> None:
+        """Return once the dispatch loop has handled every event so far and waits for the next
+        one with nothing it may dispatch (after it, `progress.dispatched` stays put until the
+        next event)."""
+        while True:
+            if self._wake.is_set():
+                self._idle.clear()  # an event is pending: the loop has a pass to run first
+            await self._idle.wait()
+            if not self._wake.is_set():
+                return
 
     def _changed(self) -> None:
         self._wake.set()

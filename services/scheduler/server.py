@@ -50,7 +50,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     # ---- experiments -------------------------------------------------------------------------
 
     async def SubmitExperiment(self, request, context):
-        return _experiment(await self.scheduler.submit(request.spec))
+        return _experiment(await self.scheduler.submit(request.spec_json))
 
     async def GetExperiment(self, request, context):
         return _experiment(self.scheduler.get(request.experiment_id), request.with_history)

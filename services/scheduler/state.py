@@ -31,6 +31,7 @@ class StateStore:
         self.min_interval_s = min_interval_s
         self._dirty: dict[str, Callable[[], ExperimentRecord]] = {}
         self._event = asyncio.Event()
+        self._flushing = asyncio.Lock()
         self._task: asyncio.Task | None = None
 
     @classmethod
@@ -70,13 +71,16 @@ class StateStore:
         self._task = asyncio.create_task(self._flush_forever(), name="state-flusher")
 
     async def flush(self) -> None:
-        dirty, self._dirty = self._dirty, {}
-        for experiment_id, snapshot in dirty.items():
-            try:
-                await self.save(snapshot())
-            except (TimeoutError, nats.errors.Error) as e:
-                log.warning("state_save_failed", experiment=experiment_id, error=str(e))
-                self._dirty.setdefault(experiment_id, snapshot)
+        """Write every experiment marked dirty; a flush already under way finishes first, so
+        on return everything marked before the call is in KV (or failed and is dirty again)."""
+        async with self._flushing:
+            dirty, self._dirty = self._dirty, {}
+            for experiment_id, snapshot in dirty.items():
+                try:
+                    await self.save(snapshot())
+                except (TimeoutError, nats.errors.Error) as e:
+                    log.warning("state_save_failed", experiment=experiment_id, error=str(e))
+                    self._dirty.setdefault(experiment_id, snapshot)
 
     async def close(self) -> None:
         """Stop the flusher and write what is still dirty."""

@@ -30,7 +30,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return self.service.status()
 
     async def StartExperiment(self, request, context):
-        version, resumed = await self.service.start_experiment(request.experiment_id, request.spec)
+        version, resumed = await self.service.start_experiment(
+            request.experiment_id, request.spec_json
+        )
         return trainer_pb2.StartExperimentResponse(
             version=version, resumed=resumed, uri=self.service.weights_uri(version)
         )

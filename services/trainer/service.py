@@ -22,7 +22,7 @@ from pathlib import Path
 from asyncrl.errors import Conflict, NotFound
 from asyncrl.logging import get_logger
 from asyncrl.retry import idempotent_rpc
-from asyncrl.spec import ExperimentSpec, SpecError, spec_from_proto
+from asyncrl.spec import ExperimentSpec, SpecError, spec_from_json
 from asyncrl.types import TrajectoryGroup
 from asyncrl.v1 import common_pb2, scheduler_pb2, trainer_pb2
 from asyncrl.weights import copy_tokenizer, path_to_uri, prune, publish_version, version_dir
@@ -107,11 +107,11 @@ class TrainerService:
         self._lock = asyncio.Lock()  # one of: start, a step, a checkpoint
 
     # -- RPC-facing operations ------------------------------------------------------------
-    async def start_experiment(self, experiment_id: str, spec_msg) -> tuple[int, bool]:
+    async def start_experiment(self, experiment_id: str, spec_json: str) -> tuple[int, bool]:
         """Load (or resume) and start training; returns (start version, resumed)."""
         if not experiment_id:
             raise SpecError("experiment_id", "required")
-        spec = spec_from_proto(spec_msg)
+        spec = spec_from_json(spec_json)
         if not (Path(spec.model.path) / "config.json").is_file():
             raise SpecError("model.path", f"no HuggingFace config.json in {spec.model.path}")
         async with self._lock:

@@ -13,7 +13,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.grpcutil import channel
 from asyncrl.metrics import MetricsServer
-from asyncrl.spec import dict_to_proto
 from asyncrl.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.rollout.server import RolloutCollector
 from services.rollout.service import RolloutService
@@ -26,7 +25,7 @@ from services.trainer.service import TrainerService
 
 
 @pytest.fixture
-def spec_pb(tmp_path):
+def spec_json(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -34,7 +33,7 @@ def spec_pb(tmp_path):
     data.write_text(
         "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4))
     )
-    return dict_to_proto(
+    return json.dumps(
         {
             "name": "metrics",
             "model": {"path": str(model)},
@@ -57,7 +56,7 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
     }
 
 
-async def test_scheduler_metrics_scrape_shows_experiment_and_workers(nats_server, spec_pb):
+async def test_scheduler_metrics_scrape_shows_experiment_and_workers(nats_server, spec_json):
     runtime, scheduler = await create_scheduler(nats_server.url, metrics_port=0)
     metrics_port = runtime.metrics_port
     ch = channel(f"127.0.0.1:{runtime.port}")
@@ -71,7 +70,7 @@ async def test_scheduler_metrics_scrape_shows_experiment_and_workers(nats_server
             timeout=5,
         )
         exp = await stub.SubmitExperiment(
-            scheduler_pb2.SubmitExperimentRequest(spec=spec_pb), timeout=10
+            scheduler_pb2.SubmitExperimentRequest(spec_json=spec_json), timeout=10
         )
         # what a trainer commit and an eval would have recorded (no trainer runs here)
         record = scheduler.get(exp.id).record

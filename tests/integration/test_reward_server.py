@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import grpc
@@ -32,15 +33,31 @@ def _items(*completions: str, answer: str = "1") -> list[reward_pb2.ScoreItem]:
     ]
 
 
+def _spec_json(function: str, timeout_s: float = 5.0, kwargs: dict | None = None) -> str:
+    reward = {"function": function, "timeout_s": timeout_s, "kwargs": kwargs or {}}
+    return json.dumps({"model": {"path": "m"}, "dataset": {"path": "d"}, "reward": reward})
+
+
+async def _bind(stub, experiment_id: str, function: str, **reward) -> None:
+    request = common_pb2.BindExperimentRequest(
+        experiment_id=experiment_id, spec_json=_spec_json(function, **reward)
+    )
+    await stub.BindExperiment(request, timeout=10)
+
+
+async def _score(stub, function: str, items, **reward) -> reward_pb2.ScoreResponse:
+    """Bind an experiment with this reward function, then score `items` for it."""
+    experiment_id = f"exp-{function}-{len(items)}-{time.monotonic_ns()}"
+    await _bind(stub, experiment_id, function, **reward)
+    request = reward_pb2.ScoreRequest(experiment_id=experiment_id, items=items)
+    return await stub.Score(request, timeout=30)
+
+
 async def test_score_mixed_batch_each_item_explicit(reward):
     _, stub = reward
-    request = reward_pb2.ScoreRequest(
-        function=SCRIPTED,
-        timeout_s=0.5,
-        items=_items("ok", "raise", "sleep 30", "ok", "nan", "text", answer="0.25"),
-    )
+    items = _items("ok", "raise", "sleep 30", "ok", "nan", "text", answer="0.25")
     start = time.monotonic()
-    resp = await stub.Score(request, timeout=20)
+    resp = await _score(stub, SCRIPTED, items, timeout_s=0.5)
     elapsed = time.monotonic() - start
 
     got = {r.id: (r.status, r.reward, r.reason) for r in resp.results}
@@ -56,86 +73,70 @@ async def test_score_mixed_batch_each_item_explicit(reward):
 
 async def test_score_after_timeout_pool_still_serves(reward):
     _, stub = reward
-    first = await stub.Score(
-        reward_pb2.ScoreRequest(
-            function=SCRIPTED, timeout_s=0.3, items=_items("sleep 30", "sleep 30")
-        ),
-        timeout=20,
-    )
+    first = await _score(stub, SCRIPTED, _items("sleep 30", "sleep 30"), timeout_s=0.3)
     assert [r.status for r in first.results] == [FAILED, FAILED]
-    again = await stub.Score(
-        reward_pb2.ScoreRequest(
-            function="numeric_match",
-            timeout_s=5,
-            items=_items("it is 1,000", "it is 999", answer="1000"),
-        ),
-        timeout=20,
-    )
+    again = await _score(stub, "numeric_match", _items("it is 1,000", "it is 999", answer="1000"))
     assert [(r.status, r.reward) for r in again.results] == [(OK, 1.0), (OK, 0.0)]
 
 
 async def test_score_worker_dies_failed_with_exit_code(reward):
     _, stub = reward
-    resp = await stub.Score(
-        reward_pb2.ScoreRequest(function=SCRIPTED, timeout_s=5, items=_items("exit", "ok")),
-        timeout=20,
-    )
+    resp = await _score(stub, SCRIPTED, _items("exit", "ok"))
     got = [(r.status, r.reward, r.reason) for r in resp.results]
     assert got == [(FAILED, 0.0, "worker died (exit code 3)"), (OK, 1.0, "")]
 
 
 async def test_score_builtin_with_kwargs_rewards(reward):
     _, stub = reward
-    resp = await stub.Score(
-        reward_pb2.ScoreRequest(
-            function="regex", kwargs={"pattern": r"^\d+$"}, items=_items("42", "forty-two")
-        ),
-        timeout=20,
-    )
+    resp = await _score(stub, "regex", _items("42", "forty-two"), kwargs={"pattern": r"^\d+$"})
     assert [(r.status, r.reward) for r in resp.results] == [(OK, 1.0), (OK, 0.0)]
 
 
 async def test_score_math_verify_equivalence_one(reward):
     _, stub = reward
-    resp = await stub.Score(
-        reward_pb2.ScoreRequest(
-            function="math_verify",
-            timeout_s=10,
-            items=_items("so \\boxed{\\frac{1}{2}}", "\\boxed{3}", answer="0.5"),
-        ),
-        timeout=30,
-    )
+    items = _items("so \\boxed{\\frac{1}{2}}", "\\boxed{3}", answer="0.5")
+    resp = await _score(stub, "math_verify", items, timeout_s=10)
     assert [(r.status, r.reward) for r in resp.results] == [(OK, 1.0), (OK, 0.0)]
 
 
-async def test_score_unknown_function_invalid_argument(reward):
+async def test_score_two_experiments_each_with_its_bound_function(reward):
+    _, stub = reward
+    await _bind(stub, "exact", "exact_match")
+    await _bind(stub, "numeric", "numeric_match")
+    items = _items("1.0", answer="1")
+    exact = await stub.Score(reward_pb2.ScoreRequest(experiment_id="exact", items=items))
+    numeric = await stub.Score(reward_pb2.ScoreRequest(experiment_id="numeric", items=items))
+    assert (exact.results[0].reward, numeric.results[0].reward) == (0.0, 1.0)
+
+
+async def test_score_unbound_experiment_failed_precondition(reward):
     _, stub = reward
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await stub.Score(reward_pb2.ScoreRequest(function="nope", items=_items("1")), timeout=5)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "reward.function: unknown reward function 'nope'" in e.value.details()
+        await stub.Score(reward_pb2.ScoreRequest(experiment_id="never", items=_items("1")))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "'never' is not bound here" in e.value.details()
 
 
-async def test_score_regex_without_pattern_invalid_argument(reward):
+@pytest.mark.parametrize(
+    ("function", "reward_kw", "details"),
+    [
+        ("nope", {}, "reward.function: Value error, unknown reward function 'nope'"),
+        ("plugin:tests.no_such_module:f", {}, "cannot import tests.no_such_module"),
+        ("regex", {}, "reward.kwargs: regex needs kwarg 'pattern'"),
+        ("exact_match", {"timeout_s": -1}, "reward.timeout_s:"),
+    ],
+)
+async def test_bind_bad_reward_invalid_argument_names_field(reward, function, reward_kw, details):
     _, stub = reward
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await stub.Score(reward_pb2.ScoreRequest(function="regex", items=_items("1")), timeout=5)
+        await _bind(stub, "bad", function, **reward_kw)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "'pattern'" in e.value.details()
-
-
-async def test_score_negative_timeout_invalid_argument(reward):
-    _, stub = reward
-    request = reward_pb2.ScoreRequest(function="exact_match", timeout_s=-1, items=_items("1"))
-    with pytest.raises(grpc.aio.AioRpcError) as e:
-        await stub.Score(request, timeout=5)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert e.value.details().startswith("timeout_s:")
+    assert details in e.value.details()
 
 
 async def test_score_empty_items_empty_response(reward):
     _, stub = reward
-    resp = await stub.Score(reward_pb2.ScoreRequest(function="exact_match"), timeout=5)
+    resp = await _score(stub, "exact_match", [])
     assert list(resp.results) == []
 
 

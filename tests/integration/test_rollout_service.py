@@ -4,6 +4,7 @@ gRPC server with the torch engine on a tiny model, all on port 0."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
@@ -16,7 +17,7 @@ from asyncrl.natsutil import STREAM, eval_subject, train_subject, wait_until
 from asyncrl.net import free_port
 from asyncrl.tiny import build_tiny_model
 from asyncrl.types import RewardStatus
-from asyncrl.v1 import common_pb2, experiment_pb2, rollout_pb2, rollout_pb2_grpc
+from asyncrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from asyncrl.weights import path_to_uri
 from services.reward.server import create_reward
 from services.rollout.server import create_rollout
@@ -58,22 +59,72 @@ async def rollout(nats_server, models):
     )
     async with channel(f"127.0.0.1:{runtime.port}") as ch:
         stub = rollout_pb2_grpc.RolloutStub(ch)
-        await stub.UpdateWeights(
-            rollout_pb2.UpdateWeightsRequest(
-                experiment_id=EXP, version=0, uri=path_to_uri(models / "v0"), engine="torch"
-            ),
-            timeout=30,
-        )
+        await _serve(stub, models, EXP)
         yield stub, service
     await runtime.close()
+
+
+def _spec_json(
+    models,
+    tokenizer_path=None,
+    n: int = 3,
+    max_new_tokens: int = 8,
+    filter: str = "none",
+    stop: tuple[str, ...] = (),
+    workflow: str = "single_turn",
+    chat_template: bool = False,
+    engine: str = "torch",
+    **workflow_args,
+) -> str:
+    """An experiment spec as BindExperiment carries it; eval groups get n samples too."""
+    gconfig = {"temperature": 1.0, "max_new_tokens": max_new_tokens, "stop": list(stop)}
+    return json.dumps(
+        {
+            "model": {"path": str(models / "v0"), "tokenizer_path": str(tokenizer_path or "")}
+            if tokenizer_path
+            else {"path": str(models / "v0")},
+            "dataset": {"path": "unused-by-the-rollout.jsonl"},
+            "rollout": {
+                "n_samples": n,
+                "gconfig": gconfig,
+                "filter": filter,
+                "engine": engine,
+                "workflow": {
+                    "name": workflow,
+                    "args": workflow_args,
+                    "chat_template": chat_template,
+                },
+            },
+            "eval": {"n_samples": n, "gconfig": gconfig},
+            "reward": {"function": "exact_match", "timeout_s": 5.0},
+        }
+    )
+
+
+async def _bind(stub, models, experiment_id: str, tokenizer_path=None, **spec) -> None:
+    await stub.BindExperiment(
+        common_pb2.BindExperimentRequest(
+            experiment_id=experiment_id, spec_json=_spec_json(models, tokenizer_path, **spec)
+        ),
+        timeout=30,
+    )
+
+
+async def _serve(stub, models, experiment_id: str, tokenizer_path=None, **spec) -> str:
+    """Bind the rollout to `experiment_id` (spec settings as `_spec_json`), then load v0."""
+    await _bind(stub, models, experiment_id, tokenizer_path, **spec)
+    await stub.UpdateWeights(
+        rollout_pb2.UpdateWeightsRequest(
+            experiment_id=experiment_id, version=0, uri=path_to_uri(models / "v0")
+        ),
+        timeout=30,
+    )
+    return experiment_id
 
 
 def _request(
     group_id: str,
     reward_addresses: list[str],
-    n: int = 3,
-    max_new_tokens: int = 8,
-    filter: str = "none",
     eval: bool = False,
     experiment_id: str = EXP,
 ) -> rollout_pb2.GenerateGroupRequest:
@@ -83,13 +134,9 @@ def _request(
         prompt_id="p-" + group_id,
         prompt="1+1=",
         answer="2",
-        n=n,
         eval=eval,
-        filter=filter,
         reward_addresses=reward_addresses,
         epoch=1,
-        gconfig=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens),
-        reward=experiment_pb2.RewardSpec(function="exact_match", timeout_s=5.0),
     )
 
 
@@ -129,11 +176,12 @@ async def test_generate_group_publishes_group_readable_from_jetstream(
 
 
 async def test_generate_group_constant_reward_is_rejected_and_not_published(
-    rollout, reward_address, js
+    rollout, reward_address, js, models
 ):
     stub, _ = rollout
+    exp = await _serve(stub, models, "filtered", filter="nonconstant_reward")
     summary = await stub.GenerateGroup(
-        _request("g2", [reward_address], filter="nonconstant_reward"), timeout=60
+        _request("g2", [reward_address], experiment_id=exp), timeout=60
     )
     assert summary.status == rollout_pb2.GROUP_STATUS_REJECTED and not summary.published
     assert summary.reason == "constant reward 0 across 3 scored samples"
@@ -141,14 +189,15 @@ async def test_generate_group_constant_reward_is_rejected_and_not_published(
 
 
 async def test_generate_group_eval_constant_reward_is_published_to_eval_subject(
-    rollout, reward_address, js
+    rollout, reward_address, js, models
 ):
     stub, _ = rollout
+    exp = await _serve(stub, models, "filtered", filter="nonconstant_reward")
     summary = await stub.GenerateGroup(
-        _request("e1", [reward_address], filter="nonconstant_reward", eval=True), timeout=60
+        _request("e1", [reward_address], eval=True, experiment_id=exp), timeout=60
     )
     assert summary.status == rollout_pb2.GROUP_STATUS_ACCEPTED and summary.published
-    [group] = await _read_back(js, eval_subject(EXP), 1)
+    [group] = await _read_back(js, eval_subject(exp), 1)
     assert group.eval and group.group_id == "e1"
 
 
@@ -171,17 +220,25 @@ async def test_generate_group_no_live_reward_service_is_failed_with_reason(rollo
     assert (await js.stream_info(STREAM)).state.messages == 0
 
 
-async def test_update_weights_mismatched_engine_is_failed_precondition(rollout, models):
+async def test_bind_mismatched_engine_is_failed_precondition(rollout, models):
+    stub, _ = rollout
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await _bind(stub, models, "sg", engine="sglang")
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "rollout.engine: this rollout worker runs the 'torch' engine" in e.value.details()
+
+
+async def test_update_weights_for_unbound_experiment_is_failed_precondition(rollout, models):
     stub, _ = rollout
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await stub.UpdateWeights(
             rollout_pb2.UpdateWeightsRequest(
-                experiment_id=EXP, version=1, uri=path_to_uri(models / "v1"), engine="sglang"
+                experiment_id="other", version=1, uri=path_to_uri(models / "v1")
             ),
             timeout=10,
         )
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "runs the 'torch' engine" in e.value.details()
+    assert "bound to 'exp1', not 'other'" in e.value.details()
 
 
 async def test_generate_group_unknown_experiment_is_failed_precondition(rollout, reward_address):
@@ -193,45 +250,33 @@ async def test_generate_group_unknown_experiment_is_failed_precondition(rollout,
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-async def test_generate_group_bad_sampling_param_is_invalid_argument(rollout, reward_address):
+async def test_bind_bad_spec_is_invalid_argument_naming_the_field(rollout, models):
     stub, _ = rollout
-    req = _request("x2", [reward_address])
-    req.gconfig.top_p = 1.5
+    spec = json.loads(_spec_json(models))
+    spec["rollout"]["gconfig"]["top_p"] = 1.5
+    request = common_pb2.BindExperimentRequest(experiment_id="bad", spec_json=json.dumps(spec))
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await stub.GenerateGroup(req, timeout=10)
+        await stub.BindExperiment(request, timeout=10)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "gconfig.top_p" in e.value.details()
+    assert "rollout.gconfig.top_p" in e.value.details()
 
 
-async def _serve(stub, models, experiment_id: str, tokenizer_path) -> str:
-    """Switch the rollout to `experiment_id`: model v0 with the tokenizer at `tokenizer_path`."""
-    await stub.UpdateWeights(
-        rollout_pb2.UpdateWeightsRequest(
-            experiment_id=experiment_id,
-            version=0,
-            uri=path_to_uri(models / "v0"),
-            tokenizer_path=str(tokenizer_path),
-            engine="torch",
-        ),
-        timeout=30,
-    )
-    return experiment_id
-
-
-async def _serve_long(stub, models, no_eos_tokenizer) -> str:
+async def _serve_long(stub, models, no_eos_tokenizer, **spec) -> str:
     """Switch the rollout to experiment 'long' (no EOS: every sample runs to its length)."""
-    return await _serve(stub, models, "long", no_eos_tokenizer)
+    return await _serve(stub, models, "long", no_eos_tokenizer, **spec)
 
 
 async def test_generate_group_stop_strings_end_samples_at_the_completing_token(
     rollout, reward_address, js, models, no_eos_tokenizer
 ):
     stub, _ = rollout
-    exp = await _serve_long(stub, models, no_eos_tokenizer)
     digits = [str(d) for d in range(10)]
-    req = _request("ss1", [reward_address], n=4, max_new_tokens=30, experiment_id=exp)
-    req.gconfig.stop.extend(digits)
-    summary = await stub.GenerateGroup(req, timeout=60)
+    exp = await _serve_long(
+        stub, models, no_eos_tokenizer, n=4, max_new_tokens=30, stop=tuple(digits)
+    )
+    summary = await stub.GenerateGroup(
+        _request("ss1", [reward_address], experiment_id=exp), timeout=60
+    )
     assert summary.status == rollout_pb2.GROUP_STATUS_ACCEPTED
     [group] = await _read_back(js, train_subject(exp), 1)
     tok = AutoTokenizer.from_pretrained(str(no_eos_tokenizer))
@@ -250,16 +295,14 @@ async def test_update_weights_mid_group_interrupts_and_group_spans_versions(
     rollout, reward_address, js, models, no_eos_tokenizer
 ):
     stub, service = rollout
-    exp = await _serve_long(stub, models, no_eos_tokenizer)
+    exp = await _serve_long(stub, models, no_eos_tokenizer, n=2, max_new_tokens=150)
     call = asyncio.ensure_future(
-        stub.GenerateGroup(
-            _request("w1", [reward_address], n=2, max_new_tokens=150, experiment_id=exp), timeout=60
-        )
+        stub.GenerateGroup(_request("w1", [reward_address], experiment_id=exp), timeout=60)
     )
     await wait_until(lambda: service.engine.tokens_generated >= 10, timeout=30, interval=0.001)
     resp = await stub.UpdateWeights(
         rollout_pb2.UpdateWeightsRequest(
-            experiment_id=exp, version=1, uri=path_to_uri(models / "v1"), engine="torch"
+            experiment_id=exp, version=1, uri=path_to_uri(models / "v1")
         ),
         timeout=30,
     )
@@ -280,10 +323,8 @@ async def test_cancelled_generate_group_stops_engine_requests_and_publishes_noth
     rollout, reward_address, js, models, no_eos_tokenizer
 ):
     stub, service = rollout
-    exp = await _serve_long(stub, models, no_eos_tokenizer)
-    call = stub.GenerateGroup(
-        _request("c1", [reward_address], n=2, max_new_tokens=200, experiment_id=exp), timeout=60
-    )
+    exp = await _serve_long(stub, models, no_eos_tokenizer, n=2, max_new_tokens=200)
+    call = stub.GenerateGroup(_request("c1", [reward_address], experiment_id=exp), timeout=60)
     await wait_until(lambda: service.engine.tokens_generated >= 4, timeout=30, interval=0.001)
     call.cancel()  # what the scheduler does to a stale group
     with pytest.raises(asyncio.CancelledError):
@@ -295,17 +336,16 @@ async def test_cancelled_generate_group_stops_engine_requests_and_publishes_noth
     assert (await js.stream_info(STREAM)).state.messages == 0
 
 
-async def test_update_weights_new_experiment_aborts_running_groups(
+async def test_bind_new_experiment_aborts_running_groups(
     rollout, reward_address, models, no_eos_tokenizer
 ):
     stub, service = rollout
-    exp = await _serve_long(stub, models, no_eos_tokenizer)
+    exp = await _serve_long(stub, models, no_eos_tokenizer, n=2, max_new_tokens=200)
     call = asyncio.ensure_future(
-        stub.GenerateGroup(
-            _request("a1", [reward_address], n=2, max_new_tokens=200, experiment_id=exp), timeout=60
-        )
+        stub.GenerateGroup(_request("a1", [reward_address], experiment_id=exp), timeout=60)
     )
     await wait_until(lambda: service.engine.tokens_generated >= 4, timeout=30, interval=0.001)
+    await _bind(stub, models, "exp2")
     resp = await stub.UpdateWeights(
         rollout_pb2.UpdateWeightsRequest(
             experiment_id="exp2", version=3, uri=path_to_uri(models / "v1")
@@ -319,20 +359,21 @@ async def test_update_weights_new_experiment_aborts_running_groups(
     assert service.experiment_id == "exp2" and service.engine.running == 0
 
 
-def _with_workflow(req, name: str, **args) -> rollout_pb2.GenerateGroupRequest:
-    req.workflow.name = name
-    req.workflow.args.update(args)
-    return req
-
-
 async def test_plugin_workflow_yields_one_trajectory_system_groups_n_env_tokens_masked(
     rollout, reward_address, js, models, no_eos_tokenizer
 ):
     stub, _ = rollout
-    exp = await _serve_long(stub, models, no_eos_tokenizer)
-    req = _request("wf1", [reward_address], n=3, experiment_id=exp, filter="nonconstant_reward")
-    req = _with_workflow(req, "tests.fixtures_plugins.workflows:TwoCalls", marker="|#")
-    summary = await stub.GenerateGroup(req, timeout=60)
+    exp = await _serve_long(
+        stub,
+        models,
+        no_eos_tokenizer,
+        filter="nonconstant_reward",
+        workflow="tests.fixtures_plugins.workflows:TwoCalls",
+        marker="|#",
+    )
+    summary = await stub.GenerateGroup(
+        _request("wf1", [reward_address], experiment_id=exp), timeout=60
+    )
     assert summary.status == rollout_pb2.GROUP_STATUS_ACCEPTED
     assert sorted(summary.rewards) == [0.0, 1.0, 2.0]  # the workflow's own rewards
     [group] = await _read_back(js, train_subject(exp), 1)
@@ -351,15 +392,21 @@ async def test_multi_turn_workflow_scores_each_turn_feedback_is_context(
 ):
     stub, _ = rollout
     tok = AutoTokenizer.from_pretrained(str(models / "v0"))
-    req = _with_workflow(
-        _request("mt1", [reward_address], n=4, max_new_tokens=4),
-        "multi_turn",
+    exp = await _serve(
+        stub,
+        models,
+        "mt",
+        n=4,
+        max_new_tokens=4,
+        workflow="multi_turn",
         max_turns=2,
         feedback=" no. ",
     )
-    summary = await stub.GenerateGroup(req, timeout=60)
+    summary = await stub.GenerateGroup(
+        _request("mt1", [reward_address], experiment_id=exp), timeout=60
+    )
     assert summary.status == rollout_pb2.GROUP_STATUS_ACCEPTED  # filter "none"
-    [group] = await _read_back(js, train_subject(EXP), 1)
+    [group] = await _read_back(js, train_subject(exp), 1)
     for s in group.samples:
         assert s.reward in (0.0, 0.5, 1.0) and s.reward_status is RewardStatus.OK
         env = [i for i, m in enumerate(s.loss_mask) if m == 0]
@@ -388,14 +435,18 @@ async def test_openai_sdk_agent_two_turns_one_trajectory_per_sample_scored_on_an
     rollout, reward_address, js, models, chat_tokenizer
 ):
     stub, _ = rollout
-    await _serve(stub, models, "chat", chat_tokenizer)
-    req = _with_workflow(
-        _request("ag1", [reward_address], n=3, experiment_id="chat"),
-        "tests.fixtures_plugins.workflows:AskTwice",
+    await _serve(
+        stub,
+        models,
+        "chat",
+        chat_tokenizer,
+        workflow="tests.fixtures_plugins.workflows:AskTwice",
+        chat_template=True,
         max_tokens=4,
     )
-    req.workflow.chat_template = True
-    summary = await stub.GenerateGroup(req, timeout=60)
+    summary = await stub.GenerateGroup(
+        _request("ag1", [reward_address], experiment_id="chat"), timeout=60
+    )
     assert summary.status == rollout_pb2.GROUP_STATUS_ACCEPTED, summary.reason
     [group] = await _read_back(js, train_subject("chat"), 1)
     tok = AutoTokenizer.from_pretrained(str(chat_tokenizer))
@@ -413,32 +464,25 @@ async def test_openai_sdk_agent_two_turns_one_trajectory_per_sample_scored_on_an
         assert s.reward_status is RewardStatus.OK
 
 
-async def test_chat_template_without_one_in_tokenizer_is_invalid_argument(rollout, reward_address):
+async def test_chat_template_without_one_in_tokenizer_is_invalid_argument(rollout, models):
     stub, _ = rollout
-    req = _request("ct1", [reward_address])
-    req.workflow.chat_template = True
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.GenerateGroup(req, timeout=30)
+        await _serve(stub, models, "ct", chat_template=True)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "workflow.chat_template" in err.value.details()
+    assert "rollout.workflow.chat_template" in err.value.details()
 
 
 async def test_bad_workflow_is_invalid_argument_failing_workflow_fails_group(
-    rollout, reward_address
+    rollout, reward_address, models
 ):
     stub, _ = rollout
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.GenerateGroup(
-            _with_workflow(_request("bw1", [reward_address]), "multi_turn", max_turns=0),
-            timeout=30,
-        )
+        await _bind(stub, models, "bw", workflow="multi_turn", max_turns=0)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "workflow" in err.value.details() and "max_turns" in err.value.details()
+    assert "rollout.workflow" in err.value.details() and "max_turns" in err.value.details()
+    exp = await _serve(stub, models, "bw", workflow="tests.fixtures_plugins.workflows:Broken")
     summary = await stub.GenerateGroup(
-        _with_workflow(
-            _request("bw2", [reward_address]), "tests.fixtures_plugins.workflows:Broken"
-        ),
-        timeout=30,
+        _request("bw2", [reward_address], experiment_id=exp), timeout=30
     )
     assert summary.status == rollout_pb2.GROUP_STATUS_FAILED
     assert "scripted workflow failure" in summary.reason and not summary.published

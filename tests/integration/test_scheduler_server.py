@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 from asyncrl.grpcutil import channel
-from asyncrl.runtime import ServiceRuntime
 from asyncrl.natsutil import wait_until
-from asyncrl.spec import dict_to_proto
+from asyncrl.runtime import ServiceRuntime
+from asyncrl.spec import spec_from_json
 from asyncrl.v1 import (
     common_pb2,
     rollout_pb2,
@@ -29,6 +29,7 @@ from asyncrl.v1 import (
 )
 from asyncrl.worker import WorkerAgent
 from services.scheduler.server import create_scheduler
+from services.scheduler.state import record_key
 
 ROLLOUT, REWARD, TRAINER = (
     common_pb2.WORKER_KIND_ROLLOUT,
@@ -48,11 +49,19 @@ class FakeRollout(rollout_pb2_grpc.RolloutServicer):
         self.release = asyncio.Event()
         self.requests: list[rollout_pb2.GenerateGroupRequest] = []
         self.updates: list[tuple[int, str]] = []
+        self.bound: list[str] = []  # specs of BindExperiment calls (JSON)
+        self.version = 0
+        self.served: list[int] = []  # the version loaded when each request came
         self.cancelled: list[str] = []
         self.fail_next = 0
 
+    async def BindExperiment(self, request, context):
+        self.bound.append(request.spec_json)
+        return common_pb2.BindExperimentResponse()
+
     async def GenerateGroup(self, request, context):
         self.requests.append(request)
+        self.served.append(self.version)
         if self.fail_next:
             self.fail_next -= 1
             await context.abort(grpc.StatusCode.INTERNAL, "engine crashed")
@@ -67,13 +76,14 @@ class FakeRollout(rollout_pb2_grpc.RolloutServicer):
             status=rollout_pb2.GROUP_STATUS_ACCEPTED,
             rewards=self.rewards,
             tokens=10,
-            start_version=request.expected_version,
-            end_version=request.expected_version,
+            start_version=self.version,
+            end_version=self.version,
             published=True,
         )
 
     async def UpdateWeights(self, request, context):
         self.updates.append((request.version, request.uri))
+        self.version = request.version
         return rollout_pb2.UpdateWeightsResponse(version=request.version)
 
     def group_ids(self) -> list[str]:
@@ -212,12 +222,12 @@ def spec(files, **sections):
     }
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value}
-    return dict_to_proto(data)
+    return json.dumps(data)
 
 
-async def submit(cluster, spec_pb) -> str:
+async def submit(cluster, spec_json: str) -> str:
     exp = await cluster.stub.SubmitExperiment(
-        scheduler_pb2.SubmitExperimentRequest(spec=spec_pb), timeout=10
+        scheduler_pb2.SubmitExperimentRequest(spec_json=spec_json), timeout=10
     )
     return exp.id
 
@@ -278,11 +288,11 @@ async def test_submit_dataset_row_missing_key_invalid_argument(cluster, files, t
 async def test_submit_valid_spec_pending_with_slug_id(cluster, files):
     await cluster.start_scheduler()
     exp = await cluster.stub.SubmitExperiment(
-        scheduler_pb2.SubmitExperimentRequest(spec=spec(files)), timeout=10
+        scheduler_pb2.SubmitExperimentRequest(spec_json=spec(files)), timeout=10
     )
     assert exp.id.startswith("math-rl-1-") and len(exp.id) == len("math-rl-1-") + 6
     assert exp.state == scheduler_pb2.EXPERIMENT_STATE_PENDING
-    assert exp.spec.trainer.batch_size == 2
+    assert spec_from_json(exp.spec_json).trainer.batch_size == 2
     await wait_until(lambda: "waiting for" in cluster.scheduler.get(exp.id).record.message)
     got = await cluster.experiment(exp.id)
     assert "a trainer" in got.message and "a reward worker" in got.message
@@ -314,7 +324,7 @@ async def test_register_heartbeat_list_and_lease_expiry(cluster):
     assert [(w.worker_id, w.kind, w.address, w.name, w.capacity) for w in listed] == [
         (resp.worker_id, REWARD, "127.0.0.1:7001", "r1", 4)
     ]
-    await asyncio.sleep(1.2)  # no heartbeats: the lease lapses
+    await wait_until(lambda: not cluster.scheduler.registry.workers(), timeout=5)  # no beats
     assert not (await stub.ListWorkers(scheduler_pb2.ListWorkersRequest())).workers
     beat = await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id=resp.worker_id))
     assert beat.known is False
@@ -338,7 +348,7 @@ async def test_experiment_survives_scheduler_restart_in_kv(cluster, files):
     await cluster.stop_scheduler()
     await cluster.start_scheduler()
     got = await cluster.experiment(exp_id)
-    assert got.id == exp_id and got.spec.trainer.total_steps == 3
+    assert got.id == exp_id and spec_from_json(got.spec_json).trainer.total_steps == 3
     assert got.state == scheduler_pb2.EXPERIMENT_STATE_PENDING
 
 
@@ -348,7 +358,9 @@ async def test_restart_resumes_running_experiment_and_redispatches_inflight(clus
     exp_id = await running_experiment(cluster, files, rollout)
     await wait_until(lambda: len(rollout.group_ids()) == 2)
     first = sorted(rollout.group_ids())
-    await asyncio.sleep(0.3)  # let the coalesced KV write land
+    await cluster.scheduler.store.flush()  # the coalesced KV write has landed
+    saved = await cluster.scheduler.store.kv.get(record_key(exp_id))
+    assert len(json.loads(saved.value)["inflight"]) == 2
     await cluster.stop_scheduler()
     await cluster.start_scheduler(port=cluster.port)
     # the workers re-register (heartbeat says unknown) and the experiment resumes; the groups
@@ -367,19 +379,21 @@ async def test_admission_bounded_by_eta_and_grows_with_commits(cluster, files):
     exp_id = await running_experiment(
         cluster, files, rollout, rollout={"max_head_offpolicyness": 1}, trainer={"total_steps": 10}
     )
+    runner = cluster.scheduler.get(exp_id)
     await wait_until(lambda: len(rollout.group_ids()) == 4)  # (eta + 0 + 1) * B
-    await asyncio.sleep(0.2)
-    assert len(rollout.group_ids()) == 4
+    await asyncio.wait_for(runner.settled(), 5)
+    assert (await cluster.experiment(exp_id)).progress.dispatched == 4
     assert rollout.updates[0] == (0, files["model"])  # v0 = the spec's model.path first
     rollout.release.set()
-    await wait_until(lambda: cluster.scheduler.get(exp_id).staleness.accepted == 4)
-    await asyncio.sleep(0.2)
-    assert len(rollout.group_ids()) == 4  # accepted + running hit the budget
+    await wait_until(lambda: runner.staleness.accepted == 4)
+    await asyncio.wait_for(runner.settled(), 5)
+    exp = await cluster.experiment(exp_id)
+    assert exp.progress.dispatched == 4  # accepted + running hit the budget
     resp = await cluster.commit(exp_id, 1)
     assert (resp.fleet_version, resp.updated, resp.fenced, resp.stop) == (1, 1, 0, False)
     assert rollout.updates[-1] == (1, "file:///w/v1")
     await wait_until(lambda: len(rollout.group_ids()) == 6)  # (1 + 1 + 1) * 2 - 4
-    assert all(r.expected_version == 1 for r in rollout.requests[4:])
+    assert rollout.served[4:] == [1, 1]
     exp = await cluster.experiment(exp_id)
     assert (exp.progress.version, exp.progress.dispatched) == (1, 6)
 
@@ -413,9 +427,11 @@ async def test_report_dropped_frees_capacity_and_requeues(cluster, files):
     await cluster.stub.ReportDropped(req, timeout=5)  # a retry is not counted twice
     await wait_until(lambda: len(rollout.group_ids()) == 3)
     assert rollout.group_ids()[2] == dropped.replace("-a0", "-a1")
-    await asyncio.sleep(0.2)
+    runner = cluster.scheduler.get(exp_id)
+    await wait_until(lambda: runner.staleness.running == 0)  # the re-queued group is back
+    await asyncio.wait_for(runner.settled(), 5)
     exp = await cluster.experiment(exp_id)
-    assert (exp.progress.accepted, exp.progress.stale_dropped, len(rollout.group_ids())) == (
+    assert (exp.progress.accepted, exp.progress.stale_dropped, exp.progress.dispatched) == (
         2,
         1,
         3,
@@ -482,7 +498,8 @@ async def test_completion_at_total_steps_runs_evals_and_stops_trainer(cluster, f
     ]
     assert exp.progress.trained_groups == 4 and exp.progress.running == 0
     eval_reqs = [r for r in rollout.requests if r.eval]
-    assert len(eval_reqs) == 6 and all(r.filter == "none" and r.n == 2 for r in eval_reqs)
+    assert len(eval_reqs) == 6
+    assert [spec_from_json(s).eval.n_samples for s in rollout.bound] == [2]  # bound once
     assert trainer.stopped == [exp_id]
     workers = (await cluster.stub.ListWorkers(scheduler_pb2.ListWorkersRequest())).workers
     assert all(w.experiment_id == "" for w in workers)  # freed for the next experiment
@@ -513,8 +530,8 @@ async def test_trainer_resume_recovers_version_from_start_experiment(cluster, fi
     runner = cluster.scheduler.get(exp_id)
     assert (runner.version, runner.staleness.accepted) == (2, 4)
     await wait_until(lambda: len(rollout.group_ids()) == 2)  # (eta + 1) * B, not a burst
-    await asyncio.sleep(0.2)
-    assert len(rollout.group_ids()) == 2
+    await asyncio.wait_for(runner.settled(), 5)
+    assert (await cluster.experiment(exp_id)).progress.dispatched == 2
     assert rollout.updates[0] == (2, "file:///w/v2")  # where the trainer says v2 lives
 
 
@@ -547,7 +564,7 @@ async def test_rollout_joining_running_experiment_loads_current_weights_first(cl
     await cluster.worker(ROLLOUT, joined)
     await wait_until(lambda: len(joined.requests) == 2)
     assert joined.updates[0] == (1, "file:///w/v1")
-    assert joined.requests[0].expected_version == 1
+    assert joined.served[0] == 1
     workers = (await cluster.stub.ListWorkers(scheduler_pb2.ListWorkersRequest())).workers
     assert sorted(w.experiment_id for w in workers if w.kind == ROLLOUT) == [exp_id, exp_id]
 

@@ -90,11 +90,15 @@ def test_cli_workers_and_bad_spec_against_real_scheduler(cluster, tmp_path):
     assert "reward" in result.output
     spec = tmp_path / "spec.yaml"
     spec.write_text("model: {path: /nope}\ndataset: {path: /nope.jsonl}\n")
+    # valid to the CLI's own check; the scheduler finds the files missing
+    result = runner.invoke(cli_app, ["--scheduler", cluster.scheduler, "submit", str(spec)])
+    assert result.exit_code == 2
+    assert "INVALID_ARGUMENT" in result.output and "dataset.path" in result.output
+    # caught by the CLI before anything is sent
     result = runner.invoke(
         cli_app, ["--scheduler", cluster.scheduler, "submit", str(spec), "--set", "trainer.lr=-1"]
     )
-    assert result.exit_code == 2
-    assert "INVALID_ARGUMENT" in result.output and "trainer.lr" in result.output
+    assert result.exit_code == 2 and "bad spec: trainer.lr" in result.output
 
 
 def test_killed_reward_process_is_restarted(cluster):

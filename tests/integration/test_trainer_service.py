@@ -20,15 +20,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from asyncrl.algo import token_logprobs
 from asyncrl.grpcutil import channel
 from asyncrl.natsutil import STREAM, publish_group, wait_until
-from asyncrl.runtime import ServiceRuntime
 from asyncrl.net import free_port
+from asyncrl.runtime import ServiceRuntime
 from asyncrl.spec import (
     DatasetSpec,
     ExperimentSpec,
     ModelSpec,
     RolloutSpec,
     TrainerSpec,
-    spec_to_proto,
+    spec_to_json,
 )
 from asyncrl.tiny import build_tiny_model
 from asyncrl.types import RewardStatus, Sample, TrajectoryGroup
@@ -113,14 +113,18 @@ async def start_trainer(nats_server, scheduler, tmp_path):
         await runtime.close()
 
 
-def _spec(model_dir: Path, eta: int = 0, batch_size: int = 2, checkpoint_every: int = 1):
-    return spec_to_proto(
+def _spec(
+    model_dir: Path, eta: int = 0, batch_size: int = 2, checkpoint_every: int = 1, **trainer
+) -> str:
+    return spec_to_json(
         ExperimentSpec(
             model=ModelSpec(path=str(model_dir)),
             dataset=DatasetSpec(path="unused-by-the-trainer.jsonl"),
             rollout=RolloutSpec(n_samples=2, max_head_offpolicyness=eta),
             trainer=TrainerSpec(
-                backend="torch", batch_size=batch_size, lr=1e-3, checkpoint_every=checkpoint_every
+                **{"backend": "torch", "lr": 1e-3}
+                | trainer
+                | {"batch_size": batch_size, "checkpoint_every": checkpoint_every}
             ),
         )
     )
@@ -182,11 +186,11 @@ async def test_trainer_b_groups_one_step_commits_version_1_loadable_weights(
 ):
     service, stub = await start_trainer()
     resp = await stub.StartExperiment(
-        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec=_spec(tiny[0])), timeout=60
+        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=_spec(tiny[0])), timeout=60
     )
     assert (resp.version, resp.resumed) == (0, False)
     again = await stub.StartExperiment(  # idempotent for the running experiment
-        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec=_spec(tiny[0])), timeout=60
+        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=_spec(tiny[0])), timeout=60
     )
     assert (again.version, again.resumed) == (0, False)
     assert scheduler.workers[0].kind == common_pb2.WORKER_KIND_TRAINER
@@ -221,7 +225,7 @@ async def test_trainer_group_staler_than_eta_is_dropped_acked_not_trained(
 ):
     service, stub = await start_trainer()
     await stub.StartExperiment(
-        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec=_spec(tiny[0], eta=0)),
+        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=_spec(tiny[0], eta=0)),
         timeout=60,
     )
     # step 1 trains g0, g1 at v0; then at v1 "old" (started at v0) has staleness 1 > eta 0
@@ -246,7 +250,7 @@ async def test_trainer_crash_restart_resumes_checkpoint_and_retrains_only_later_
     service, stub = await start_trainer()
     await stub.StartExperiment(
         trainer_pb2.StartExperimentRequest(
-            experiment_id=EXP, spec=_spec(tiny[0], eta=2, checkpoint_every=2)
+            experiment_id=EXP, spec_json=_spec(tiny[0], eta=2, checkpoint_every=2)
         ),
         timeout=60,
     )
@@ -259,7 +263,7 @@ async def test_trainer_crash_restart_resumes_checkpoint_and_retrains_only_later_
     service2, stub2 = await start_trainer()
     resp = await stub2.StartExperiment(
         trainer_pb2.StartExperimentRequest(
-            experiment_id=EXP, spec=_spec(tiny[0], eta=2, checkpoint_every=2)
+            experiment_id=EXP, spec_json=_spec(tiny[0], eta=2, checkpoint_every=2)
         ),
         timeout=60,
     )
@@ -289,7 +293,7 @@ async def test_trainer_commit_says_stop_final_checkpoint_and_stopped(
     service, stub = await start_trainer()
     await stub.StartExperiment(
         trainer_pb2.StartExperimentRequest(
-            experiment_id=EXP, spec=_spec(tiny[0], checkpoint_every=5)
+            experiment_id=EXP, spec_json=_spec(tiny[0], checkpoint_every=5)
         ),
         timeout=60,
     )
@@ -304,7 +308,7 @@ async def test_trainer_commit_says_stop_final_checkpoint_and_stopped(
 async def test_trainer_backend_error_marks_failed_with_message(tiny, scheduler, start_trainer, js):
     service, stub = await start_trainer()
     await stub.StartExperiment(
-        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec=_spec(tiny[0])), timeout=60
+        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=_spec(tiny[0])), timeout=60
     )
     bad = _group(tiny, "bad", 0)
     bad.samples[0].output_ids = [10_000]  # outside the vocabulary: the forward pass raises
@@ -323,11 +327,10 @@ async def test_trainer_backend_error_marks_failed_with_message(tiny, scheduler, 
 
 async def test_trainer_start_invalid_spec_invalid_argument_names_field(tiny, start_trainer):
     _, stub = await start_trainer()
-    spec = _spec(tiny[0])
-    spec.trainer.batch_size = 0
+    spec = _spec(tiny[0]).replace('"batch_size":2', '"batch_size":0')
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.StartExperiment(
-            trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec=spec), timeout=10
+            trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=spec), timeout=10
         )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "trainer.batch_size" in err.value.details()
@@ -371,12 +374,11 @@ async def test_trainer_service_under_torchrun_tp2_trains_commits_and_stops_clean
     try:
         await wait_until(lambda: scheduler.workers or proc.poll() is not None, timeout=120)
         assert proc.poll() is None, log_path.read_text()[-3000:]
-        spec = _spec(tiny[0])
-        spec.trainer.backend, spec.trainer.tp_size = "megatron", 2
+        spec = _spec(tiny[0], backend="megatron", tp_size=2)
         async with channel(f"127.0.0.1:{port}") as ch:
             stub = trainer_pb2_grpc.TrainerStub(ch)
             await stub.StartExperiment(
-                trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec=spec), timeout=120
+                trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=spec), timeout=120
             )
             await publish_group(js, _group(tiny, "g0", 0))
             await publish_group(js, _group(tiny, "g1", 0))

@@ -53,7 +53,7 @@ def test_load_spec_overrides_set_nested_fields(spec_file):
     assert spec.rollout.n_samples == 4  # untouched
     assert spec.name == "other"
     assert dict(spec.reward.kwargs) == {"pattern": "a=b"}
-    assert spec.eval.HasField("every_versions") and spec.eval.every_versions == 0
+    assert spec.eval.every_versions == 0
     assert spec.trainer.backend == "torch"
 
 

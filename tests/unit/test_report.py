@@ -18,7 +18,8 @@ def make_experiment() -> scheduler_pb2.Experiment:
     exp = scheduler_pb2.Experiment(
         id="exp1", name="tiny", state=scheduler_pb2.EXPERIMENT_STATE_COMPLETED
     )
-    exp.spec.rollout.max_head_offpolicyness = 2
+    spec = {"model": {"path": "m"}, "dataset": {"path": "d"}}
+    exp.spec_json = json.dumps(spec | {"rollout": {"max_head_offpolicyness": 2}})
     p = exp.progress
     p.version, p.accepted, p.rejected, p.failed = 3, 13, 5, 1
     p.stale_dropped, p.trained_groups, p.staleness_max = 2, 12, 1
@@ -68,7 +69,8 @@ def test_summarize_dict_input_matches_proto_input():
 
 
 def test_summarize_empty_history_zero_fraction_no_evals():
-    s = summarize(scheduler_pb2.Experiment(id="e"), wall_seconds=0.0)
+    spec = json.dumps({"model": {"path": "m"}, "dataset": {"path": "d"}})
+    s = summarize(scheduler_pb2.Experiment(id="e", spec_json=spec), wall_seconds=0.0)
     assert s["stale_fraction"] == 0.0
     assert s["steps"] == 0
     assert s["initial_eval_accuracy"] is None and s["final_eval_accuracy"] is None

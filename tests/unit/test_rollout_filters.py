@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from asyncrl.errors import SpecError
 from asyncrl.types import RewardStatus, Sample
-from services.rollout.filters import GroupStatus, decide, failed_samples, resolve_filter
+from services.rollout.filters import GroupStatus, decide, failed_samples
 
 
 def _s(reward: float, ok: bool = True, reason: str = "") -> Sample:
@@ -59,14 +60,9 @@ def test_decide_all_samples_failed_is_failed_with_first_reason(eval_group):
     assert d.reason == "all 2 samples failed: timed out after 5s"
 
 
-def test_decide_empty_filter_name_uses_spec_default_nonconstant():
-    assert resolve_filter("") == "nonconstant_reward"
-    assert decide([_s(0.5), _s(0.5)], "").status is GroupStatus.REJECTED
-
-
-def test_resolve_filter_unknown_name_raises_naming_the_field():
-    with pytest.raises(ValueError, match="filter: unknown filter 'top_half'"):
-        resolve_filter("top_half")
+def test_decide_unknown_filter_raises_spec_error_naming_the_field():
+    with pytest.raises(SpecError, match="rollout.filter: unknown 'top_half'"):
+        decide([_s(0.5), _s(0.7)], "top_half")
 
 
 def test_failed_samples_counts_failed_rewards_only():

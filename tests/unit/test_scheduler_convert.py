@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.spec import validate_spec
+from asyncrl.spec import spec_from_json, validate_spec
 from asyncrl.v1 import common_pb2, scheduler_pb2
 from services.scheduler.convert import (
     eval_from_proto,
@@ -135,7 +135,8 @@ def test_experiment_to_proto_with_and_without_history():
         "t",
         scheduler_pb2.EXPERIMENT_STATE_RUNNING,
     )
-    assert msg.spec.trainer.total_steps == 5 and msg.spec.model.path == "/m"
+    spec = spec_from_json(msg.spec_json)
+    assert spec.trainer.total_steps == 5 and spec.model.path == "/m"
     assert msg.progress.accepted == 24 and msg.progress.last_step.version == 3
     assert [h.step for h in msg.history] == [3]
     assert len(experiment_to_proto(record()).history) == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.convert import sample_from_proto, sample_to_proto
-from asyncrl.spec import ExperimentSpec, SamplingParams, spec_from_proto, spec_to_proto
+from asyncrl.spec import ExperimentSpec, SamplingParams, spec_from_json, spec_to_json
 from asyncrl.types import RewardStatus, Sample
 from asyncrl.workflow import (
     Completion,
@@ -139,11 +139,11 @@ def test_spec_workflow_round_trips_the_wire_with_integer_args():
         dataset={"path": "d"},
         rollout={"workflow": {"name": "multi_turn", "args": {"max_turns": 3, "feedback": "no"}}},
     )
-    back = spec_from_proto(spec_to_proto(spec)).rollout.workflow
+    back = spec_from_json(spec_to_json(spec)).rollout.workflow
     assert (back.name, back.args) == ("multi_turn", {"max_turns": 3, "feedback": "no"})
-    assert isinstance(back.args["max_turns"], int)  # Struct carries doubles; ints come back
-    default = spec_from_proto(
-        spec_to_proto(ExperimentSpec(model={"path": "m"}, dataset={"path": "d"}))
+    assert isinstance(back.args["max_turns"], int)  # JSON keeps integers integers
+    default = spec_from_json(
+        spec_to_json(ExperimentSpec(model={"path": "m"}, dataset={"path": "d"}))
     )
     assert default.rollout.workflow.name == "single_turn"
 

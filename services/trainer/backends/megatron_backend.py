@@ -29,6 +29,7 @@ from asyncrl.algo import (
     ppo_decoupled_loss,
     unpack_output_logprobs,
 )
+from asyncrl.errors import SpecError
 from asyncrl.types import TrajectoryGroup
 from asyncrl.weights import copy_tokenizer, load_state_dict_files
 from services.trainer.backends.base import TrainerBackend
@@ -242,9 +243,10 @@ class MegatronBackend(TrainerBackend):
         ckpt_dir = Path(ckpt_dir)
         state = json.loads((ckpt_dir / STATE_FILE).read_text())
         if (state["tp_size"], state["dp_size"]) != (self.par.tp_size, self.par.dp_size):
-            raise ValueError(
-                f"trainer.tp_size/dp_size: checkpoint was written with tp={state['tp_size']} "
-                f"dp={state['dp_size']}, running tp={self.par.tp_size} dp={self.par.dp_size}"
+            raise SpecError(
+                "trainer.tp_size",
+                f"checkpoint was written with tp={state['tp_size']} "
+                f"dp={state['dp_size']}, running tp={self.par.tp_size} dp={self.par.dp_size}",
             )
         self.opt.load(ckpt_dir)
         self._set_rng_state(

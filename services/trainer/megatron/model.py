@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from asyncrl.errors import SpecError
 from services.trainer.megatron.convert import Layout, layout_from_hf_config
 
 SUPPORTED = ("qwen2", "llama")
@@ -54,27 +55,27 @@ def _rope(cfg: dict) -> tuple[float, bool, float]:
     }
     if kind == "llama3" and all(float(params.get(k, v)) == v for k, v in llama3_fixed.items()):
         return base, True, float(params["factor"])
-    raise ValueError(f"model.path: rope scaling {params} is not supported by the megatron backend")
+    raise SpecError("model.path", f"rope scaling {params} is not supported by the megatron backend")
 
 
 def check_supported(cfg: dict, tp_size: int) -> None:
-    """Raise ValueError for configs the conversion cannot represent exactly."""
+    """Raise SpecError for configs the conversion cannot represent exactly."""
     kind = cfg.get("model_type")
     if kind not in SUPPORTED:
-        raise ValueError(f"model.path: model_type {kind!r} not supported (one of {SUPPORTED})")
+        raise SpecError("model.path", f"model_type {kind!r} not supported (one of {SUPPORTED})")
     if cfg.get("mlp_bias") or (kind == "llama" and cfg.get("attention_bias")):
-        raise ValueError("model.path: o_proj / MLP biases are not supported")
+        raise SpecError("model.path", "o_proj / MLP biases are not supported")
     if cfg.get("use_sliding_window"):
-        raise ValueError("model.path: sliding-window attention is not supported")
+        raise SpecError("model.path", "sliding-window attention is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"model.path: hidden_act {cfg.get('hidden_act')!r} is not silu")
+        raise SpecError("model.path", f"hidden_act {cfg.get('hidden_act')!r} is not silu")
     lay = layout_from_hf_config(cfg, tp_size)
     for what, n in (
         ("num_key_value_heads", lay.num_kv_heads),
         ("intermediate_size", lay.ffn_hidden_size),
     ):
         if n % tp_size:
-            raise ValueError(f"trainer.tp_size: {tp_size} does not divide {what}={n}")
+            raise SpecError("trainer.tp_size", f"{tp_size} does not divide {what}={n}")
     _rope(cfg)
 
 

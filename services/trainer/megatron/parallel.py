@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from asyncrl.errors import SpecError
 from asyncrl.net import free_port
 
 
@@ -104,8 +105,8 @@ def init_parallel(tp_size: int, dp_size: int, seed: int) -> ParallelInfo:
     init_default_group()
     world = dist.get_world_size()
     if world != tp_size * dp_size:
-        raise ValueError(
-            f"world size {world} != trainer.tp_size {tp_size} * trainer.dp_size {dp_size}"
+        raise SpecError(
+            "trainer.tp_size", f"world size {world} != tp_size {tp_size} * dp_size {dp_size}"
         )
     if parallel_state.model_parallel_is_initialized():
         if parallel_state.get_tensor_model_parallel_world_size() != tp_size:
