@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from asyncrl.errors import SpecError
 from asyncrl.registry import ENGINES, FILTERS, TRAINER_BACKENDS, WORKFLOWS
@@ -29,7 +29,10 @@ _PLUGIN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # attribute docstrings become the JSON Schema's descriptions
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
 
 
 class SamplingParams(_Section):
@@ -145,6 +148,20 @@ class TrainerSpec(_Section):
     checkpoint_every: int = Field(1, gt=0)
     tp_size: int = Field(1, gt=0)
     dp_size: int = Field(1, gt=0)
+    weight_sync: Literal["disk", "nccl"] = "disk"
+    """How SGLang rollouts get a new version: `disk` (they load it from the weight store) or
+    `nccl` (the trainer also broadcasts it to their GPUs as rank 0; NCCL when the trainer has
+    CUDA, else gloo). The weight store is written either way."""
+    nccl_master: str | None = Field(None, pattern=r"^.+:\d+$")
+    """host:port the trainer listens on as rank 0 (the engines' `nccl_master`)."""
+    nccl_world_size: int | None = Field(None, gt=1)
+    """Ranks of the weight-update group: 1 (the trainer) + the TP ranks of all engines."""
+
+    @model_validator(mode="after")
+    def _nccl_needs_its_group(self) -> TrainerSpec:
+        if self.weight_sync == "nccl" and not (self.nccl_master and self.nccl_world_size):
+            raise ValueError("weight_sync nccl needs nccl_master and nccl_world_size")
+        return self
 
 
 class EvalSpec(_Section):

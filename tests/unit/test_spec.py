@@ -1,0 +1,82 @@
+"""The spec's one definition: its wire form (JSON), its published JSON Schema, and the choice
+lists derived from the registries."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncrl.errors import SpecError
+from asyncrl.registry import ENGINES, FILTERS, TRAINER_BACKENDS
+from asyncrl.spec import ExperimentSpec, json_schema, spec_from_json, spec_to_json, validate_spec
+
+SCHEMA = Path(__file__).parents[2] / "protos/asyncrl/v1/experiment.schema.json"
+MINIMAL = {"model": {"path": "m"}, "dataset": {"path": "d.jsonl"}}
+
+
+def test_published_schema_is_the_one_generated_from_the_models():
+    """`make schema` regenerates it; a spec change without it fails here."""
+    committed = json.loads(SCHEMA.read_text())
+    assert committed == json.loads(json.dumps(json_schema(), sort_keys=True))
+    trainer = committed["$defs"]["TrainerSpec"]["properties"]
+    assert trainer["batch_size"]["description"].startswith("B: groups per optimizer step")
+
+
+def test_schema_choice_enums_come_from_the_registries():
+    defs = json_schema()["$defs"]
+    assert defs["RolloutSpec"]["properties"]["engine"]["enum"] == list(ENGINES.names)
+    assert defs["RolloutSpec"]["properties"]["filter"]["enum"] == list(FILTERS.names)
+    assert defs["TrainerSpec"]["properties"]["backend"]["enum"] == list(TRAINER_BACKENDS.names)
+
+
+def test_spec_json_round_trip_keeps_every_field_and_integer_types():
+    spec = validate_spec(
+        MINIMAL | {"rollout": {"workflow": {"name": "multi_turn", "args": {"max_turns": 3}}}}
+    )
+    back = spec_from_json(spec_to_json(spec))
+    assert back == spec
+    assert back.rollout.workflow.args == {"max_turns": 3}
+    assert type(back.rollout.workflow.args["max_turns"]) is int
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"rollout": {"engine": "vllm"}}, "rollout.engine"),
+        ({"trainer": {"backend": "jax"}}, "trainer.backend"),
+        ({"rollout": {"workflow": {"name": "nope"}}}, "rollout.workflow.name"),
+        ({"reward": {"function": "plugin:not a module"}}, "reward.function"),
+        ({"trainer": {"bogus": 1}}, "trainer.bogus"),
+    ],
+)
+def test_bad_choice_spec_error_names_the_field(patch, field):
+    with pytest.raises(SpecError) as e:
+        validate_spec(MINIMAL | patch)
+    assert e.value.field == field
+
+
+def test_plugin_names_are_checked_by_syntax_only_never_imported():
+    spec = validate_spec(
+        MINIMAL
+        | {
+            "reward": {"function": "plugin:not_installed_pkg:score"},
+            "rollout": {"workflow": {"name": "not_installed_pkg.flows:Agent"}},
+        }
+    )
+    assert spec.reward.function == "plugin:not_installed_pkg:score"
+
+
+def test_bad_json_is_a_spec_error():
+    with pytest.raises(SpecError) as e:
+        spec_from_json("{not json")
+    assert e.value.field == "spec"
+    assert isinstance(ExperimentSpec.model_validate(MINIMAL), ExperimentSpec)
+
+
+def test_several_bad_fields_first_named_others_listed():
+    with pytest.raises(SpecError) as e:
+        validate_spec(MINIMAL | {"trainer": {"lr": -1, "batch_size": 0}})
+    assert e.value.field == "trainer.batch_size"
+    assert "also invalid: trainer.lr" in str(e.value)
