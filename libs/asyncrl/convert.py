@@ -1,15 +1,21 @@
-"""Domain dataclasses <-> protobuf messages (the only place the two meet)."""
+"""Domain dataclasses <-> protobuf messages (the only place the two meet for trajectories)."""
 
 from __future__ import annotations
 
 from asyncrl.types import RewardStatus, Sample, TrajectoryGroup
 from asyncrl.v1 import common_pb2, trajectory_pb2
 
-_STATUS_TO_PB = {
-    RewardStatus.OK: common_pb2.REWARD_STATUS_OK,
-    RewardStatus.FAILED: common_pb2.REWARD_STATUS_FAILED,
-}
-_STATUS_FROM_PB = {v: k for k, v in _STATUS_TO_PB.items()}
+_STATUS_PREFIX = "REWARD_STATUS_"
+
+
+def status_to_proto(status: RewardStatus) -> int:
+    return common_pb2.RewardStatus.Value(_STATUS_PREFIX + status.name)
+
+
+def status_from_proto(value: int) -> RewardStatus:
+    """An unset or unknown status reads as FAILED: never a silent OK."""
+    name = common_pb2.RewardStatus.Name(value).removeprefix(_STATUS_PREFIX)
+    return RewardStatus.__members__.get(name, RewardStatus.FAILED)
 
 
 def sample_to_proto(s: Sample) -> trajectory_pb2.Sample:
@@ -18,11 +24,11 @@ def sample_to_proto(s: Sample) -> trajectory_pb2.Sample:
         logprobs=s.logprobs,
         versions=s.versions,
         finish_reason=s.finish_reason,
-        reward=s.reward,
-        reward_status=_STATUS_TO_PB[s.reward_status],
+        reward=s.reward or 0.0,
+        reward_status=status_to_proto(s.reward_status),
         reward_reason=s.reward_reason,
         text=s.text,
-        loss_mask=s.loss_mask if not all(s.loss_mask) else [],
+        loss_mask=[] if s.all_policy else s.loss_mask,
     )
 
 
@@ -33,7 +39,7 @@ def sample_from_proto(m: trajectory_pb2.Sample) -> Sample:
         versions=list(m.versions),
         finish_reason=m.finish_reason,
         reward=m.reward,
-        reward_status=_STATUS_FROM_PB.get(m.reward_status, RewardStatus.FAILED),
+        reward_status=status_from_proto(m.reward_status),
         reward_reason=m.reward_reason,
         text=m.text,
         loss_mask=list(m.loss_mask),

@@ -6,7 +6,8 @@ runs the experiment's workflow `n_samples` times concurrently (each run gets its
 and publishes the group. A workflow therefore never deals with groups, versions, retries or
 transport: it calls `ctx.generate(...)` (interruptible, per-token versions kept), optionally
 `ctx.score(text)` (the experiment's reward function, on the reward services), appends
-environment tokens with `Trajectory.add_env`, and returns one `Trajectory`.
+environment tokens with `Trajectory.add_env`, and returns one `Trajectory` (an
+`asyncrl.types.Sample`).
 
 A trajectory's tokens after the group's prompt are `output_ids`; `loss_mask` marks which of
 them the policy produced (1, trained) and which the environment inserted (0: feedback, tool
@@ -30,71 +31,14 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.spec import SamplingParams
-from asyncrl.types import RewardStatus
+from asyncrl.types import Completion, RewardStatus, Sample, Score
 
-
-@dataclass
-class Completion:
-    """What one `ctx.generate` call returns: the policy's tokens with their behaviour logprobs
-    and the version that produced each (a weight update mid-way shows as two versions)."""
-
-    output_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: str
-    text: str = ""
-
-
-@dataclass
-class Score:
-    reward: float
-    status: RewardStatus = RewardStatus.OK
-    reason: str = ""
-
-
-@dataclass
-class Trajectory:
-    """One sample of a group, built turn by turn. Per-token lists stay aligned.
-
-    `reward=None` asks the service to score `text` (or, if empty, the decoded policy tokens)
-    with the experiment's reward function; a workflow that scored itself sets reward and,
-    on failure, `reward_status=FAILED` with a reason."""
-
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    finish_reason: str = "stop"
-    reward: float | None = None
-    reward_status: RewardStatus = RewardStatus.OK
-    reward_reason: str = ""
-    text: str = ""
-    turns: int = 0
-
-    def add_policy(self, c: Completion) -> None:
-        """Append a completion: trained tokens."""
-        self.output_ids += c.output_ids
-        self.logprobs += c.logprobs
-        self.versions += c.versions
-        self.loss_mask += [1] * len(c.output_ids)
-        self.finish_reason = c.finish_reason
-        self.turns += 1
-
-    def add_env(self, token_ids: list[int], version: int) -> None:
-        """Append environment tokens (feedback, tool output): context for the next turn, no
-        loss. They carry the version serving when they were appended and logprob 0."""
-        self.output_ids += token_ids
-        self.logprobs += [0.0] * len(token_ids)
-        self.versions += [version] * len(token_ids)
-        self.loss_mask += [0] * len(token_ids)
-
-    @property
-    def all_policy(self) -> bool:
-        return all(self.loss_mask)
+Trajectory = Sample
+"""What a workflow builds and returns: one `asyncrl.types.Sample` (the same object is scored,
+published and trained on)."""
 
 
 class WorkflowContext:

@@ -1,13 +1,12 @@
 """Score items in a process pool with a per-item timeout (pebble kills a runaway worker).
 
-Every item gets a Result: OK with a finite reward, or FAILED with a reason (timed out, the
+Every item gets a Score: OK with a finite reward, or FAILED with a reason (timed out, the
 exception's type and message, a non-numeric or non-finite return, a worker that died).
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import math
 import multiprocessing
 import numbers
@@ -18,16 +17,12 @@ import pebble
 from pebble.common import ProcessExpired
 
 from asyncrl import rewards
+from asyncrl.types import RewardStatus, Score
 
 # Workers fork from a forkserver that has these imported: a fresh worker (also the one that
 # replaces a worker killed at a timeout) starts in milliseconds and does not spend an item's
 # timeout importing sympy. Forking from the gRPC process itself is unsafe (its threads).
 PRELOAD = ["services.reward.pool", "math_verify"]
-
-
-class Status(enum.Enum):
-    OK = "OK"
-    FAILED = "FAILED"
 
 
 @dataclass(frozen=True)
@@ -36,14 +31,6 @@ class Item:
     completion: str
     answer: str
     prompt: str = ""
-
-
-@dataclass(frozen=True)
-class Result:
-    id: str
-    reward: float
-    status: Status
-    reason: str = ""
 
 
 def default_workers() -> int:
@@ -86,7 +73,7 @@ class ScoringPool:
 
     async def score(
         self, function: str, kwargs: dict[str, str], items: list[Item], timeout_s: float
-    ) -> list[Result]:
+    ) -> list[Score]:
         """Score `items` with the reward function called `function`; results in item order."""
         return list(
             await asyncio.gather(
@@ -96,22 +83,22 @@ class ScoringPool:
 
     async def _score_item(
         self, function: str, kwargs: dict[str, str], item: Item, timeout_s: float
-    ) -> Result:
+    ) -> Score:
         future = self._pool.schedule(score_one, args=(function, kwargs, item), timeout=timeout_s)
         self.in_flight += 1
         try:
             ok, value = await asyncio.wrap_future(future)
         except TimeoutError:
-            return Result(item.id, 0.0, Status.FAILED, f"timed out after {timeout_s:g}s")
+            return Score(0.0, RewardStatus.FAILED, f"timed out after {timeout_s:g}s")
         except ProcessExpired as e:
-            return Result(item.id, 0.0, Status.FAILED, f"worker died (exit code {e.exitcode})")
+            return Score(0.0, RewardStatus.FAILED, f"worker died (exit code {e.exitcode})")
         except Exception as e:  # noqa: BLE001 - e.g. unpicklable arguments; still a result
-            return Result(item.id, 0.0, Status.FAILED, f"{type(e).__name__}: {e}")
+            return Score(0.0, RewardStatus.FAILED, f"{type(e).__name__}: {e}")
         finally:
             self.in_flight -= 1
         if ok:
-            return Result(item.id, value, Status.OK)
-        return Result(item.id, 0.0, Status.FAILED, value)
+            return Score(value)
+        return Score(0.0, RewardStatus.FAILED, value)
 
     async def close(self) -> None:
         """Stop the workers (running items are abandoned) and wait for them to exit."""

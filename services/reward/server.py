@@ -8,26 +8,26 @@ import time
 from prometheus_client.registry import Collector
 
 from asyncrl import rewards
+from asyncrl.convert import status_to_proto
 from asyncrl.errors import BadRequest, Conflict
 from asyncrl.logging import get_logger
 from asyncrl.metrics import gauge
 from asyncrl.runtime import ServiceRuntime
 from asyncrl.spec import RewardSpec, spec_from_json
+from asyncrl.types import RewardStatus, Score
 from asyncrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from services.reward.pool import Item, Result, ScoringPool, Status
+from services.reward.pool import Item, ScoringPool
 
 log = get_logger()
-
-_STATUS = {Status.OK: common_pb2.REWARD_STATUS_OK, Status.FAILED: common_pb2.REWARD_STATUS_FAILED}
 
 
 def items_from_proto(request: reward_pb2.ScoreRequest) -> list[Item]:
     return [Item(i.id, i.completion, i.answer, i.prompt) for i in request.items]
 
 
-def result_to_proto(result: Result) -> reward_pb2.ScoreResult:
+def result_to_proto(item: Item, score: Score) -> reward_pb2.ScoreResult:
     return reward_pb2.ScoreResult(
-        id=result.id, reward=result.reward, status=_STATUS[result.status], reason=result.reason
+        id=item.id, reward=score.reward, status=status_to_proto(score.status), reason=score.reason
     )
 
 
@@ -77,10 +77,9 @@ class RewardService(reward_pb2_grpc.RewardServicer):
         if not request.items:
             return reward_pb2.ScoreResponse()
         start = time.perf_counter()
-        results = await self.pool.score(
-            reward.function, reward.kwargs, items_from_proto(request), reward.timeout_s
-        )
-        failed = [r for r in results if r.status is Status.FAILED]
+        items = items_from_proto(request)
+        results = await self.pool.score(reward.function, reward.kwargs, items, reward.timeout_s)
+        failed = [r for r in results if r.status is RewardStatus.FAILED]
         log.info(
             "batch_scored",
             experiment=request.experiment_id,
@@ -90,7 +89,9 @@ class RewardService(reward_pb2_grpc.RewardServicer):
             seconds=round(time.perf_counter() - start, 4),
             first_failure=failed[0].reason if failed else None,
         )
-        return reward_pb2.ScoreResponse(results=[result_to_proto(r) for r in results])
+        return reward_pb2.ScoreResponse(
+            results=[result_to_proto(i, r) for i, r in zip(items, results, strict=True)]
+        )
 
     async def ListRewardFunctions(self, request, context):
         return reward_pb2.ListRewardFunctionsResponse(names=list(rewards.REWARD_FUNCTIONS))

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import grpc
 
+from asyncrl.convert import status_from_proto
 from asyncrl.grpcutil import channel
 from asyncrl.logging import get_logger
 from asyncrl.retry import idempotent_rpc
-from asyncrl.types import RewardStatus
+from asyncrl.types import RewardStatus, Score
 from asyncrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 log = get_logger(component="reward_client")
@@ -32,13 +33,6 @@ class ScoreItem:
     prompt: str
     completion: str
     answer: str
-
-
-@dataclass
-class Score:
-    reward: float
-    status: RewardStatus
-    reason: str = ""
 
 
 def score_deadline(timeout_s: float, n_items: int) -> float:
@@ -149,6 +143,7 @@ class RewardClient:
 def _score(result: reward_pb2.ScoreResult | None) -> Score:
     if result is None:
         return Score(0.0, RewardStatus.FAILED, "no result from the reward service")
-    if result.status == common_pb2.REWARD_STATUS_OK:
-        return Score(result.reward, RewardStatus.OK)
-    return Score(0.0, RewardStatus.FAILED, result.reason or "reward failed without a reason")
+    status = status_from_proto(result.status)
+    if status is RewardStatus.OK:
+        return Score(result.reward)
+    return Score(0.0, status, result.reason or "reward failed without a reason")

@@ -22,17 +22,9 @@ from asyncrl.errors import BadRequest, Conflict
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import publish_group
 from asyncrl.spec import ExperimentSpec, SamplingParams, SpecError, spec_from_json
-from asyncrl.types import RewardStatus, Sample, TrajectoryGroup
+from asyncrl.types import Completion, RewardStatus, Sample, Score, TrajectoryGroup
 from asyncrl.weights import uri_to_path
-from asyncrl.workflow import (
-    Completion,
-    Score,
-    Trajectory,
-    Workflow,
-    WorkflowContext,
-    make_workflow,
-    resolve_workflow,
-)
+from asyncrl.workflow import Workflow, WorkflowContext, make_workflow, resolve_workflow
 from services.rollout.engine import Engine, GenRequest
 from services.rollout.filters import GroupStatus, decide, failed_samples
 from services.rollout.openai_api import OpenAIEndpoint
@@ -301,7 +293,7 @@ class RolloutService:
         ]
         running.task = asyncio.create_task(_run_all(binding.workflow(), contexts))
         try:
-            trajectories = await running.task
+            samples = await running.task
         except asyncio.CancelledError:
             if running.aborted and not asyncio.current_task().cancelling():
                 return self._summary(
@@ -314,9 +306,9 @@ class RolloutService:
             return self._summary(
                 job, GroupStatus.FAILED, f"generation failed: {exc}", [], version_at_start, t0
             )
-        samples = [self._sample(t) for t in trajectories]
-        unscored = [s for s, t in zip(samples, trajectories, strict=True) if t.reward is None]
-        await self._score(job, binding, unscored)
+        for sample in samples:
+            self._finish(sample)
+        await self._score(job, binding, [s for s in samples if s.reward is None])
         decision = decide(samples, binding.filter(job.eval), job.eval)
         summary = self._summary(
             job, decision.status, decision.reason, samples, version_at_start, t0
@@ -401,7 +393,7 @@ class RolloutService:
                 [got] = await self.rewards.score(job.reward_addresses, binding.rewards, [item])
             except RewardUnavailable as exc:
                 return Score(0.0, RewardStatus.FAILED, str(exc))
-            return Score(got.reward, got.status, got.reason)
+            return got
 
         return WorkflowContext(
             prompt=job.prompt,
@@ -419,22 +411,15 @@ class RolloutService:
             openai_session=self.openai.session,
         )
 
-    def _sample(self, t: Trajectory) -> Sample:
-        policy_ids = [tok for tok, m in zip(t.output_ids, t.loss_mask, strict=True) if m]
-        return Sample(
-            output_ids=t.output_ids,
-            logprobs=t.logprobs,
-            versions=t.versions,
-            finish_reason=t.finish_reason,
-            reward=t.reward or 0.0,
-            reward_status=t.reward_status,
-            reward_reason=t.reward_reason,
-            text=t.text or self.tokenizer.decode(policy_ids, skip_special_tokens=True),
-            loss_mask=[] if t.all_policy else list(t.loss_mask),
-        )
+    def _finish(self, sample: Sample) -> None:
+        """What to score when the workflow left `text` empty: the policy's tokens, decoded."""
+        if not sample.text:
+            policy = [t for t, m in zip(sample.output_ids, sample.trained_mask(), strict=True) if m]
+            sample.text = self.tokenizer.decode(policy, skip_special_tokens=True)
 
     async def _score(self, job: GroupJob, binding: Binding, samples: list[Sample]) -> None:
-        """Fill reward fields in place; an unreachable reward service fails every sample."""
+        """Score the samples the workflow left unscored (one Score call); an unreachable reward
+        service fails every one of them."""
         items = [
             ScoreItem(f"{job.group_id}:{i}", job.prompt, s.text, job.answer)
             for i, s in enumerate(samples)
@@ -442,11 +427,9 @@ class RolloutService:
         try:
             scores = await self.rewards.score(job.reward_addresses, binding.rewards, items)
         except RewardUnavailable as exc:
-            for s in samples:
-                s.reward, s.reward_status, s.reward_reason = 0.0, RewardStatus.FAILED, str(exc)
-            return
-        for s, score in zip(samples, scores, strict=True):
-            s.reward, s.reward_status, s.reward_reason = score.reward, score.status, score.reason
+            scores = [Score(0.0, RewardStatus.FAILED, str(exc))] * len(samples)
+        for sample, score in zip(samples, scores, strict=True):
+            sample.score(score)
 
     def _summary(
         self,
@@ -493,7 +476,7 @@ class RolloutService:
         await self.rewards.close()
 
 
-async def _run_all(workflow: Workflow, contexts: list[WorkflowContext]) -> list[Trajectory]:
+async def _run_all(workflow: Workflow, contexts: list[WorkflowContext]) -> list[Sample]:
     """The group: one workflow run per sample, concurrently; one failure cancels the others."""
     try:
         async with asyncio.TaskGroup() as tg:

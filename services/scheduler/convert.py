@@ -23,7 +23,6 @@ _STATE_TO_PB = {
     ExperimentState.FAILED: scheduler_pb2.EXPERIMENT_STATE_FAILED,
     ExperimentState.CANCELLED: scheduler_pb2.EXPERIMENT_STATE_CANCELLED,
 }
-_STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
 
 _KIND_TO_PB = {
     WorkerKind.ROLLOUT: common_pb2.WORKER_KIND_ROLLOUT,
@@ -47,38 +46,14 @@ def state_to_proto(state: ExperimentState) -> int:
     return _STATE_TO_PB[state]
 
 
-def state_from_proto(state: int) -> ExperimentState:
-    return _STATE_FROM_PB[state]
-
-
-def step_to_proto(m: StepMetrics) -> common_pb2.StepMetrics:
-    return common_pb2.StepMetrics(**{f.name: getattr(m, f.name) for f in fields(StepMetrics)})
-
-
-def step_from_proto(msg: common_pb2.StepMetrics) -> StepMetrics:
-    return StepMetrics(**{f.name: getattr(msg, f.name) for f in fields(StepMetrics)})
-
-
-def eval_to_proto(e: EvalResult) -> scheduler_pb2.EvalResult:
-    return scheduler_pb2.EvalResult(**{f.name: getattr(e, f.name) for f in fields(EvalResult)})
-
-
-def eval_from_proto(msg: scheduler_pb2.EvalResult) -> EvalResult:
-    return EvalResult(**{f.name: getattr(msg, f.name) for f in fields(EvalResult)})
-
-
 def progress_to_proto(
     p: Progress, history: list[StepMetrics], evals: list[EvalResult]
 ) -> scheduler_pb2.Progress:
     msg = scheduler_pb2.Progress(**{f.name: getattr(p, f.name) for f in fields(Progress)})
     if history:
-        msg.last_step.CopyFrom(step_to_proto(history[-1]))
-    msg.evals.extend(eval_to_proto(e) for e in evals)
+        msg.last_step.CopyFrom(history[-1].to_proto())
+    msg.evals.extend(e.to_proto() for e in evals)
     return msg
-
-
-def progress_from_proto(msg: scheduler_pb2.Progress) -> Progress:
-    return Progress(**{f.name: getattr(msg, f.name) for f in fields(Progress)})
 
 
 def experiment_to_proto(
@@ -95,7 +70,7 @@ def experiment_to_proto(
         updated_unix_ms=r.updated_unix_ms,
     )
     if with_history:
-        msg.history.extend(step_to_proto(m) for m in r.history)
+        msg.history.extend(m.to_proto() for m in r.history)
     return msg
 
 

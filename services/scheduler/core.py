@@ -21,18 +21,18 @@ from asyncrl.errors import BadRequest, NotFound
 from asyncrl.logging import get_logger
 from asyncrl.rewards import validate_reward_function
 from asyncrl.spec import ExperimentSpec, SpecError, check_files, spec_from_json, validate_spec
+from asyncrl.types import StepMetrics, TrainerState
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 from asyncrl.workflow import make_workflow
 from services.scheduler.context import ChannelPool, RunnerContext, SchedulerConfig
 from services.scheduler.dataset import Prompt, load_prompts
 from services.scheduler.experiments import ExperimentRunner
-from services.scheduler.records import CommitResult, ExperimentRecord, ExperimentState, StepMetrics
+from services.scheduler.records import CommitResult, ExperimentRecord, ExperimentState
 from services.scheduler.registry import Registry, Worker, WorkerKind
 from services.scheduler.state import StateStore
 
 log = get_logger()
 TRAINER_PROBE_TIMEOUT_S = 5.0
-ACTIVE_TRAINER_STATES = ("loading", "waiting", "training")
 
 
 def new_experiment_id(name: str) -> str:
@@ -214,7 +214,7 @@ class Scheduler:
             status = await stub.GetStatus(
                 trainer_pb2.GetTrainerStatusRequest(), timeout=TRAINER_PROBE_TIMEOUT_S
             )
-            if status.experiment_id and status.state in ACTIVE_TRAINER_STATES:
+            if status.experiment_id and TrainerState.reported(status.state).active:
                 worker.affinity = status.experiment_id
         except grpc.aio.AioRpcError as e:
             log.warning("trainer_probe_failed", worker=worker.worker_id, code=e.code().name)

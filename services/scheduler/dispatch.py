@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import grpc
 
 from asyncrl.spec import ExperimentSpec
+from asyncrl.types import EvalResult
 from asyncrl.v1 import rollout_pb2
 from services.scheduler.calls import InFlight, WorkerCalls
 from services.scheduler.dataset import DatasetCursor, Prompt, Ticket
 from services.scheduler.evaluation import EvalRound, Evaluator
 from services.scheduler.policy import RolloutLoad, StalenessManager, must_abort, pick_rollout
-from services.scheduler.records import EvalResult, ExperimentRecord
+from services.scheduler.records import ExperimentRecord
 from services.scheduler.registry import Worker
 
 THROUGHPUT_WINDOW_S = 30.0

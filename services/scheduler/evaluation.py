@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from services.scheduler.records import EvalResult
+from asyncrl.types import EvalResult
 
 MAX_EVAL_ATTEMPTS = 3
 """An eval prompt whose RPC fails this many times counts as all-failed samples."""

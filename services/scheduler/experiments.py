@@ -16,6 +16,7 @@ import grpc
 
 from asyncrl.logging import get_logger
 from asyncrl.spec import ExperimentSpec
+from asyncrl.types import EvalResult, StepMetrics
 from services.scheduler.calls import FleetWeights, WorkerCalls
 from services.scheduler.context import RunnerContext
 from services.scheduler.dataset import Prompt
@@ -23,11 +24,9 @@ from services.scheduler.dispatch import Dispatcher, DispatchHooks
 from services.scheduler.policy import StalenessManager
 from services.scheduler.records import (
     CommitResult,
-    EvalResult,
     Event,
     ExperimentRecord,
     ExperimentState,
-    StepMetrics,
 )
 from services.scheduler.registry import Worker, WorkerKind
 

@@ -1,11 +1,14 @@
 """The scheduler's domain records: an experiment's progress, steps, evals and everything that is
-persisted to NATS KV (as JSON) so a scheduler restart resumes it."""
+persisted to NATS KV (as JSON) so a scheduler restart resumes it. A step's and an eval's
+fields are those of their proto messages (asyncrl.types derives them)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
+
+from asyncrl.types import EvalResult, StepMetrics
 
 
 class ExperimentState(StrEnum):
@@ -22,38 +25,6 @@ class ExperimentState(StrEnum):
             ExperimentState.FAILED,
             ExperimentState.CANCELLED,
         )
-
-
-@dataclass
-class StepMetrics:
-    """One optimizer step as the trainer reported it (mirrors asyncrl.v1.StepMetrics)."""
-
-    step: int = 0
-    version: int = 0
-    loss: float = 0.0
-    reward_mean: float = 0.0
-    accuracy: float = 0.0
-    staleness_max: int = 0
-    staleness_mean: float = 0.0
-    clip_fraction: float = 0.0
-    entropy: float = 0.0
-    tokens_per_s: float = 0.0
-    step_time_s: float = 0.0
-    groups: int = 0
-    stale_dropped: int = 0
-    grad_norm: float = 0.0
-    kl: float = 0.0
-    stale_groups: int = 0
-
-
-@dataclass
-class EvalResult:
-    version: int
-    accuracy: float
-    reward_mean: float
-    n_prompts: int
-    n_samples: int
-    failed: int
 
 
 @dataclass

@@ -11,16 +11,10 @@ from asyncrl.errors import NotFound
 from asyncrl.logging import get_logger
 from asyncrl.metrics import gauge
 from asyncrl.runtime import ServiceRuntime
+from asyncrl.types import StepMetrics
 from asyncrl.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.context import SchedulerConfig
-from services.scheduler.convert import (
-    eval_to_proto,
-    experiment_to_proto,
-    kind_from_proto,
-    step_from_proto,
-    step_to_proto,
-    worker_to_proto,
-)
+from services.scheduler.convert import experiment_to_proto, kind_from_proto, worker_to_proto
 from services.scheduler.core import Scheduler
 from services.scheduler.experiments import ExperimentRunner
 from services.scheduler.records import Event
@@ -37,9 +31,9 @@ def _experiment(runner: ExperimentRunner, with_history: bool = False) -> schedul
 def _event(runner: ExperimentRunner, event: Event) -> scheduler_pb2.ProgressEvent:
     msg = scheduler_pb2.ProgressEvent(kind=event.kind, experiment=_experiment(runner))
     if event.step is not None:
-        msg.step.CopyFrom(step_to_proto(event.step))
+        msg.step.CopyFrom(event.step.to_proto())
     if event.eval is not None:
-        msg.eval.CopyFrom(eval_to_proto(event.eval))
+        msg.eval.CopyFrom(event.eval.to_proto())
     return msg
 
 
@@ -118,7 +112,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             request.experiment_id,
             request.version,
             request.uri,
-            step_from_proto(request.metrics),
+            StepMetrics.from_proto(request.metrics),
             request.trainer_id,
         )
         return scheduler_pb2.CommitWeightsResponse(

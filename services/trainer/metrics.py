@@ -3,38 +3,7 @@ metrics of one optimizer step. No grpc, no nats: unit-tested with exact values."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from asyncrl.types import RewardStatus, TrajectoryGroup
-
-
-@dataclass
-class StepMetrics:
-    """One optimizer step; field names mirror `asyncrl.v1.StepMetrics`."""
-
-    step: int
-    version: int
-    """The version this step produced."""
-    loss: float
-    reward_mean: float
-    """Mean reward over OK samples (FAILED samples are excluded, not scored as 0)."""
-    accuracy: float
-    """Fraction of OK samples with reward >= 1."""
-    staleness_max: int
-    staleness_mean: float
-    clip_fraction: float
-    entropy: float
-    tokens_per_s: float
-    """Loss tokens per second of `step_time_s`."""
-    step_time_s: float
-    """Wall time of the backend's train_step."""
-    groups: int
-    stale_dropped: int
-    """Groups dropped as too stale while collecting this step's batch."""
-    grad_norm: float
-    kl: float
-    stale_groups: int
-    """Trained groups with staleness >= 1."""
+from asyncrl.types import RewardStatus, StepMetrics, TrajectoryGroup
 
 
 def is_too_stale(group: TrajectoryGroup, trainer_version: int, eta: int) -> bool:

@@ -23,8 +23,8 @@ from asyncrl.errors import Conflict, NotFound
 from asyncrl.logging import get_logger
 from asyncrl.retry import idempotent_rpc
 from asyncrl.spec import ExperimentSpec, SpecError, spec_from_json
-from asyncrl.types import TrajectoryGroup
-from asyncrl.v1 import common_pb2, scheduler_pb2, trainer_pb2
+from asyncrl.types import StepMetrics, TrainerState, TrajectoryGroup
+from asyncrl.v1 import scheduler_pb2, trainer_pb2
 from asyncrl.weights import copy_tokenizer, path_to_uri, prune, publish_version, version_dir
 from services.trainer.backends import make_backend
 from services.trainer.checkpoint import (
@@ -37,7 +37,6 @@ from services.trainer.checkpoint import (
 )
 from services.trainer.consumer import GroupConsumer
 from services.trainer.metrics import (
-    StepMetrics,
     drop_reason,
     partition_by_staleness,
     step_metrics,
@@ -45,15 +44,6 @@ from services.trainer.metrics import (
 
 log = get_logger()
 
-IDLE, LOADING, WAITING, TRAINING, STOPPED, FAILED = (
-    "idle",
-    "loading",
-    "waiting",
-    "training",
-    "stopped",
-    "failed",
-)
-ACTIVE = (LOADING, WAITING, TRAINING)
 KEEP_VERSIONS = 3
 COMMIT_TIMEOUT_S = 300.0  # the scheduler answers after the rollout fleet loaded the weights
 REPORT_TIMEOUT_S = 10.0
@@ -66,10 +56,6 @@ class Batch:
     last_seq: int
     """Stream sequence of the last message consumed for this batch (trained or dropped)."""
     dropped: int
-
-
-def metrics_to_proto(m: StepMetrics) -> common_pb2.StepMetrics:
-    return common_pb2.StepMetrics(**asdict(m))
 
 
 class TrainerService:
@@ -93,7 +79,7 @@ class TrainerService:
         self.experiment_id = ""
         self.spec: ExperimentSpec | None = None
         self.backend = None
-        self.state = IDLE
+        self.state = TrainerState.IDLE
         self.message = ""
         self.version = 0
         self.step = 0
@@ -115,7 +101,7 @@ class TrainerService:
         if not (Path(spec.model.path) / "config.json").is_file():
             raise SpecError("model.path", f"no HuggingFace config.json in {spec.model.path}")
         async with self._lock:
-            if self.state in ACTIVE:
+            if self.state.active:
                 if self.experiment_id == experiment_id:
                     return self.version, self.resumed
                 raise Conflict(f"trainer is busy with experiment {self.experiment_id}")
@@ -146,7 +132,7 @@ class TrainerService:
         """Checkpoint at the next step boundary (at once while waiting for groups)."""
         self._require(experiment_id)
         async with self._lock:
-            if self.state == FAILED:
+            if self.state == TrainerState.FAILED:
                 raise Conflict(f"trainer failed, nothing consistent to save: {self.message}")
             path = await self._checkpoint()
             return str(path), self.step
@@ -158,14 +144,14 @@ class TrainerService:
             version=self.version,
             step=self.step,
             backend=self.spec.trainer.backend if self.spec else "",
-            last_step=metrics_to_proto(self.last_metrics) if self.last_metrics else None,
+            last_step=self.last_metrics.to_proto() if self.last_metrics else None,
             state=self.state,
             message=self.message,
         )
 
     def load(self) -> int:
         """Heartbeat load: 1 while an experiment is active."""
-        return int(self.state in ACTIVE)
+        return int(self.state.active)
 
     @property
     def worker_id(self) -> str:
@@ -194,7 +180,7 @@ class TrainerService:
 
     def _reset(self, experiment_id: str, spec: ExperimentSpec) -> None:
         self.experiment_id, self.spec = experiment_id, spec
-        self.state, self.message = LOADING, ""
+        self.state, self.message = TrainerState.LOADING, ""
         self.version = self.step = self._boundary_seq = 0
         self.resumed, self.last_metrics = False, None
         self._stop = asyncio.Event()  # a StopExperiment during loading stops the new run
@@ -224,7 +210,7 @@ class TrainerService:
                 await asyncio.to_thread(self._publish_weights, self.version)  # pruned meanwhile
         self._consumer = GroupConsumer(self.js, self.experiment_id)
         await self._consumer.open(consumer_start_seq(state))
-        self.state = WAITING
+        self.state = TrainerState.WAITING
         self.log.info(
             "experiment_started",
             backend=spec.trainer.backend,
@@ -235,7 +221,7 @@ class TrainerService:
         )
 
     def _fail(self, exc: BaseException, where: str) -> None:
-        self.state = FAILED
+        self.state = TrainerState.FAILED
         self.message = f"{where}: {type(exc).__name__}: {exc}"
         self.log.error(
             "trainer_failed",
@@ -259,7 +245,7 @@ class TrainerService:
                     break
             async with self._lock:
                 await self._checkpoint()
-            self.state = STOPPED
+            self.state = TrainerState.STOPPED
             self.log.info("experiment_stopped", version=self.version, step=self.step)
         except asyncio.CancelledError:
             raise
@@ -272,7 +258,7 @@ class TrainerService:
         eta = self.spec.rollout.max_head_offpolicyness
         groups: list[TrajectoryGroup] = []
         dropped, last_seq = 0, self._boundary_seq
-        self.state = WAITING
+        self.state = TrainerState.WAITING
         while len(groups) < b:
             if self._stop.is_set():
                 return None
@@ -291,7 +277,7 @@ class TrainerService:
 
     async def _train(self, batch: Batch) -> bool:
         """One optimizer step -> version + 1. Returns True when the scheduler says stop."""
-        self.state = TRAINING
+        self.state = TrainerState.TRAINING
         trained_at = self.version
         t0 = time.perf_counter()
         stats = await asyncio.to_thread(self.backend.train_step, batch.groups)
@@ -317,7 +303,7 @@ class TrainerService:
             slog.info("scheduler_says_stop", fleet_version=resp.fleet_version)
         elif self.step % self.spec.trainer.checkpoint_every == 0:
             await self._checkpoint()
-        self.state = WAITING
+        self.state = TrainerState.WAITING
         return resp.stop
 
     # -- side effects ---------------------------------------------------------------------------
@@ -360,7 +346,7 @@ class TrainerService:
             experiment_id=self.experiment_id,
             version=m.version,
             uri=uri,
-            metrics=metrics_to_proto(m),
+            metrics=m.to_proto(),
             trainer_id=self.worker_id,
         )
         async for attempt in idempotent_rpc(attempts=30, max_delay_s=SCHEDULER_RETRY_S):

@@ -13,13 +13,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.grpcutil import channel
 from asyncrl.metrics import MetricsServer
+from asyncrl.types import EvalResult, StepMetrics
 from asyncrl.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.rollout.server import RolloutCollector
 from services.rollout.service import RolloutService
 from services.rollout.torch_engine import TorchEngine
-from services.scheduler.records import EvalResult, StepMetrics
 from services.scheduler.server import create_scheduler
-from services.trainer.metrics import StepMetrics as TrainerStepMetrics
 from services.trainer.server import TrainerCollector
 from services.trainer.service import TrainerService
 
@@ -101,8 +100,8 @@ async def test_worker_collectors_one_registry_each_report_live_state_without_con
     rollout.throughput.add(120)
     trainer = TrainerService(None, None, tmp_path / "var", tmp_path / "weights")
     trainer.experiment_id, trainer.version, trainer.step = "exp-1", 5, 6
-    trainer.last_metrics = TrainerStepMetrics(
-        **{f.name: 0 for f in fields(TrainerStepMetrics)}
+    trainer.last_metrics = StepMetrics(
+        **{f.name: 0 for f in fields(StepMetrics)}
         | {"loss": 1.5, "staleness_max": 2, "tokens_per_s": 9.0}
     )
     servers = [

@@ -2,31 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
 from asyncrl.spec import spec_from_json, validate_spec
+from asyncrl.types import EvalResult, StepMetrics
 from asyncrl.v1 import common_pb2, scheduler_pb2
 from services.scheduler.convert import (
-    eval_from_proto,
-    eval_to_proto,
     experiment_to_proto,
     kind_from_proto,
     kind_to_proto,
-    progress_from_proto,
     progress_to_proto,
-    state_from_proto,
     state_to_proto,
-    step_from_proto,
-    step_to_proto,
     worker_to_proto,
 )
-from services.scheduler.records import (
-    EvalResult,
-    ExperimentRecord,
-    ExperimentState,
-    Progress,
-    StepMetrics,
-)
+from services.scheduler.records import ExperimentRecord, ExperimentState, Progress
 from services.scheduler.registry import Registry, WorkerKind
 
 STEP = StepMetrics(
@@ -92,23 +83,25 @@ def record() -> ExperimentRecord:
     )
 
 
-def test_step_metrics_round_trip():
-    assert step_from_proto(step_to_proto(STEP)) == STEP
+def test_step_metrics_round_trip_every_proto_field():
+    assert StepMetrics.from_proto(STEP.to_proto()) == STEP
+    names = [f.name for f in common_pb2.StepMetrics.DESCRIPTOR.fields]
+    assert [f.name for f in fields(StepMetrics)] == names  # derived from the message
 
 
 def test_eval_result_round_trip():
-    assert eval_from_proto(eval_to_proto(EVAL)) == EVAL
+    assert EvalResult.from_proto(EVAL.to_proto()) == EVAL
 
 
-def test_progress_round_trip_carries_last_step_and_evals():
+def test_progress_to_proto_carries_counters_last_step_and_evals():
     msg = progress_to_proto(PROGRESS, [StepMetrics(step=1), STEP], [EVAL])
-    assert progress_from_proto(msg) == PROGRESS
+    assert all(getattr(msg, f.name) == getattr(PROGRESS, f.name) for f in fields(Progress))
     assert msg.last_step.step == 3 and msg.evals[0].accuracy == 0.5
 
 
 @pytest.mark.parametrize("state", list(ExperimentState))
-def test_state_round_trip(state):
-    assert state_from_proto(state_to_proto(state)) == state
+def test_state_to_proto_same_name(state):
+    assert scheduler_pb2.ExperimentState.Name(state_to_proto(state)) == f"EXPERIMENT_STATE_{state}"
 
 
 @pytest.mark.parametrize("kind", list(WorkerKind))
