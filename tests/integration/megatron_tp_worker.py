@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.algo import pack_groups, token_logprobs
 from asyncrl.spec import ExperimentSpec
 from asyncrl.types import RewardStatus, Sample, TrajectoryGroup
+from services.trainer.algo import pack_groups, token_logprobs
 
 CASE_TRAINER = dict(lr=1e-3, minibatches=2, kl_coef=0.05, grad_clip=1.0)
 MICRO_BATCH = 2

@@ -1,7 +1,7 @@
 """The megatron-core backend against the HuggingFace model it was built from (fp32, CPU, gloo).
 
 Acceptance: HF -> Megatron -> HF export is exact; logprobs and one optimizer step match a
-plain HF + asyncrl.algo reference within 1e-4; TP=2 and DP=2 (two gloo ranks under torchrun)
+plain HF + services.trainer.algo reference within 1e-4; TP=2 and DP=2 (two gloo ranks under torchrun)
 match TP=1; a checkpoint restored into a fresh backend continues bit-for-bit.
 """
 
@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncrl.algo import pack_groups, ppo_decoupled_loss, token_logprobs
 from asyncrl.net import free_port
 from asyncrl.tiny import build_tiny_model
+from services.trainer.algo import pack_groups, ppo_decoupled_loss, token_logprobs
 from tests.integration.megatron_tp_worker import MICRO_BATCH, make_groups, make_spec, run_case
 
 warnings.filterwarnings("ignore")

@@ -19,13 +19,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.algo import token_logprobs
 from asyncrl.spec import SamplingParams
 from asyncrl.types import Sample, TrajectoryGroup
 from asyncrl.workflow import Completion, Trajectory, WorkflowContext
 from examples.smollm2.fetch import fetch
 from services.rollout.engine import GenRequest
 from services.rollout.torch_engine import TorchEngine
+from services.trainer.algo import token_logprobs
 from tests.integration.megatron_tp_worker import make_spec
 
 warnings.filterwarnings("ignore")

@@ -17,7 +17,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.algo import token_logprobs
 from asyncrl.grpcutil import channel
 from asyncrl.natsutil import STREAM, publish_group, wait_until
 from asyncrl.net import free_port
@@ -34,6 +33,7 @@ from asyncrl.tiny import build_tiny_model
 from asyncrl.types import RewardStatus, Sample, TrajectoryGroup
 from asyncrl.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from asyncrl.weights import uri_to_path
+from services.trainer.algo import token_logprobs
 from services.trainer.checkpoint import checkpoint_root, latest_checkpoint
 from services.trainer.consumer import durable_name
 from services.trainer.server import create_trainer

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from asyncrl.algo import grpo_advantages, kl_k3, pack_groups, ppo_decoupled_loss
 from asyncrl.types import RewardStatus, Sample, TrajectoryGroup
+from services.trainer.algo import grpo_advantages, kl_k3, pack_groups, ppo_decoupled_loss
 
 LN = math.log
 
@@ -216,7 +216,7 @@ def test_pack_groups_environment_tokens_are_context_without_loss():
 
 
 def test_lr_at_linear_decays_to_min_ratio_at_last_step():
-    from asyncrl.algo import lr_at
+    from services.trainer.algo import lr_at
 
     # 5 steps, base 1.0, floor 0.2: the rate falls by (1 - 0.2) / 4 = 0.2 per step
     got = [lr_at(s, 5, 1.0, "linear", 0.2) for s in range(6)]

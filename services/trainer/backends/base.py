@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from asyncrl.algo import PackedBatch, pack_groups
 from asyncrl.spec import ExperimentSpec
 from asyncrl.types import TrajectoryGroup
+from services.trainer.algo import PackedBatch, pack_groups
 
 
 class TrainerBackend(ABC):

@@ -22,16 +22,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from asyncrl.algo import (
+from asyncrl.errors import SpecError
+from asyncrl.types import TrajectoryGroup
+from asyncrl.weights import copy_tokenizer, load_state_dict_files
+from services.trainer.algo import (
     PackedBatch,
     kl_k3,
     lr_at,
     ppo_decoupled_loss,
     unpack_output_logprobs,
 )
-from asyncrl.errors import SpecError
-from asyncrl.types import TrajectoryGroup
-from asyncrl.weights import copy_tokenizer, load_state_dict_files
 from services.trainer.backends.base import TrainerBackend
 from services.trainer.megatron import model as mg
 from services.trainer.megatron.optim import build_optimizer

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.algo import (
+from asyncrl.types import TrajectoryGroup
+from asyncrl.weights import copy_tokenizer
+from services.trainer.algo import (
     PackedBatch,
     kl_k3,
     lr_at,
@@ -25,8 +27,6 @@ from asyncrl.algo import (
     token_logprobs,
     unpack_output_logprobs,
 )
-from asyncrl.types import TrajectoryGroup
-from asyncrl.weights import copy_tokenizer
 from services.trainer.backends.base import TrainerBackend
 
 MODEL_FILE = "model.pt"

@@ -3,7 +3,7 @@
 `build_model` maps config.json onto a `TransformerConfig` (GQA, RoPE with the model's base,
 RMSNorm, SwiGLU, Qwen2's qkv bias, tied or untied embeddings) and builds a `GPTModel` with the
 local layer spec (no Transformer Engine / Apex needed). `token_logprobs` and `token_entropy`
-are the vocab-parallel versions of `asyncrl.algo`'s: logits stay sharded over the TP ranks and
+are the vocab-parallel versions of `services.trainer.algo`'s: logits stay sharded over the TP ranks and
 the padded vocabulary rows are masked out, so the numbers equal the HuggingFace model's.
 """
 
