@@ -1,27 +1,27 @@
-"""Weight sync into SGLang by collective broadcast (NCCL on GPUs), the trainer being rank 0.
+"""The engine's half of the collective weight update into SGLang (`weight_sync: nccl`).
 
-Protocol (SGLang's `update_weights_from_distributed`, as AReaL and slime use it):
+Protocol (SGLang's `update_weights_from_distributed`, as AReaL and slime use it), the trainer
+being rank 0:
   1. once: the engine POSTs `/init_weights_update_group` (master address/port of the trainer,
-     `rank_offset`, `world_size`, `group_name`, backend) while the trainer joins the same group
-     with `WeightBroadcaster.connect()`; both block until the rendezvous completes.
+     `rank_offset`, `world_size`, `group_name`, backend) at its first collective update, while
+     the trainer joins the same group; both block until the rendezvous completes.
   2. per update: the engine POSTs `/update_weights_from_distributed` bucket by bucket (names,
      dtypes, shapes in HF naming, full shapes); each call returns after SGLang has received
-     that bucket. Concurrently the trainer calls `WeightBroadcaster.broadcast(state)`, which
-     sends every tensor, one broadcast each, in the same order.
+     that bucket. Concurrently the trainer broadcasts every tensor, one broadcast each, in the
+     same order.
 
 Both sides order tensors by name, so the trainer needs no bucket plan: buckets only group the
 engine's HTTP calls. The engine reads names, dtypes and shapes from the safetensors headers of
-the version directory the trainer also writes to the weight store (a restarted server reloads
-from there).
+the version directory the trainer writes to the weight store (a restarted server reloads from
+there); the trainer broadcasts the tensors of that same directory. The trainer's half is
+services/trainer/weight_sync.py (`trainer.weight_sync: nccl` in the experiment spec).
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 # safetensors dtype codes -> torch dtype names (what SGLang's `dtypes` field expects)
@@ -131,93 +131,3 @@ def bucket_request(
     if last and version is not None:
         body["weight_version"] = str(version)
     return body
-
-
-def init_custom_group(
-    backend: str,
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str,
-    timeout_s: float = 600.0,
-):
-    """A process group outside torch's default group (the trainer has its own world), built
-    the way SGLang builds its side: tcp rendezvous (rank 0 hosts the store), a store prefixed
-    by `group_name`, then torch's group helper. Uses private torch API, as SGLang does."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
-
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
-    store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        Backend(backend),
-        PrefixStore(group_name, store),
-        group_name=group_name,
-        timeout=timeout,
-    )
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    assert dist.get_world_size(pg) == world_size
-    return pg
-
-
-class WeightBroadcaster:
-    """The trainer's side (rank 0): `connect()` once, then `broadcast(state)` per update, while
-    the rollout engine runs its half of the protocol. Blocking calls: run them in a thread."""
-
-    def __init__(
-        self,
-        master_address: str,
-        master_port: int,
-        world_size: int,
-        group_name: str = "asyncrl-weights",
-        backend: str = "nccl",
-        timeout_s: float = 600.0,
-    ):
-        self.master_address = master_address
-        self.master_port = master_port
-        self.world_size = world_size
-        self.group_name = group_name
-        self.backend = backend
-        self.timeout_s = timeout_s
-        self.group = None
-
-    def connect(self) -> None:
-        self.group = init_custom_group(
-            self.backend,
-            self.master_address,
-            self.master_port,
-            0,
-            self.world_size,
-            self.group_name,
-            self.timeout_s,
-        )
-
-    def broadcast(self, state: Mapping[str, object]) -> None:
-        """Send every tensor of `state` (HF names, full shapes) in name order. On NCCL the
-        tensors must be on this rank's GPU; they are sent in their own dtype, which must be
-        the dtype of the checkpoint the engine reads its metadata from."""
-        import torch.distributed as dist
-
-        assert self.group is not None, "connect() first"
-        for name in sorted(state):
-            dist.broadcast(state[name].contiguous(), src=0, group=self.group)
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None

@@ -41,6 +41,7 @@ from services.trainer.metrics import (
     partition_by_staleness,
     step_metrics,
 )
+from services.trainer.weight_sync import WeightBroadcaster
 
 log = get_logger()
 
@@ -87,6 +88,7 @@ class TrainerService:
         self.last_metrics: StepMetrics | None = None
         self.log = log
         self._consumer: GroupConsumer | None = None
+        self._broadcaster: WeightBroadcaster | None = None  # trainer.weight_sync nccl
         self._boundary_seq = 0  # last stream seq consumed at the last step boundary
         self._task: asyncio.Task | None = None
         self._stop = asyncio.Event()
@@ -210,6 +212,7 @@ class TrainerService:
                 await asyncio.to_thread(self._publish_weights, self.version)  # pruned meanwhile
         self._consumer = GroupConsumer(self.js, self.experiment_id)
         await self._consumer.open(consumer_start_seq(state))
+        self._broadcaster = WeightBroadcaster.from_spec(spec.trainer)  # joins at 1st commit
         self.state = TrainerState.WAITING
         self.log.info(
             "experiment_started",
@@ -251,6 +254,10 @@ class TrainerService:
             raise
         except Exception as exc:  # noqa: BLE001 - recorded as the failed state, never hidden
             self._fail(exc, "training")
+        finally:
+            if self._broadcaster is not None:
+                await asyncio.to_thread(self._broadcaster.close)
+                self._broadcaster = None
 
     async def _collect(self) -> Batch | None:
         """Pull until B trainable groups are in hand; None if asked to stop first."""
@@ -298,7 +305,7 @@ class TrainerService:
         slog = self.log.bind(version=self.version)
         slog.info("train_step", **{k: v for k, v in asdict(m).items() if k != "version"})
         uri = await asyncio.to_thread(self._publish_weights, self.version)
-        resp = await self._commit(uri, m)
+        resp = await self._commit_and_send(uri, m)
         if resp.stop:
             slog.info("scheduler_says_stop", fleet_version=resp.fleet_version)
         elif self.step % self.spec.trainer.checkpoint_every == 0:
@@ -352,6 +359,25 @@ class TrainerService:
         async for attempt in idempotent_rpc(attempts=30, max_delay_s=SCHEDULER_RETRY_S):
             with attempt:
                 return await self.scheduler.CommitWeights(req, timeout=COMMIT_TIMEOUT_S)
+
+    async def _commit_and_send(
+        self, uri: str, m: StepMetrics
+    ) -> scheduler_pb2.CommitWeightsResponse:
+        """CommitWeights; with trainer.weight_sync nccl, broadcast the version meanwhile (the
+        scheduler's UpdateWeights has each engine receive it while the trainer sends). Both
+        finish before a failure of either is raised, so no broadcast outlives the step."""
+        if self._broadcaster is None:
+            return await self._commit(uri, m)
+        model_dir = version_dir(self.weights_root, self.experiment_id, m.version)
+        sent, resp = await asyncio.gather(
+            asyncio.to_thread(self._broadcaster.send_version, model_dir),
+            self._commit(uri, m),
+            return_exceptions=True,
+        )
+        for result in (sent, resp):
+            if isinstance(result, BaseException):
+                raise result
+        return resp
 
     async def _report_dropped(self, stale: list[TrajectoryGroup], eta: int) -> None:
         """ReportDropped is idempotent per group id: safe to retry."""

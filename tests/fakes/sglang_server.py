@@ -21,7 +21,8 @@ coroutine with a KV cache. What it reproduces, because the rollout engine relies
 Test-only extras: `--token-delay-s` (sleep after each token so tests can interrupt mid-way),
 `--abort-delay-s` (an aborted request's answer arrives that much later, possibly after a
 weight swap: `weight_version` is read when the answer is built, as in SGLang),
-`GET /fake_stats` and, in process, `FakeSGLang.mangle` (rewrites each `/generate` answer, to
+`GET /fake_stats`, `GET /fake_weights` (a digest of every served tensor, `tensor_digest`) and,
+in process, `FakeSGLang.mangle` (rewrites each `/generate` answer, to
 test how a client takes a malformed one).
 
     python -m tests.fakes.sglang_server --model-path DIR --port P [--weight-version 0]
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -48,7 +50,7 @@ import torch
 from aiohttp import web
 
 from asyncrl.net import free_port
-from services.rollout.sglang_sync import init_custom_group  # SGLang's recipe
+from services.trainer.weight_sync import init_custom_group  # SGLang's recipe, as the trainer's
 
 log = logging.getLogger("fake_sglang")
 
@@ -56,6 +58,14 @@ log = logging.getLogger("fake_sglang")
 def parse_version(text: str) -> tuple[int, int, int]:
     nums = [int(n) for n in re.findall(r"\d+", text)[:3]]
     return tuple(nums + [0] * (3 - len(nums)))  # type: ignore[return-value]
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes: equal digests mean equal tensors."""
+    t = t.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 class HttpError(Exception):
@@ -136,6 +146,7 @@ class FakeSGLang:
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_get("/fake_stats", self.fake_stats)
+        r.add_get("/fake_weights", self.fake_weights)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -204,6 +215,10 @@ class FakeSGLang:
                 "weight_version": self.weight_version,
             }
         )
+
+    async def fake_weights(self, request: web.Request) -> web.Response:
+        state = self.model.state_dict()
+        return web.json_response({name: tensor_digest(t) for name, t in state.items()})
 
     # ---------------------------------------------------------------- generation
     async def generate(self, request: web.Request) -> web.Response:

@@ -14,7 +14,6 @@ import threading
 import aiohttp
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from asyncrl.net import free_port
 from asyncrl.spec import SamplingParams
@@ -23,7 +22,7 @@ from services.rollout.engine import GenRequest
 from services.rollout.sglang_config import SGLangConfig
 from services.rollout.sglang_engine import SGLangBadResponse, SGLangEngine, SGLangError
 from services.rollout.sglang_process import SGLANG_MISSING, LaunchConfig, SGLangNotInstalled
-from services.rollout.sglang_sync import WeightBroadcaster
+from services.trainer.weight_sync import WeightBroadcaster
 from tests.fakes.sglang_server import fake_launch_cmd, serve_fake, spawn_fake
 
 pytest_plugins = ["tests.fakes.sglang_server"]  # the sglang_fake / sglang_fake_url fixtures
@@ -350,8 +349,9 @@ def test_launch_without_sglang_raises_clear_error():
     assert "--sglang-url" in SGLANG_MISSING and "rollout.engine: torch" in SGLANG_MISSING
 
 
-async def _collective_update(models, backend: str, trainer_device: str, child_env: dict):
-    """Attach to a fake in its own process; the trainer (a thread here) broadcasts v1."""
+async def _collective_update(models, backend: str, child_env: dict):
+    """Attach to a fake in its own process; the trainer's broadcaster (in a thread here) sends
+    v1's directory. The trainer service itself: tests/integration/test_trainer_weight_sync.py."""
     port = free_port()
     with spawn_fake(models[0], "--weight-version", "0", env=child_env) as url:
         engine = SGLangEngine(
@@ -366,17 +366,12 @@ async def _collective_update(models, backend: str, trainer_device: str, child_en
         await engine.start()
         try:
             await engine.load(models[0], 0)
-            state = {
-                k: v.to(trainer_device)
-                for k, v in load_file(os.path.join(models[1], "model.safetensors")).items()
-            }
             sender = WeightBroadcaster("127.0.0.1", port, world_size=2, backend=backend)
             errors: list[BaseException] = []
 
             def trainer():
                 try:
-                    sender.connect()
-                    sender.broadcast(state)
+                    sender.send_version(models[1])
                 except BaseException as e:  # noqa: BLE001 - re-raised in the test
                     errors.append(e)
 
@@ -396,10 +391,10 @@ async def _collective_update(models, backend: str, trainer_device: str, child_en
 
 
 async def test_collective_update_over_gloo_serves_trainer_weights(models):
-    await _collective_update(models, "gloo", "cpu", {})
+    await _collective_update(models, "gloo", {})
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one per NCCL rank)")
 async def test_collective_update_over_nccl_serves_trainer_weights(models):
-    await _collective_update(models, "nccl", "cuda:0", {"CUDA_VISIBLE_DEVICES": "1"})
+    await _collective_update(models, "nccl", {"CUDA_VISIBLE_DEVICES": "1"})

@@ -1,0 +1,57 @@
+"""`trainer.weight_sync` in the spec and the broadcaster the trainer builds from it (no group is
+joined here; the broadcast itself: tests/integration/test_trainer_weight_sync.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.errors import SpecError
+from asyncrl.spec import validate_spec
+from services.trainer.weight_sync import GROUP_NAME, WeightBroadcaster, collective_backend
+
+MINIMAL = {"model": {"path": "m"}, "dataset": {"path": "d.jsonl"}}
+
+
+def _trainer(**fields):
+    return validate_spec(MINIMAL | {"trainer": fields}).trainer
+
+
+def test_weight_sync_default_disk_builds_no_broadcaster():
+    trainer = _trainer()
+    assert (trainer.weight_sync, trainer.nccl_master, trainer.nccl_world_size) == (
+        "disk",
+        None,
+        None,
+    )
+    assert WeightBroadcaster.from_spec(trainer) is None
+
+
+def test_weight_sync_nccl_builds_rank_0_broadcaster_of_the_group():
+    b = WeightBroadcaster.from_spec(
+        _trainer(weight_sync="nccl", nccl_master="10.0.0.7:29500", nccl_world_size=3)
+    )
+    assert (b.master_address, b.master_port, b.world_size) == ("10.0.0.7", 29500, 3)
+    assert b.group_name == GROUP_NAME == "asyncrl-weights"  # the SGLang engine's default
+    assert b.backend == collective_backend()  # nccl with CUDA, gloo without
+    assert b.group is None  # joins at the first send, not before
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "reason"),
+    [
+        ({"weight_sync": "nccl"}, "trainer", "needs nccl_master and nccl_world_size"),
+        (
+            {"weight_sync": "nccl", "nccl_master": "h:1"},
+            "trainer",
+            "needs nccl_master and nccl_world_size",
+        ),
+        ({"nccl_master": "no-port"}, "trainer.nccl_master", "should match pattern"),
+        ({"nccl_world_size": 1}, "trainer.nccl_world_size", "greater than 1"),
+        ({"weight_sync": "shm"}, "trainer.weight_sync", "'disk' or 'nccl'"),
+    ],
+)
+def test_weight_sync_invalid_fields_raise_spec_error_naming_them(fields, field, reason):
+    with pytest.raises(SpecError) as exc:
+        _trainer(**fields)
+    assert exc.value.field == field
+    assert reason in exc.value.reason
