@@ -12,7 +12,6 @@ cancels its engine requests and publishes nothing.
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from asyncrl.errors import BadRequest, Conflict
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import publish_group
 from asyncrl.spec import ExperimentSpec, SamplingParams, SpecError, spec_from_json
+from asyncrl.throughput import Throughput
 from asyncrl.types import Completion, RewardStatus, Sample, Score, TrajectoryGroup
 from asyncrl.weights import uri_to_path
 from asyncrl.workflow import Workflow, WorkflowContext, make_workflow, resolve_workflow
@@ -132,29 +132,6 @@ class _Running:
     job: GroupJob
     task: asyncio.Task | None = None
     aborted: str = ""  # set when the service itself aborts the group (experiment switch)
-
-
-class Throughput:
-    """Generated tokens: a running total and the rate over the last `window_s` seconds."""
-
-    def __init__(self, window_s: float = 30.0):
-        self.window_s = window_s
-        self.total = 0
-        self._events: collections.deque[tuple[float, int]] = collections.deque()
-        self._since = time.monotonic()
-
-    def add(self, tokens: int, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        self.total += tokens
-        self._events.append((now, tokens))
-        while self._events and self._events[0][0] < now - self.window_s:
-            self._events.popleft()
-
-    def rate(self, now: float | None = None) -> float:
-        now = time.monotonic() if now is None else now
-        recent = sum(n for t, n in self._events if t >= now - self.window_s)
-        span = min(self.window_s, max(now - self._since, 1e-9))
-        return recent / span
 
 
 class RolloutService:

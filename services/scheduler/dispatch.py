@@ -9,14 +9,13 @@ end of the run. Cancelling a call makes the rollout abort the generation.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 
 from asyncrl.spec import ExperimentSpec
+from asyncrl.throughput import Throughput
 from asyncrl.types import EvalResult
 from asyncrl.v1 import rollout_pb2
 from services.scheduler.calls import InFlight, WorkerCalls
@@ -85,14 +84,15 @@ class Dispatcher:
         self.inflight: dict[str, InFlight] = {}
         self._aborted: set[str] = set()
         self._drops_seen: set[str] = set()
-        self._tokens: deque[tuple[float, int]] = deque()
+        self.throughput = Throughput(THROUGHPUT_WINDOW_S)
+        """Tokens the fleet generated for this experiment."""
 
     def snapshot_into(self, record: ExperimentRecord) -> None:
         p = record.progress
         for name, value in self.staleness.counters().items():
             setattr(p, name, value)
         p.epoch, p.cursor = self.cursor.epoch, self.cursor.position
-        p.rollout_tokens_per_s = self.throughput()
+        p.rollout_tokens_per_s = self.throughput.rate()
         record.cursor = self.cursor.state()
         record.inflight = [
             [i.ticket.epoch, i.ticket.index, i.ticket.attempt]
@@ -192,7 +192,7 @@ class Dispatcher:
 
     def _done(self, item: InFlight, summary: rollout_pb2.GroupSummary) -> None:
         item.worker.groups_done += 1
-        self._tokens.append((time.monotonic(), summary.tokens))
+        self.throughput.add(summary.tokens)
         if item.eval_round is not None:
             item.eval_round.add(
                 list(summary.rewards),
@@ -287,10 +287,3 @@ class Dispatcher:
 
     def tasks(self) -> list[asyncio.Task]:
         return [i.task for i in self.inflight.values() if i.task is not None]
-
-    def throughput(self) -> float:
-        """Rollout tokens per second over the last THROUGHPUT_WINDOW_S."""
-        now = time.monotonic()
-        while self._tokens and self._tokens[0][0] < now - THROUGHPUT_WINDOW_S:
-            self._tokens.popleft()
-        return sum(n for _, n in self._tokens) / THROUGHPUT_WINDOW_S

@@ -92,12 +92,6 @@ class Registry:
             del self._workers[w.worker_id]
         return gone
 
-    def remove(self, worker_id: str) -> Worker | None:
-        return self._workers.pop(worker_id, None)
-
-    def get(self, worker_id: str) -> Worker | None:
-        return self._workers.get(worker_id)
-
     def workers(self, kind: WorkerKind | None = None) -> list[Worker]:
         ws = [w for w in self._workers.values() if kind is None or w.kind == kind]
         return sorted(ws, key=lambda w: w.worker_id)
