@@ -10,8 +10,9 @@
     await runtime.close()                                  # everything, in reverse order
 
 Each step pushes its own undo onto one `AsyncExitStack`, so a service stops in the reverse of
-the order it started: it leaves the registry, stops serving (health NOT_SERVING first, then
-in-flight RPCs get `grace` seconds), closes its own logic, and drains NATS last. A failure
+the order it started: it stops heartbeating (the scheduler drops it when its lease lapses),
+stops serving (health NOT_SERVING first, then in-flight RPCs get `grace` seconds), closes its
+own logic, and drains NATS last. A failure
 half-way through start-up closes what was already open.
 
 Every gRPC server gets the standard health service, server reflection and one interceptor
