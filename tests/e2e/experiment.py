@@ -10,6 +10,7 @@ import os
 import random
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -18,11 +19,13 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from asyncrl.cli import app as cli_app
+from asyncrl.cli import load_spec_dict
 from asyncrl.client import AsyncrlClient, is_terminal, state_name
 from asyncrl.supervisor import pid_alive
-from tests.cluster import Cluster
+from tests.cluster import ROOT, Cluster
 
 TOTAL_STEPS = 4
+ARITH_DEMO = ROOT / "examples" / "arith" / "experiment.yaml"
 
 
 def write_task(root: Path, n_train: int, n_eval: int) -> tuple[Path, Path]:
@@ -69,6 +72,33 @@ def small_spec(task: tuple[Path, Path, Path], engine: str = "torch", **trainer) 
             "gconfig": {"temperature": 0.0, "max_new_tokens": 4},
         },
     }
+
+
+def build_arith_demo(root: Path) -> None:
+    """The demo's data and warm-started model in `root` (train.jsonl, eval.jsonl, model/), built
+    by the command `make demo` runs."""
+    subprocess.run(
+        [sys.executable, "-m", "examples.arith.build", "--out", str(root / "model")],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+
+
+def arith_demo_spec(root: Path, total_steps: int) -> dict:
+    """The demo's experiment file on the data and model built in `root`, with the overrides a
+    user would pass with `--set`: `total_steps` on the torch backend, eval at v0 and the end."""
+    return load_spec_dict(
+        ARITH_DEMO,
+        [
+            f"model.path={root / 'model'}",
+            f"dataset.path={root / 'train.jsonl'}",
+            f"eval.dataset_path={root / 'eval.jsonl'}",
+            "trainer.backend=torch",
+            f"trainer.total_steps={total_steps}",
+            "eval.every_versions=0",
+        ],
+    )
 
 
 def sglang_launch_args() -> str:

@@ -18,8 +18,10 @@ from asyncrl.client import AsyncrlClient, is_terminal, state_name
 from asyncrl.v1 import common_pb2
 from tests.cluster import wait_for
 from tests.e2e.experiment import (
+    arith_demo_spec,
     assert_completed,
     assert_dump_decodes,
+    build_arith_demo,
     log_events,
     run_experiment,
     small_spec,
@@ -38,6 +40,21 @@ def test_small_experiment_completes_through_all_services(cluster, task, tmp_path
     exp = asyncio.run(run_experiment(cluster.scheduler, small_spec(task)))
     assert_completed(exp)
     assert_dump_decodes(cluster, exp, tmp_path / "traj.jsonl")
+
+
+def test_arith_demo_fifteen_steps_final_eval_accuracy_above_initial(cluster, tmp_path):
+    """Learning happens: the demo (a tiny model warm-started on little-endian three-digit
+    addition, exact-match reward) cut to 15 torch-backend steps raises the greedy eval accuracy
+    on 200 held-out prompts by 0.1 at least (measured 0.155 -> 0.31..0.47; it stays at 0.155
+    with lr=1e-9)."""
+    build_arith_demo(tmp_path)
+    spec = arith_demo_spec(tmp_path, total_steps=15)
+    exp = asyncio.run(run_experiment(cluster.scheduler, spec, timeout=300))
+    assert state_name(exp.state) == "COMPLETED", exp.message
+    evals = [(e.version, e.accuracy) for e in exp.progress.evals]
+    assert [v for v, _ in evals] == [0, 15]
+    (_, initial), (_, final) = evals
+    assert final >= initial + 0.1, evals
 
 
 def test_megatron_backend_small_experiment_completes_through_all_services(cluster, task, tmp_path):
