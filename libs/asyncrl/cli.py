@@ -32,6 +32,7 @@ from asyncrl.client import (
     read_groups,
     state_name,
 )
+from asyncrl.ledger import fetch_report
 from asyncrl.natsutil import nats_url
 from asyncrl.spec import ExperimentSpec, SpecError, apply_overrides, validate_spec
 from asyncrl.v1 import common_pb2, scheduler_pb2
@@ -459,3 +460,30 @@ def report_(
 
 if __name__ == "__main__":
     sys.exit(app())
+
+
+@app.command()
+def ledger(
+    experiment_id: str,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (totals and rows).")] = False,
+    rows: Annotated[bool, typer.Option("--rows", help="Also print one row per prompt.")] = False,
+    nats_server: Annotated[
+        str | None, typer.Option("--nats", help="NATS URL (default: env NATS_URL).")
+    ] = None,
+) -> None:
+    """Every prompt's fate (trained once or twice, filtered, failed, left over, lost) from the
+    experiment's ledger in JetStream."""
+    got = _run(fetch_report(experiment_id, nats_server or nats_url()))
+    if as_json:
+        out.print_json(json.dumps(got.to_json()))
+        return
+    table = Table(title=f"ledger of {escape(experiment_id)}", show_header=False)
+    for fate, n in got.totals.items():
+        table.add_row(fate, str(n))
+    table.add_row("steps / trained groups", f"{got.steps} / {got.trained_groups}")
+    table.add_row("quarantined / duplicate publishes", f"{got.quarantined} / {got.duplicates}")
+    out.print(table)
+    if rows:
+        for p in got.prompts:
+            at = ", ".join(f"step {s} v{v}" for s, v in p.trained)
+            out.print(f"e{p.epoch} p{p.index} {p.prompt!r}: {p.fate} {at or p.reason}")

@@ -1,0 +1,214 @@
+"""The ledger: every group's fate, recorded durably, so a run can prove it lost nothing and
+trained nothing twice.
+
+Services append small JSON events to the JetStream stream `ASYNCRL_LEDGER` (subject
+`asyncrl.ledger.<experiment>`), each awaited, so an event that was recorded survives any crash:
+
+    scheduler  started     {"prompts": N, "epochs": E}           the experiment's dataset
+    scheduler  dispatched  {"group", "prompt", "epoch", "index", "attempt", "worker", "version"}
+    scheduler  settled     {"group", "status": accepted|rejected|failed, "reason", "duplicate"}
+    scheduler  retried     {"group", "reason"}        an infrastructure fault: same id again
+    scheduler  dropped     {"group", "reason"}        too stale: the prompt gets a new attempt
+    scheduler  left_over   {"groups": [...]}          accepted, never trained (end of the data)
+    trainer    trained     {"step", "version", "groups": [...], "run"}
+    trainer    rewound     {"to_step", "run"}         a restarted trainer resumed at step k:
+                                                      steps > k recorded before are discarded
+    trainer    quarantined {"group", "reason"}        a bad message, set aside
+
+`summarize` (pure) turns the events into each prompt's fate and the totals that matter:
+trained once, trained twice, lost, filtered, failed, left over. `asyncrl ledger ID` prints them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+import nats
+from nats.js.api import DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
+
+LEDGER_STREAM = "ASYNCRL_LEDGER"
+LEDGER_ROOT = "asyncrl.ledger"
+
+FATES = ("trained", "trained_twice", "filtered", "failed", "left_over", "lost", "in_flight")
+
+
+def ledger_subject(experiment_id: str) -> str:
+    return f"{LEDGER_ROOT}.{experiment_id}"
+
+
+async def ensure_ledger(js) -> None:
+    """Create (or keep) the ledger stream: file storage, kept as long as the trajectories."""
+    try:
+        await js.stream_info(LEDGER_STREAM)
+    except nats.js.errors.NotFoundError:
+        await js.add_stream(
+            StreamConfig(
+                name=LEDGER_STREAM,
+                subjects=[f"{LEDGER_ROOT}.>"],
+                storage=StorageType.FILE,
+                retention=RetentionPolicy.LIMITS,
+            )
+        )
+
+
+class Ledger:
+    """Appends one experiment's events. `record` returns once the event is stored."""
+
+    def __init__(self, js, experiment_id: str):
+        self.js = js
+        self.subject = ledger_subject(experiment_id)
+
+    async def record(self, event: str, **fields) -> None:
+        body = {"event": event, "t": round(time.time(), 3), **fields}
+        await self.js.publish(self.subject, json.dumps(body, separators=(",", ":")).encode())
+
+
+async def read_events(js, experiment_id: str, timeout_s: float = 5.0) -> list[dict]:
+    """Every event of the experiment, oldest first."""
+    subject = ledger_subject(experiment_id)
+    try:
+        info = await js.stream_info(LEDGER_STREAM, subjects_filter=subject)
+    except nats.js.errors.NotFoundError:
+        return []
+    total = sum((info.state.subjects or {}).values())
+    if not total:
+        return []
+    sub = await js.subscribe(
+        subject, stream=LEDGER_STREAM, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+    )
+    try:
+        return [json.loads((await sub.next_msg(timeout=timeout_s)).data) for _ in range(total)]
+    finally:
+        await sub.unsubscribe()
+
+
+@dataclass
+class PromptFate:
+    """One dataset prompt of one epoch: every attempt at it and what became of it."""
+
+    prompt: str
+    epoch: int
+    index: int
+    groups: list[str] = field(default_factory=list)
+    trained: list[tuple[int, int]] = field(default_factory=list)
+    """(step, version) of every counted training of one of its groups."""
+    last_status: str = ""
+    reason: str = ""
+    left_over: bool = False
+    open: bool = False
+    """A group dispatched and never settled, retried or dropped since."""
+
+    @property
+    def fate(self) -> str:
+        if len(self.trained) > 1:
+            return "trained_twice"
+        if self.trained:
+            return "trained"
+        if self.left_over:
+            return "left_over"
+        if self.last_status == "rejected":
+            return "filtered"
+        if self.last_status == "failed":
+            return "failed"
+        return "in_flight" if self.open else "lost"
+
+
+@dataclass
+class LedgerReport:
+    totals: dict[str, int]
+    prompts: list[PromptFate]
+    steps: int
+    """Training steps counted (discarded ones excluded)."""
+    trained_groups: int
+    """Groups in the counted steps (steps x B when every step took B)."""
+    quarantined: int
+    duplicates: int
+    """Settled groups JetStream reported as duplicate publishes (not counted twice)."""
+    dataset: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["prompts"] = [asdict(p) | {"fate": p.fate} for p in self.prompts]
+        return out
+
+
+def counted_steps(events: Iterable[dict]) -> list[dict]:
+    """The `trained` events that stand: a `rewound` to step k discards the steps > k recorded
+    before it (a restarted trainer trains them again from its checkpoint)."""
+    steps: list[dict] = []
+    for e in events:
+        if e["event"] == "trained":
+            steps.append(e)
+        elif e["event"] == "rewound":
+            steps = [s for s in steps if s["step"] <= e["to_step"]]
+    return steps
+
+
+def summarize(events: list[dict]) -> LedgerReport:
+    """Each prompt's fate from the experiment's events (pure)."""
+    prompts: dict[tuple[int, int], PromptFate] = {}
+    by_group: dict[str, PromptFate] = {}
+    counts = Counter()
+    for e in events:
+        kind, group = e["event"], e.get("group", "")
+        if kind == "dispatched":
+            key = (e["epoch"], e["index"])
+            p = prompts.setdefault(key, PromptFate(e["prompt"], e["epoch"], e["index"]))
+            if group not in p.groups:
+                p.groups.append(group)
+            p.open = True
+            by_group[group] = p
+        elif kind in ("settled", "retried", "dropped") and group in by_group:
+            _settle(by_group[group], e)
+            counts["duplicates"] += bool(e.get("duplicate"))
+        elif kind == "left_over":
+            for g in e["groups"]:
+                if g in by_group:
+                    by_group[g].left_over = True
+        elif kind == "quarantined":
+            counts["quarantined"] += 1
+    steps = counted_steps(events)
+    trained_times: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for s in steps:
+        for g in s["groups"]:
+            trained_times[g].append((s["step"], s["version"]))
+    for g, times in trained_times.items():
+        if g in by_group:
+            by_group[g].trained.extend(times)
+    totals = Counter(p.fate for p in prompts.values())
+    return LedgerReport(
+        totals={f: totals.get(f, 0) for f in FATES},
+        prompts=sorted(prompts.values(), key=lambda p: (p.epoch, p.index)),
+        steps=len(steps),
+        trained_groups=sum(len(s["groups"]) for s in steps),
+        quarantined=counts["quarantined"],
+        duplicates=counts["duplicates"],
+        dataset=next((e for e in events if e["event"] == "started"), {}),
+    )
+
+
+def _settle(p: PromptFate, e: dict) -> None:
+    p.open = False
+    if e["event"] == "settled":
+        p.last_status, p.reason = e["status"], e.get("reason", "")
+    elif e["event"] == "retried":
+        p.open = True  # the same group id goes out again
+
+
+async def fetch_report(experiment_id: str, nats_url: str, timeout_s: float = 10.0) -> LedgerReport:
+    """Connect, read the experiment's events and summarize them (the CLI's `ledger`)."""
+
+    async def quiet(exc: Exception) -> None:  # connection errors surface as the raised error
+        pass
+
+    nc = await nats.connect(
+        nats_url, connect_timeout=timeout_s, max_reconnect_attempts=2, error_cb=quiet
+    )
+    try:
+        return summarize(await read_events(nc.jetstream(timeout=timeout_s), experiment_id))
+    finally:
+        await nc.close()

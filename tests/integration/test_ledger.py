@@ -1,0 +1,49 @@
+"""The ledger on a real nats-server: events appended by two writers are read back in order,
+summarized, and printed by `asyncrl ledger`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import nats
+from typer.testing import CliRunner
+
+from asyncrl.cli import app
+from asyncrl.ledger import Ledger, ensure_ledger, fetch_report, read_events
+
+
+async def _write_run(js) -> None:
+    """Three prompts: two trained at step 1, one left over; and another experiment's event."""
+    await ensure_ledger(js)
+    await ensure_ledger(js)  # idempotent
+    scheduler, trainer = Ledger(js, "exp-a"), Ledger(js, "exp-a")
+    await Ledger(js, "exp-b").record("dispatched", group="b0", prompt="x", epoch=0, index=0)
+    for i in range(3):
+        await scheduler.record("dispatched", group=f"g{i}", prompt=f"p{i}", epoch=0, index=i)
+        await scheduler.record("settled", group=f"g{i}", status="accepted", reason="")
+    await trainer.record("trained", step=1, version=1, groups=["g0", "g1"], run="r1")
+    await scheduler.record("left_over", groups=["g2"])
+
+
+async def test_ledger_round_trip_summarized(nats_server, js):
+    await _write_run(js)
+    events = await read_events(js, "exp-a")
+    assert [e["event"] for e in events][:2] == ["dispatched", "settled"] and len(events) == 8
+    report = await fetch_report("exp-a", nats_server.url)
+    assert report.totals["trained"] == 2 and report.totals["left_over"] == 1
+    assert report.totals["lost"] == 0 and report.trained_groups == 2
+    assert (await fetch_report("exp-none", nats_server.url)).totals["trained"] == 0
+
+
+def test_cli_ledger_json_prints_totals_and_rows(nats_server):
+    async def write():
+        nc = await nats.connect(nats_server.url)
+        await _write_run(nc.jetstream())
+        await nc.close()
+
+    asyncio.run(write())
+    result = CliRunner().invoke(app, ["ledger", "exp-a", "--json", "--nats", nats_server.url])
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.output)
+    assert got["totals"]["trained"] == 2 and got["prompts"][2]["fate"] == "left_over"

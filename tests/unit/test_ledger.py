@@ -1,0 +1,126 @@
+"""The ledger's summary: each prompt's fate from hand-written event sequences."""
+
+from __future__ import annotations
+
+from asyncrl.ledger import counted_steps, summarize
+
+
+def dispatched(group: str, index: int, epoch: int = 0, attempt: int = 0) -> dict:
+    return {
+        "event": "dispatched",
+        "group": group,
+        "prompt": f"p{index}",
+        "epoch": epoch,
+        "index": index,
+        "attempt": attempt,
+    }
+
+
+def settled(group: str, status: str = "accepted", reason: str = "", duplicate=False) -> dict:
+    return {
+        "event": "settled",
+        "group": group,
+        "status": status,
+        "reason": reason,
+        "duplicate": duplicate,
+    }
+
+
+def trained(step: int, *groups: str) -> dict:
+    return {"event": "trained", "step": step, "version": step, "groups": list(groups), "run": "r"}
+
+
+def test_every_fate_counted_once_per_prompt():
+    events = [
+        {"event": "started", "prompts": 6, "epochs": 1},
+        *(dispatched(f"g{i}", i) for i in range(6)),
+        settled("g0"),
+        settled("g1"),
+        settled("g2", "rejected", "constant reward 0"),
+        settled("g3", "failed", "all 4 samples failed: ValueError"),
+        settled("g4"),
+        trained(1, "g0", "g1"),
+        {"event": "left_over", "groups": ["g4"]},
+        # g5: dispatched, never heard of again
+    ]
+    report = summarize(events)
+    assert report.totals == {
+        "trained": 2,
+        "trained_twice": 0,
+        "filtered": 1,
+        "failed": 1,
+        "left_over": 1,
+        "lost": 0,
+        "in_flight": 1,
+    }
+    assert (report.steps, report.trained_groups) == (1, 2)
+    assert report.dataset["prompts"] == 6
+    fates = {p.prompt: (p.fate, p.reason) for p in report.prompts}
+    assert fates["p3"] == ("failed", "all 4 samples failed: ValueError")
+    assert report.prompts[0].trained == [(1, 1)]
+
+
+def test_accepted_never_trained_nor_reported_is_lost():
+    report = summarize([dispatched("g0", 0), settled("g0")])
+    assert report.totals["lost"] == 1
+
+
+def test_retry_same_group_then_trained_once_and_duplicate_counted():
+    events = [
+        dispatched("g0", 0),
+        {"event": "retried", "group": "g0", "reason": "rollout lost"},
+        dispatched("g0", 0),
+        settled("g0", duplicate=True),
+        trained(1, "g0"),
+    ]
+    report = summarize(events)
+    assert report.totals["trained"] == 1 and report.totals["trained_twice"] == 0
+    assert report.duplicates == 1
+    assert report.prompts[0].groups == ["g0"]
+
+
+def test_two_attempts_of_one_prompt_both_trained_is_trained_twice():
+    events = [
+        dispatched("a0", 0),
+        settled("a0"),
+        dispatched("a1", 0, attempt=1),
+        settled("a1"),
+        trained(1, "a0"),
+        trained(2, "a1"),
+    ]
+    assert summarize(events).totals["trained_twice"] == 1
+
+
+def test_stale_drop_then_new_attempt_trained_is_trained_once():
+    events = [
+        dispatched("a0", 0),
+        {"event": "dropped", "group": "a0", "reason": "staleness 3 > eta 2"},
+        dispatched("a1", 0, attempt=1),
+        settled("a1"),
+        trained(1, "a1"),
+    ]
+    report = summarize(events)
+    assert report.totals["trained"] == 1
+    assert report.prompts[0].groups == ["a0", "a1"]
+
+
+def test_rewind_discards_steps_after_the_checkpoint():
+    events = [
+        dispatched("g0", 0),
+        dispatched("g1", 1),
+        settled("g0"),
+        settled("g1"),
+        trained(1, "g0"),
+        trained(2, "g1"),
+        {"event": "rewound", "to_step": 1, "run": "r2"},
+        trained(2, "g1"),
+    ]
+    assert [s["step"] for s in counted_steps(events)] == [1, 2]
+    report = summarize(events)
+    assert report.totals["trained"] == 2 and report.totals["trained_twice"] == 0
+    assert report.steps == 2
+
+
+def test_quarantined_counted():
+    events = [{"event": "quarantined", "group": "x", "reason": "foreign experiment"}]
+    assert summarize(events).quarantined == 1
