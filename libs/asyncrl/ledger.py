@@ -21,7 +21,10 @@ trained once, trained twice, lost, filtered, failed, left over. `asyncrl ledger 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import re
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -34,6 +37,13 @@ LEDGER_STREAM = "ASYNCRL_LEDGER"
 LEDGER_ROOT = "asyncrl.ledger"
 
 FATES = ("trained", "trained_twice", "filtered", "failed", "left_over", "lost", "in_flight")
+_TICKET = re.compile(r"-e(\d+)-p(\d+)-a(\d+)$")
+
+
+def prompt_of(group_id: str) -> tuple[int, int] | None:
+    """(epoch, index) of a training group id `<experiment>-e<epoch>-p<index>-a<attempt>`."""
+    m = _TICKET.search(group_id)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def ledger_subject(experiment_id: str) -> str:
@@ -56,15 +66,42 @@ async def ensure_ledger(js) -> None:
 
 
 class Ledger:
-    """Appends one experiment's events. `record` returns once the event is stored."""
+    """Appends one experiment's events, in order. `record` returns once the event is stored;
+    `emit` (for synchronous code) queues it for a background writer: `flush` waits for it."""
 
     def __init__(self, js, experiment_id: str):
         self.js = js
         self.subject = ledger_subject(experiment_id)
+        self._queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._writer: asyncio.Task | None = None
+
+    @staticmethod
+    def _body(event: str, fields: dict) -> bytes:
+        body = {"event": event, "t": round(time.time(), 3), **fields}
+        return json.dumps(body, separators=(",", ":")).encode()
 
     async def record(self, event: str, **fields) -> None:
-        body = {"event": event, "t": round(time.time(), 3), **fields}
-        await self.js.publish(self.subject, json.dumps(body, separators=(",", ":")).encode())
+        await self.flush()  # keep the order of earlier emits
+        await self.js.publish(self.subject, self._body(event, fields))
+
+    def emit(self, event: str, **fields) -> None:
+        self._queue.put_nowait(self._body(event, fields))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._write())
+
+    async def _write(self) -> None:
+        while not self._queue.empty():
+            data = self._queue.get_nowait()
+            try:
+                await self.js.publish(self.subject, data)
+            finally:
+                self._queue.task_done()
+
+    async def flush(self) -> None:
+        """Wait until every emitted event is stored (or its write failed)."""
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._writer)
 
 
 async def read_events(js, experiment_id: str, timeout_s: float = 5.0) -> list[dict]:
@@ -177,8 +214,9 @@ def summarize(events: list[dict]) -> LedgerReport:
         for g in s["groups"]:
             trained_times[g].append((s["step"], s["version"]))
     for g, times in trained_times.items():
-        if g in by_group:
-            by_group[g].trained.extend(times)
+        p = by_group.get(g) or _undispatched(prompts, by_group, g)
+        if p is not None:
+            p.trained.extend(times)
     totals = Counter(p.fate for p in prompts.values())
     return LedgerReport(
         totals={f: totals.get(f, 0) for f in FATES},
@@ -189,6 +227,20 @@ def summarize(events: list[dict]) -> LedgerReport:
         duplicates=counts["duplicates"],
         dataset=next((e for e in events if e["event"] == "started"), {}),
     )
+
+
+def _undispatched(
+    prompts: dict[tuple[int, int], PromptFate], by_group: dict[str, PromptFate], group: str
+) -> PromptFate | None:
+    """A trained group whose dispatch was not recorded (a scheduler killed before it wrote
+    it): its prompt comes from the group id."""
+    key = prompt_of(group)
+    if key is None:
+        return None
+    p = prompts.setdefault(key, PromptFate("", *key))
+    p.groups.append(group)
+    by_group[group] = p
+    return p
 
 
 def _settle(p: PromptFate, e: dict) -> None:

@@ -47,3 +47,14 @@ def test_cli_ledger_json_prints_totals_and_rows(nats_server):
     assert result.exit_code == 0, result.output
     got = json.loads(result.output)
     assert got["totals"]["trained"] == 2 and got["prompts"][2]["fate"] == "left_over"
+
+
+async def test_emitted_events_are_stored_in_order_after_flush(js):
+    await ensure_ledger(js)
+    ledger = Ledger(js, "exp-c")
+    for i in range(50):
+        ledger.emit("dispatched", group=f"g{i}", prompt="p", epoch=0, index=i)
+    await ledger.record("left_over", groups=["g0"])  # after every earlier emit
+    events = await read_events(js, "exp-c")
+    assert [e.get("index") for e in events[:50]] == list(range(50))
+    assert events[-1]["event"] == "left_over" and len(events) == 51

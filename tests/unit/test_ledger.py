@@ -124,3 +124,9 @@ def test_rewind_discards_steps_after_the_checkpoint():
 def test_quarantined_counted():
     events = [{"event": "quarantined", "group": "x", "reason": "foreign experiment"}]
     assert summarize(events).quarantined == 1
+
+
+def test_trained_group_without_recorded_dispatch_maps_to_its_prompt_by_id():
+    report = summarize([trained(1, "exp-x1-e0-p7-a2"), trained(2, "exp-x1-e0-p7-a3")])
+    [p] = report.prompts
+    assert (p.epoch, p.index, p.fate) == (0, 7, "trained_twice")
