@@ -15,4 +15,5 @@ BENCHMARKS: dict[str, str] = {
     "transport": "bench.transport",
     "admission": "bench.admission",
     "agent": "bench.agent",
+    "ledger": "bench.ledger",
 }

@@ -2,7 +2,8 @@
 trained nothing twice.
 
 Services append small JSON events to the JetStream stream `ASYNCRL_LEDGER` (subject
-`asyncrl.ledger.<experiment>`), each awaited, so an event that was recorded survives any crash:
+`asyncrl.ledger.<experiment>`; one message holds one event or a batch of them), stored in the
+order they were made; an event whose write was acked survives any crash:
 
     scheduler  started     {"prompts": N, "epochs": E}           the experiment's dataset
     scheduler  dispatched  {"group", "prompt", "epoch", "index", "attempt", "worker", "version"}
@@ -33,10 +34,16 @@ from dataclasses import asdict, dataclass, field
 import nats
 from nats.js.api import DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
 
+from asyncrl.logging import get_logger
+
+log = get_logger(component="ledger")
+
 LEDGER_STREAM = "ASYNCRL_LEDGER"
 LEDGER_ROOT = "asyncrl.ledger"
 
 FATES = ("trained", "trained_twice", "filtered", "failed", "left_over", "lost", "in_flight")
+MAX_BATCH = 1000
+"""Events per ledger message at most (a message stays far below NATS's payload limit)."""
 _TICKET = re.compile(r"-e(\d+)-p(\d+)-a(\d+)$")
 
 
@@ -72,30 +79,36 @@ class Ledger:
     def __init__(self, js, experiment_id: str):
         self.js = js
         self.subject = ledger_subject(experiment_id)
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._queue: asyncio.Queue[dict] = asyncio.Queue()
+        """Emitted events not yet sent."""
         self._writer: asyncio.Task | None = None
 
     @staticmethod
-    def _body(event: str, fields: dict) -> bytes:
-        body = {"event": event, "t": round(time.time(), 3), **fields}
-        return json.dumps(body, separators=(",", ":")).encode()
+    def _event(event: str, fields: dict) -> dict:
+        return {"event": event, "t": round(time.time(), 3), **fields}
 
     async def record(self, event: str, **fields) -> None:
         await self.flush()  # keep the order of earlier emits
-        await self.js.publish(self.subject, self._body(event, fields))
+        body = json.dumps(self._event(event, fields), separators=(",", ":")).encode()
+        await self.js.publish(self.subject, body)
 
     def emit(self, event: str, **fields) -> None:
-        self._queue.put_nowait(self._body(event, fields))
+        self._queue.put_nowait(self._event(event, fields))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.get_running_loop().create_task(self._write())
 
     async def _write(self) -> None:
+        """Send what is queued as one message (a JSON array; one connection keeps the order),
+        wait for its ack; again while more was emitted meanwhile."""
         while not self._queue.empty():
-            data = self._queue.get_nowait()
+            batch = []
+            while not self._queue.empty() and len(batch) < MAX_BATCH:
+                batch.append(self._queue.get_nowait())
+            body = json.dumps(batch, separators=(",", ":")).encode()
             try:
-                await self.js.publish(self.subject, data)
-            finally:
-                self._queue.task_done()
+                await self.js.publish(self.subject, body)
+            except Exception as exc:  # noqa: BLE001 - the ledger must not take the service down
+                log.warning("ledger_write_failed", events=len(batch), error=repr(exc))
 
     async def flush(self) -> None:
         """Wait until every emitted event is stored (or its write failed)."""
@@ -117,10 +130,14 @@ async def read_events(js, experiment_id: str, timeout_s: float = 5.0) -> list[di
     sub = await js.subscribe(
         subject, stream=LEDGER_STREAM, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
     )
+    events: list[dict] = []
     try:
-        return [json.loads((await sub.next_msg(timeout=timeout_s)).data) for _ in range(total)]
+        for _ in range(total):
+            body = json.loads((await sub.next_msg(timeout=timeout_s)).data)
+            events.extend(body if isinstance(body, list) else [body])
     finally:
         await sub.unsubscribe()
+    return events
 
 
 @dataclass
