@@ -130,6 +130,15 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def failure_summary(p: scheduler_pb2.Progress, top: int = 5) -> str:
+    """The most frequent reasons groups failed, e.g. `3x reward raised: ZeroDivisionError`."""
+    reasons = sorted(p.failure_reasons.items(), key=lambda kv: -kv[1])
+    text = "; ".join(f"{n}x {why}" for why, n in reasons[:top])
+    if len(reasons) > top:
+        text += f"; and {len(reasons) - top} more"
+    return text
+
+
 class ProgressView:
     """The latest known state of one experiment, folded from ProgressEvents."""
 
@@ -162,10 +171,11 @@ class ProgressView:
         return (
             f"[{kind}] {state_name(self.experiment.state)} v{p.version}"
             f" accepted={p.accepted} rejected={p.rejected} failed={p.failed}"
-            f" stale_dropped={p.stale_dropped} running={p.running}"
+            f" stale_dropped={p.stale_dropped} running={p.running} left_over={p.left_over}"
             f" reward={_fmt(step.reward_mean if step else None)}"
             f" eval={_fmt(ev.accuracy if ev else None)}"
             f" staleness_max={max(p.staleness_max, step.staleness_max if step else 0)}"
+            + (f" failures: {failure_summary(p)}" if p.failure_reasons else "")
         )
 
     def render(self) -> Table:
@@ -187,8 +197,10 @@ class ProgressView:
             "groups",
             f"accepted {p.accepted}  rejected {p.rejected}  failed {p.failed}"
             f"  stale_dropped {p.stale_dropped}  running {p.running}"
-            f"  trained {p.trained_groups}",
+            f"  trained {p.trained_groups}  left over {p.left_over}",
         )
+        if p.failure_reasons:
+            table.add_row("failure reasons", escape(failure_summary(p)))
         table.add_row("reward mean", _fmt(step.reward_mean if step else None))
         table.add_row(
             "eval accuracy",

@@ -25,6 +25,10 @@ from asyncrl.rewards import PLUGIN_PREFIX, REWARD_FUNCTIONS
 
 __all__ = ["SpecError"]  # raised by every validator here; defined with its kin in asyncrl.errors
 
+MAX_NAME = 200
+"""Longest name or key (experiment name, dataset keys)."""
+MAX_PATH = 4096
+"""Longest file or directory path."""
 _PLUGIN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
@@ -53,17 +57,17 @@ class SamplingParams(_Section):
 
 
 class ModelSpec(_Section):
-    path: str
+    path: str = Field(max_length=MAX_PATH)
     """HuggingFace-format causal LM directory (config.json + safetensors + tokenizer)."""
-    tokenizer_path: str | None = None
+    tokenizer_path: str | None = Field(None, max_length=MAX_PATH)
     """Tokenizer directory; defaults to `path`."""
 
 
 class DatasetSpec(_Section):
-    path: str
+    path: str = Field(max_length=MAX_PATH)
     """JSONL file, one prompt per line."""
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
+    prompt_key: str = Field("prompt", max_length=MAX_NAME)
+    answer_key: str = Field("answer", max_length=MAX_NAME)
     epochs: int = Field(1, gt=0)
     shuffle: bool = True
     max_prompts: int | None = Field(None, gt=0)
@@ -165,7 +169,7 @@ class TrainerSpec(_Section):
 
 
 class EvalSpec(_Section):
-    dataset_path: str | None = None
+    dataset_path: str | None = Field(None, max_length=MAX_PATH)
     """JSONL eval set (same keys as the train set); unset disables eval."""
     every_versions: int = Field(5, ge=0)
     """Run eval every K versions (and at v0 and at the end); 0 = only at v0 and the end."""
@@ -175,7 +179,7 @@ class EvalSpec(_Section):
 
 
 class ExperimentSpec(_Section):
-    name: str = "experiment"
+    name: str = Field("experiment", max_length=MAX_NAME)
     model: ModelSpec
     dataset: DatasetSpec
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import grpc
 
 from asyncrl.grpcutil import channel
+from services.scheduler.history import HistoryLog
 from services.scheduler.registry import Registry
 from services.scheduler.state import StateStore
 
@@ -32,6 +33,13 @@ class SchedulerConfig:
     """WatchExperiment sends a snapshot at least this often."""
     save_interval_s: float = 0.2
     """Minimum time between two KV writes of one experiment."""
+    trainer_poll_interval_s: float = 5.0
+    """How often a running experiment asks its trainer for its status (GetStatus)."""
+    trainer_poll_timeout_s: float = 5.0
+    """Deadline of that GetStatus."""
+    progress_timeout_s: float = 300.0
+    """No step committed, no group settled and no rollout joined for this long: the trainer is
+    started again; the second time in a row the experiment is FAILED."""
 
     @property
     def fence_cooldown_s(self) -> float:
@@ -66,5 +74,7 @@ class RunnerContext:
     registry: Registry
     channels: ChannelPool
     store: StateStore
+    history: HistoryLog
+    """Where steps and evals are appended (the record keeps only the last ones)."""
     workers_changed: Callable[[], None]
     """Call after binding changes (a worker freed or fenced) so the scheduler re-binds."""

@@ -47,9 +47,13 @@ def state_to_proto(state: ExperimentState) -> int:
 
 
 def progress_to_proto(
-    p: Progress, history: list[StepMetrics], evals: list[EvalResult]
+    p: Progress,
+    history: list[StepMetrics],
+    evals: list[EvalResult],
+    failure_reasons: dict[str, int] | None = None,
 ) -> scheduler_pb2.Progress:
     msg = scheduler_pb2.Progress(**{f.name: getattr(p, f.name) for f in fields(Progress)})
+    msg.failure_reasons.update(failure_reasons or {})
     if history:
         msg.last_step.CopyFrom(history[-1].to_proto())
     msg.evals.extend(e.to_proto() for e in evals)
@@ -64,7 +68,7 @@ def experiment_to_proto(
         name=r.name,
         spec_json=json.dumps(r.spec),
         state=state_to_proto(r.state),
-        progress=progress_to_proto(r.progress, r.history, r.evals),
+        progress=progress_to_proto(r.progress, r.history, r.evals, r.failure_reasons),
         message=r.message,
         created_unix_ms=r.created_unix_ms,
         updated_unix_ms=r.updated_unix_ms,

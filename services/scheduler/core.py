@@ -27,12 +27,15 @@ from asyncrl.workflow import make_workflow
 from services.scheduler.context import ChannelPool, RunnerContext, SchedulerConfig
 from services.scheduler.dataset import Prompt, load_prompts
 from services.scheduler.experiments import ExperimentRunner
+from services.scheduler.history import HistoryLog
 from services.scheduler.records import CommitResult, ExperimentRecord, ExperimentState
 from services.scheduler.registry import Registry, Worker, WorkerKind
 from services.scheduler.state import StateStore
 
 log = get_logger()
 TRAINER_PROBE_TIMEOUT_S = 5.0
+MAX_SPEC_BYTES = 256 * 1024
+"""Largest spec_json accepted (the spec is part of the experiment's KV record)."""
 
 
 def new_experiment_id(name: str) -> str:
@@ -65,6 +68,7 @@ class Scheduler:
         self.channels = ChannelPool()
         self.runners: dict[str, ExperimentRunner] = {}
         self.store: StateStore | None = None
+        self.history: HistoryLog | None = None
         self._ctx: RunnerContext | None = None
         self._tasks: set[asyncio.Task] = set()
         self._reconcile_scheduled = False
@@ -73,12 +77,20 @@ class Scheduler:
 
     async def start(self) -> None:
         self.store = await StateStore.open(self.js, self.config.save_interval_s)
+        self.history = await HistoryLog.open(self.js)
         self._ctx = RunnerContext(
-            self.config, self.registry, self.channels, self.store, self._reconcile_soon
+            self.config,
+            self.registry,
+            self.channels,
+            self.store,
+            history=self.history,
+            workers_changed=self._reconcile_soon,
         )
         for record in await self.store.load_all():
+            await self.history.load_into(record)
             await self._restore(record)
         self.store.start()
+        self.history.start()
         self._spawn(self._sweep_forever())
         log.info(
             "scheduler_started",
@@ -96,6 +108,8 @@ class Scheduler:
             await runner.shutdown()
         if self.store is not None:
             await self.store.close()
+        if self.history is not None:
+            await self.history.close()
         await self.channels.close_all()
 
     async def _restore(self, record: ExperimentRecord) -> None:
@@ -119,7 +133,9 @@ class Scheduler:
 
     async def submit(self, spec_json: str) -> ExperimentRunner:
         """Validate (SpecError names the field), persist, and start waiting for workers."""
-        spec = spec_from_json(spec_json)
+        spec = spec_from_json(spec_json)  # first: a too long field is named
+        if len(spec_json) > MAX_SPEC_BYTES:
+            raise BadRequest("spec_json", f"{len(spec_json)} bytes, at most {MAX_SPEC_BYTES}")
         check_files(spec)
         validate_reward_function(spec.reward.function, spec.reward.kwargs)
         try:
@@ -196,6 +212,8 @@ class Scheduler:
         if kind == WorkerKind.TRAINER and is_new:
             worker.probed = False
             self._spawn(self._probe_trainer(worker))
+        elif kind == WorkerKind.TRAINER and runner is not None:
+            runner.check_trainer_soon()  # it may have restarted and forgotten the experiment
         elif kind == WorkerKind.ROLLOUT and runner is not None:
             runner.attach_rollout(worker)  # it may have restarted: load the weights again
         self._reconcile()

@@ -4,7 +4,11 @@ the staleness rule, broadcast committed weights, abort what became too stale, ev
 The loop top to bottom (`_run`): wait until a trainer, a rollout and a reward worker are there;
 `StartExperiment` tells the version to resume from; then dispatch (`Dispatcher`) while the
 staleness manager has capacity, woken by every event (a group finished, a commit, a worker
-joined) -- never by polling.
+joined) -- never by polling. Beside it a watchdog (`_watch`) asks the trainer it started for its
+status every `trainer_poll_interval_s`: a trainer that failed, was replaced or restarted (idle,
+not running this experiment), or an experiment without progress for `progress_timeout_s`, sends
+the loop back to `_start_trainer` (resume from the trainer's checkpoint), or ends it FAILED with
+the reason -- an experiment is never RUNNING in silence.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import grpc
 
 from asyncrl.logging import get_logger
 from asyncrl.spec import ExperimentSpec
-from asyncrl.types import EvalResult, StepMetrics
+from asyncrl.types import EvalResult, StepMetrics, TrainerState
+from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 from services.scheduler.calls import FleetWeights, WorkerCalls
 from services.scheduler.context import RunnerContext
 from services.scheduler.dataset import Prompt
@@ -61,6 +66,18 @@ class ExperimentRunner:
         self._finishing = False
         self._finish_reason = ""
         self._start_failures = 0
+        self._trainer_id: str | None = None
+        """The trainer StartExperiment last succeeded on (any other bound trainer is started)."""
+        self._redrive = ""
+        """Why the bound trainer must be started again (set by the watchdog)."""
+        self._fail = ""
+        """Set by the watchdog when the experiment must end FAILED (with this reason)."""
+        self._trainer_failures = 0
+        """Failures the trainer reported since the last commit."""
+        self._poll_now = asyncio.Event()
+        self._stalled = False
+        self._progress_mark: tuple = ()
+        self._progress_at = time.monotonic()
 
     # ---- views -------------------------------------------------------------------------------
 
@@ -123,9 +140,16 @@ class ExperimentRunner:
     async def _run(self) -> None:
         try:
             while not self.terminal:
+                if self._fail:  # the watchdog gave up on the trainer
+                    await self._end(ExperimentState.FAILED, self._fail)
+                    return
                 await self._wait_for_workers()
                 if await self._start_trainer():
-                    await self._dispatch_loop()
+                    watchdog = asyncio.create_task(self._watch(), name=f"watchdog-{self.id}")
+                    try:
+                        await self._dispatch_loop()
+                    finally:
+                        watchdog.cancel()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a bug must fail the experiment visibly
@@ -161,7 +185,8 @@ class ExperimentRunner:
         trainer = self.trainer()
         if trainer is None:
             return False
-        self.record.message = f"starting trainer {trainer.worker_id}"
+        why, self._redrive = self._redrive, ""
+        self.record.message = f"starting trainer {trainer.worker_id}" + (f" ({why})" if why else "")
         self._persist()
         try:
             resp = await self.calls.start_trainer(trainer, self.config.trainer_start_timeout_s)
@@ -171,6 +196,8 @@ class ExperimentRunner:
         if self.trainer() is not trainer:
             return False  # its lease lapsed while it was starting
         self._start_failures = 0
+        self._trainer_id = trainer.worker_id
+        self._progress_at = time.monotonic()
         k = resp.version
         async with self.fleet.lock:
             if resp.uri:  # the trainer's own word on where version k lives
@@ -179,7 +206,6 @@ class ExperimentRunner:
                 self.record.progress.version = k
                 self.record.fleet_uri = self._uri_for(k)
                 self.fleet.ready.clear()
-            self.staleness.recover(k)
         self._set_state(ExperimentState.RUNNING, "")
         self.log.info(
             "experiment_started", version=k, resumed=resp.resumed, worker=trainer.worker_id
@@ -232,11 +258,14 @@ class ExperimentRunner:
                 return
             if self._finishing:
                 if self.dispatcher.evaluator.idle:
-                    await self._end(ExperimentState.COMPLETED, self._finish_reason)
+                    await self._end(*self._outcome())
                     return
-            elif self.trainer() is None:
+            elif why := self._trainer_changed():
                 self.log.warning(
-                    "trainer_lost", version=self.version, running=len(self.dispatcher.inflight)
+                    "trainer_redrive",
+                    reason=why,
+                    version=self.version,
+                    running=len(self.dispatcher.inflight),
                 )
                 return
             elif self.dispatcher.dataset_done():
@@ -253,6 +282,15 @@ class ExperimentRunner:
             await self._wake.wait()
             self._idle.clear()
 
+    def _trainer_changed(self) -> str:
+        """Why the loop must start a trainer again; "" while the one it started runs."""
+        trainer = self.trainer()
+        if trainer is None:
+            return "trainer lost"
+        if trainer.worker_id != self._trainer_id:
+            return f"trainer {trainer.worker_id} replaced {self._trainer_id}"
+        return self._redrive
+
     async def settled(self) -> None:
         """Return once the dispatch loop has handled every event so far and waits for the next
         one with nothing it may dispatch (after it, `progress.dispatched` stays put until the
@@ -267,6 +305,75 @@ class ExperimentRunner:
     def _changed(self) -> None:
         self._wake.set()
         self._persist()
+
+    # ---- watchdog ----------------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        """Poll the trainer and the progress; a reason to act wakes the dispatch loop, which
+        goes back to `_start_trainer` (that ends the experiment when `_fail` is set)."""
+        while True:
+            try:
+                await asyncio.wait_for(self._poll_now.wait(), self.config.trainer_poll_interval_s)
+            except TimeoutError:
+                pass
+            self._poll_now.clear()
+            if self._finishing or self.terminal or self._redrive:
+                continue
+            why = await self._check_trainer() or self._check_progress()
+            if why:
+                self.log.warning("trainer_check_failed", reason=why, fail=self._fail)
+                self._redrive = why
+                self._wake.set()
+
+    def check_trainer_soon(self) -> None:
+        """The bound trainer registered again (it may have restarted): ask it now."""
+        self._poll_now.set()
+
+    async def _check_trainer(self) -> str:
+        """Why the trainer this runner started must be started again ("" if it runs fine)."""
+        trainer = self.trainer()
+        if trainer is None or trainer.worker_id != self._trainer_id:
+            return ""  # the dispatch loop sees that itself
+        stub = trainer_pb2_grpc.TrainerStub(self.ctx.channels.get(trainer.address))
+        try:
+            status = await stub.GetStatus(
+                trainer_pb2.GetTrainerStatusRequest(), timeout=self.config.trainer_poll_timeout_s
+            )
+        except grpc.aio.AioRpcError as e:
+            self.log.warning("trainer_status_failed", worker=trainer.worker_id, code=e.code().name)
+            return ""  # dead or busy: its lease decides
+        state = TrainerState.reported(status.state)
+        if status.experiment_id == self.id and state == TrainerState.FAILED:
+            self._trainer_failures += 1
+            why = f"trainer {trainer.worker_id} failed: {status.message or 'no message'}"
+            if self._trainer_failures >= self.config.max_start_failures:
+                self._fail = f"{why} ({self._trainer_failures} failures in a row)"
+            return why
+        if status.experiment_id != self.id or not state.active:
+            return f"trainer {trainer.worker_id} is {state.value}, not running {self.id}"
+        return ""
+
+    def _check_progress(self) -> str:
+        """A reason if nothing moved (no commit, no group settled, no rollout joined) for
+        progress_timeout_s; the second time in a row the experiment fails with it."""
+        s = self.staleness
+        mark = (self.version, s.accepted, s.rejected, s.failed, s.stale_dropped)
+        mark += (len(self.record.evals), len(self.fleet.ready))
+        now = time.monotonic()
+        if mark != self._progress_mark:
+            self._progress_mark, self._progress_at, self._stalled = mark, now, False
+            return ""
+        idle_s = now - self._progress_at
+        if idle_s < self.config.progress_timeout_s:
+            return ""
+        why = (
+            f"no progress for {idle_s:.0f}s: no step committed after v{self.version} and no"
+            f" group settled ({s.running} running on {len(self.fleet.ready)} ready rollouts)"
+        )
+        if self._stalled:
+            self._fail = why + ", also after the trainer was started again"
+        self._stalled, self._progress_at = True, now
+        return why
 
     # ---- workers -----------------------------------------------------------------------------
 
@@ -332,14 +439,13 @@ class ExperimentRunner:
             if self.terminal or self._finishing or version <= self.version:  # a retry, or late
                 return CommitResult(self.version, 0, 0, self.terminal or self._finishing)
             workers = [w for w in self.rollouts() if w.worker_id in self.fleet.ready]
-            failed = await self.fleet.broadcast(
-                workers, version, uri, self.config.update_weights_timeout_s
-            )
+            failed = await self.fleet.broadcast(workers, version, uri)
             for w, reason in failed:
                 self._fence(w, f"UpdateWeights v{version} failed: {reason}")
             self.record.progress.version = version
             self.record.fleet_uri = uri
-            self.record.weight_uris[version] = uri
+            self.record.add_weights(version, uri)
+        self._trainer_failures = 0
         aborted = self.dispatcher.abort_stale(version)
         if aborted:
             self.log.info(
@@ -348,6 +454,7 @@ class ExperimentRunner:
                 aborted=aborted,
                 eta=self.spec.rollout.max_head_offpolicyness,
             )
+        metrics.version = version
         self._record_step(metrics)
         updated = len(workers) - len(failed)
         self.log.info(
@@ -371,8 +478,12 @@ class ExperimentRunner:
         return CommitResult(version, updated, len(failed), self._finishing or self.terminal)
 
     def _record_step(self, metrics: StepMetrics) -> None:
+        """Append the step (replacing the steps of a lineage the trainer discarded)."""
         p = self.record.progress
-        self.record.history.append(metrics)
+        for old in self.record.add_step(metrics):
+            p.trained_groups -= old.groups
+            self.log.warning("step_discarded", version=old.version, groups=old.groups)
+        self.ctx.history.append_step(self.id, metrics)
         p.trained_groups += metrics.groups
         p.staleness_max = max(p.staleness_max, metrics.staleness_max)
         p.stale_groups += metrics.stale_groups
@@ -395,6 +506,7 @@ class ExperimentRunner:
 
     def _eval_done(self, result: EvalResult) -> None:
         self.record.evals.append(result)
+        self.ctx.history.append_eval(self.id, result)
         self.log.info(
             "eval_done",
             version=result.version,
@@ -413,6 +525,8 @@ class ExperimentRunner:
             return
         self._finishing = True
         self._finish_reason = reason
+        untrained = self.staleness.accepted - self.version * self.spec.trainer.batch_size
+        self.record.progress.left_over = max(0, untrained)
         cancelled = self.dispatcher.cancel(training_only=True)
         self.log.info(
             "experiment_finishing", reason=reason, version=self.version, cancelled=cancelled
@@ -420,6 +534,24 @@ class ExperimentRunner:
         self._maybe_eval(self.version, final=True)
         self._wake.set()
         self._persist()
+
+    def _outcome(self) -> tuple[ExperimentState, str]:
+        """COMPLETED with the finish reason (and the groups left over), or FAILED when no step
+        was trained, saying what happened to the groups."""
+        p, batch = self.snapshot().progress, self.spec.trainer.batch_size
+        reason = self._finish_reason
+        if p.left_over:
+            reason += f"; {p.left_over} accepted groups left over (fewer than batch_size={batch})"
+        if self.version > 0 or self.record.history:
+            return ExperimentState.COMPLETED, reason
+        counts = (
+            f"{p.accepted} groups accepted (batch_size={batch}), {p.rejected} filtered,"
+            f" {p.failed} failed"
+        )
+        top = sorted(self.record.failure_reasons.items(), key=lambda kv: -kv[1])[:3]
+        if top:
+            counts += " (" + "; ".join(f"{n}x {why}" for why, n in top) + ")"
+        return ExperimentState.FAILED, f"trained nothing: {self._finish_reason}: {counts}"
 
     async def _end(self, state: ExperimentState, message: str) -> None:
         """Enter a terminal state: stop everything, free the workers, tell the trainer."""

@@ -1,6 +1,10 @@
 """The scheduler's domain records: an experiment's progress, steps, evals and everything that is
 persisted to NATS KV (as JSON) so a scheduler restart resumes it. A step's and an eval's
-fields are those of their proto messages (asyncrl.types derives them)."""
+fields are those of their proto messages (asyncrl.types derives them).
+
+The persisted record is bounded, whatever the length of the run: the step history and all but
+the last evals live in the history log (`history.HistoryLog`), the record keeps the last step,
+the last `KEPT` evals and the weight URIs of the last `KEPT` versions."""
 
 from __future__ import annotations
 
@@ -9,6 +13,12 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 
 from asyncrl.types import EvalResult, StepMetrics
+
+KEPT = 32
+"""Evals and weight versions the persisted record keeps (a trainer resumes from a recent
+checkpoint, and tells where older weights are in StartExperiment); also the most frequent
+failure reasons it keeps."""
+MAX_REASON = 500
 
 
 class ExperimentState(StrEnum):
@@ -44,6 +54,8 @@ class Progress:
     requeued: int = 0
     staleness_max: int = 0
     stale_groups: int = 0
+    left_over: int = 0
+    """Accepted groups never trained: fewer than a batch when the run ended."""
 
 
 @dataclass
@@ -58,6 +70,8 @@ class ExperimentRecord:
     updated_unix_ms: int = 0
     progress: Progress = field(default_factory=Progress)
     history: list[StepMetrics] = field(default_factory=list)
+    """Every step of the surviving lineage (memory; persisted in the history log, the record
+    holds only the last one)."""
     evals: list[EvalResult] = field(default_factory=list)
     cursor: dict = field(default_factory=dict)
     """DatasetCursor.state()."""
@@ -68,22 +82,50 @@ class ExperimentRecord:
     """Weights URI per committed version (to roll the fleet back to a trainer's checkpoint)."""
     failure_reasons: dict[str, int] = field(default_factory=dict)
 
+    def add_weights(self, version: int, uri: str) -> None:
+        """Remember where `version` lives; only the last KEPT versions (and v0) are kept."""
+        self.weight_uris[version] = uri
+        for old in [v for v in self.weight_uris if 0 < v <= version - KEPT]:
+            del self.weight_uris[old]
+
+    def add_step(self, step: StepMetrics) -> list[StepMetrics]:
+        """Append a step; steps of versions >= its version (a lineage a restarted trainer
+        discarded) are removed and returned."""
+        discarded = []
+        while self.history and self.history[-1].version >= step.version:
+            discarded.append(self.history.pop())
+        self.history.append(step)
+        return discarded
+
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
+        data = asdict(self)
+        del data["history"]
+        data["last_step"] = data_or_none(self.history[-1] if self.history else None)
+        data["evals"] = data["evals"][-KEPT:]
+        top = sorted(self.failure_reasons.items(), key=lambda kv: -kv[1])[:KEPT]
+        data["failure_reasons"] = {why[:MAX_REASON]: n for why, n in top}
+        return json.dumps(data).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> ExperimentRecord:
         raw = json.loads(data)
         raw["state"] = ExperimentState(raw["state"])
-        raw["progress"] = _build(Progress, raw.get("progress", {}))
-        raw["history"] = [_build(StepMetrics, m) for m in raw.get("history", [])]
-        raw["evals"] = [_build(EvalResult, e) for e in raw.get("evals", [])]
+        raw["progress"] = build_dataclass(Progress, raw.get("progress", {}))
+        last = raw.get("last_step")
+        raw["history"] = [build_dataclass(StepMetrics, m) for m in raw.get("history", [])]
+        if last and not raw["history"]:  # the rest is in the history log
+            raw["history"] = [build_dataclass(StepMetrics, last)]
+        raw["evals"] = [build_dataclass(EvalResult, e) for e in raw.get("evals", [])]
         raw["weight_uris"] = {int(k): v for k, v in raw.get("weight_uris", {}).items()}
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in raw.items() if k in names})
 
 
-def _build(cls, data: dict):
+def data_or_none(item) -> dict | None:
+    return asdict(item) if item is not None else None
+
+
+def build_dataclass(cls, data: dict):
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in data.items() if k in names})
 

@@ -43,9 +43,10 @@ class FakeRollout(rollout_pb2_grpc.RolloutServicer):
     """Answers GenerateGroup with a fixed status; `hold` keeps training groups open until
     `release` is set; records requests, weight updates and cancelled calls."""
 
-    def __init__(self, hold: bool = False, rewards=(1.0, 0.0)):
+    def __init__(self, hold: bool = False, rewards=(1.0, 0.0), fail_reason: str = ""):
         self.hold = hold
         self.rewards = list(rewards)
+        self.fail_reason = fail_reason  # answer every training group FAILED with this reason
         self.release = asyncio.Event()
         self.requests: list[rollout_pb2.GenerateGroupRequest] = []
         self.updates: list[tuple[int, str]] = []
@@ -71,6 +72,12 @@ class FakeRollout(rollout_pb2_grpc.RolloutServicer):
         except asyncio.CancelledError:
             self.cancelled.append(request.group_id)
             raise
+        if self.fail_reason and not request.eval:
+            return rollout_pb2.GroupSummary(
+                group_id=request.group_id,
+                status=rollout_pb2.GROUP_STATUS_FAILED,
+                reason=self.fail_reason,
+            )
         return rollout_pb2.GroupSummary(
             group_id=request.group_id,
             status=rollout_pb2.GROUP_STATUS_ACCEPTED,
@@ -91,14 +98,26 @@ class FakeRollout(rollout_pb2_grpc.RolloutServicer):
 
 
 class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
+    """Reports `waiting` on the experiment it was started with; `failure` (if set) puts it in
+    `failed` with that message, also after every later StartExperiment."""
+
     def __init__(self, version: int = 0):
         self.version = version
         self.uri = f"file:///w/v{version}" if version else ""
         self.started: list[str] = []
         self.stopped: list[str] = []
+        self.experiment_id = ""
+        self.state = "idle"
+        self.failure = ""
+
+    def fail(self, message: str) -> None:
+        self.failure = message
+        self.state = "failed"
 
     async def StartExperiment(self, request, context):
         self.started.append(request.experiment_id)
+        self.experiment_id = request.experiment_id
+        self.state = "failed" if self.failure else "waiting"
         return trainer_pb2.StartExperimentResponse(
             version=self.version, resumed=self.version > 0, uri=self.uri
         )
@@ -108,7 +127,9 @@ class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.StopExperimentResponse()
 
     async def GetStatus(self, request, context):
-        return trainer_pb2.TrainerStatus(state="idle")
+        return trainer_pb2.TrainerStatus(
+            experiment_id=self.experiment_id, state=self.state, message=self.failure
+        )
 
 
 class Cluster:
@@ -135,19 +156,23 @@ class Cluster:
     async def stop_scheduler(self):
         await self.runtime.close()
 
-    async def worker(self, kind, servicer=None, capacity=8):
-        """Serve `servicer` (if any) on port 0 and register it with a heartbeating agent."""
-        port = 1
+    async def worker(self, kind, servicer=None, capacity=8, port=0):
+        """Serve `servicer` (if any) on `port` (0: a free one) and register it with a
+        heartbeating agent."""
         server = None
         if isinstance(servicer, FakeRollout):
             server = ServiceRuntime("fake-rollout", grace_s=0)
             port = await server.serve(
-                [(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer)], ["asyncrl.v1.Rollout"]
+                [(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer)],
+                ["asyncrl.v1.Rollout"],
+                port=port,
             )
         elif isinstance(servicer, FakeTrainer):
             server = ServiceRuntime("fake-trainer", grace_s=0)
             port = await server.serve(
-                [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)], ["asyncrl.v1.Trainer"]
+                [(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer)],
+                ["asyncrl.v1.Trainer"],
+                port=port,
             )
         agent = WorkerAgent(
             kind,
@@ -235,12 +260,19 @@ async def submit(cluster, spec_json: str) -> str:
 async def running_experiment(
     cluster, files, fake_rollout: FakeRollout, fake_trainer=None, **sections
 ):
+    exp_id = await started_experiment(cluster, files, fake_rollout, fake_trainer, **sections)
+    await wait_until(lambda: cluster.scheduler.get(exp_id).state.value == "RUNNING", 10)
+    return exp_id
+
+
+async def started_experiment(
+    cluster, files, fake_rollout: FakeRollout, fake_trainer=None, **sections
+):
+    """Workers registered and the experiment submitted (it may end before it is seen RUNNING)."""
     await cluster.worker(REWARD)
     await cluster.worker(TRAINER, fake_trainer or FakeTrainer())
     await cluster.worker(ROLLOUT, fake_rollout)
-    exp_id = await submit(cluster, spec(files, **sections))
-    await wait_until(lambda: cluster.scheduler.get(exp_id).state.value == "RUNNING", 10)
-    return exp_id
+    return await submit(cluster, spec(files, **sections))
 
 
 # ---- submit validation ----------------------------------------------------------------------
@@ -450,7 +482,7 @@ async def test_rollout_death_requeues_its_groups_to_another_worker(cluster, file
     await cluster.worker(ROLLOUT, survivor)
     await wait_until(lambda: len(survivor.group_ids()) >= 2, timeout=10)
     assert survivor.updates[0] == (0, files["model"])
-    assert sorted(survivor.group_ids()[:2]) == sorted(g.replace("-a0", "-a1") for g in lost)
+    assert sorted(survivor.group_ids()[:2]) == sorted(lost)  # the same group ids: dedup holds
     exp = await cluster.experiment(exp_id)
     assert exp.progress.requeued == 2
 
@@ -462,7 +494,7 @@ async def test_failing_rollout_is_fenced_and_prompt_requeued(cluster, files):
     exp_id = await running_experiment(cluster, files, rollout, trainer={"total_steps": 10})
     await wait_until(lambda: cluster.scheduler.get(exp_id).staleness.accepted == 2, timeout=10)
     first = rollout.group_ids()[0]
-    assert first.replace("-a0", "-a1") in rollout.group_ids()  # re-dispatched after cooldown
+    assert rollout.group_ids().count(first) == 2  # re-dispatched after cooldown, same id
     assert len(rollout.updates) >= 2  # re-bound: weights loaded again before new groups
 
 
@@ -528,10 +560,10 @@ async def test_trainer_resume_recovers_version_from_start_experiment(cluster, fi
         cluster, files, rollout, fake_trainer=FakeTrainer(version=2), trainer={"total_steps": 10}
     )
     runner = cluster.scheduler.get(exp_id)
-    assert (runner.version, runner.staleness.accepted) == (2, 4)
-    await wait_until(lambda: len(rollout.group_ids()) == 2)  # (eta + 1) * B, not a burst
-    await asyncio.wait_for(runner.settled(), 5)
-    assert (await cluster.experiment(exp_id)).progress.dispatched == 2
+    # the fleet takes the trainer's version; `accepted` stays the record's count (it counts
+    # published groups, which a restored record's in-flight re-dispatches complete)
+    assert (runner.version, runner.staleness.accepted) == (2, 0)
+    await wait_until(lambda: len(rollout.group_ids()) == 6)  # (eta + 2 + 1) * B - 0
     assert rollout.updates[0] == (2, "file:///w/v2")  # where the trainer says v2 lives
 
 
@@ -606,3 +638,168 @@ async def test_second_experiment_takes_a_rollout_from_the_first(cluster, files):
     other = cluster.scheduler.get(second)
     await wait_until(lambda: other.state.value == "RUNNING", timeout=5)
     assert (len(runner.rollouts()), len(other.rollouts())) == (2, 1)
+
+
+# ---- trainer replacement, trainer failure, no progress ---------------------------------------
+
+FAILED = scheduler_pb2.EXPERIMENT_STATE_FAILED
+COMPLETED = scheduler_pb2.EXPERIMENT_STATE_COMPLETED
+
+
+async def test_trainer_restarted_at_same_address_is_started_again(cluster, files):
+    await cluster.start_scheduler(trainer_poll_interval_s=60)  # re-registering triggers it
+    first = FakeTrainer()
+    await cluster.worker(REWARD)
+    agent, kill = await cluster.worker(TRAINER, first)
+    await cluster.worker(ROLLOUT, FakeRollout())
+    exp_id = await submit(cluster, spec(files, trainer={"total_steps": 10}))
+    runner = cluster.scheduler.get(exp_id)
+    await wait_until(lambda: first.started == [exp_id])
+    await cluster.commit(exp_id, 1)
+    worker_id = runner.trainer().worker_id
+    await kill()  # kill -9 and a supervisor restart, within the lease
+    restarted = FakeTrainer(version=1)  # resumes from its checkpoint at v1
+    await cluster.worker(TRAINER, restarted, port=int(agent.address.rsplit(":", 1)[1]))
+    await wait_until(lambda: restarted.started == [exp_id], timeout=10)
+    assert runner.trainer().worker_id == worker_id  # same address: the same registration
+    await wait_until(lambda: runner.state.value == "RUNNING")
+    assert runner.version == 1
+
+
+async def test_trainer_replaced_before_lease_lapse_is_started(cluster, files):
+    await cluster.start_scheduler(lease_ttl_s=0.6, heartbeat_interval_s=0.1)
+    first = FakeTrainer()
+    await cluster.worker(REWARD)
+    _, kill = await cluster.worker(TRAINER, first)
+    await cluster.worker(ROLLOUT, FakeRollout())
+    exp_id = await submit(cluster, spec(files, trainer={"total_steps": 10}))
+    runner = cluster.scheduler.get(exp_id)
+    await wait_until(lambda: first.started == [exp_id])
+    await cluster.commit(exp_id, 1)
+    await kill()
+    successor = FakeTrainer(version=1)
+    await cluster.worker(TRAINER, successor)  # registers before the dead one's lease lapses
+    await wait_until(lambda: successor.started == [exp_id], timeout=10)
+    await wait_until(lambda: runner.state.value == "RUNNING")
+    assert runner.version == 1
+
+
+async def test_trainer_failed_status_redriven_then_experiment_failed_with_message(cluster, files):
+    await cluster.start_scheduler(trainer_poll_interval_s=0.05, max_start_failures=2)
+    trainer = FakeTrainer()
+    exp_id = await running_experiment(
+        cluster, files, FakeRollout(), fake_trainer=trainer, trainer={"total_steps": 10}
+    )
+    trainer.fail("ValueError: token id 99999 past the vocabulary")
+    runner = cluster.scheduler.get(exp_id)
+    await wait_until(lambda: runner.terminal, timeout=10)
+    exp = await cluster.experiment(exp_id)
+    assert exp.state == FAILED
+    assert "token id 99999 past the vocabulary" in exp.message
+    assert trainer.started == [exp_id, exp_id]  # re-driven once, failed again
+
+
+async def test_trainer_failed_once_is_redriven_and_runs_on(cluster, files):
+    await cluster.start_scheduler(trainer_poll_interval_s=0.05)
+    trainer = FakeTrainer()
+    exp_id = await running_experiment(
+        cluster, files, FakeRollout(), fake_trainer=trainer, trainer={"total_steps": 10}
+    )
+    trainer.state = "failed"  # one failure: StartExperiment brings it back
+    await wait_until(lambda: len(trainer.started) == 2, timeout=10)
+    runner = cluster.scheduler.get(exp_id)
+    await wait_until(lambda: runner.state.value == "RUNNING")
+    assert (await cluster.commit(exp_id, 1)).fleet_version == 1
+
+
+async def test_no_progress_redrives_trainer_once_then_fails_with_reason(cluster, files):
+    await cluster.start_scheduler(trainer_poll_interval_s=0.05, progress_timeout_s=0.5)
+    trainer = FakeTrainer()
+    rollout = FakeRollout(hold=True)  # groups never finish
+    exp_id = await running_experiment(
+        cluster, files, rollout, fake_trainer=trainer, trainer={"total_steps": 10}
+    )
+    runner = cluster.scheduler.get(exp_id)
+    await wait_until(lambda: runner.terminal, timeout=10)
+    exp = await cluster.experiment(exp_id)
+    assert exp.state == FAILED
+    assert "no progress" in exp.message and "no step committed" in exp.message
+    assert "no group settled" in exp.message
+    assert trainer.started == [exp_id, exp_id]
+
+
+# ---- outcomes: trained nothing, left over, failure reasons -----------------------------------
+
+
+async def test_batch_larger_than_dataset_failed_trained_nothing(cluster, files):
+    await cluster.start_scheduler()
+    exp_id = await started_experiment(
+        cluster, files, FakeRollout(), dataset={"max_prompts": 1}, trainer={"total_steps": 10}
+    )
+    runner = cluster.scheduler.get(exp_id)
+    await wait_until(lambda: runner.terminal)
+    exp = await cluster.experiment(exp_id)
+    assert exp.state == FAILED
+    assert exp.message.startswith("trained nothing: dataset exhausted")
+    assert "batch_size=2" in exp.message and exp.progress.left_over == 1
+
+
+async def test_every_group_failed_run_failed_with_reasons_on_the_wire(cluster, files):
+    await cluster.start_scheduler()
+    rollout = FakeRollout(fail_reason="reward raised: ZeroDivisionError")
+    exp_id = await started_experiment(
+        cluster, files, rollout, dataset={"max_prompts": 4}, trainer={"total_steps": 10}
+    )
+    runner = cluster.scheduler.get(exp_id)
+    await wait_until(lambda: runner.terminal)
+    exp = await cluster.experiment(exp_id)
+    assert exp.state == FAILED
+    assert "4x reward raised: ZeroDivisionError" in exp.message
+    assert dict(exp.progress.failure_reasons) == {"reward raised: ZeroDivisionError": 4}
+
+
+async def test_left_over_groups_reported_at_dataset_end(cluster, files):
+    await cluster.start_scheduler()
+    exp_id = await running_experiment(
+        cluster, files, FakeRollout(), dataset={"max_prompts": 5}, trainer={"total_steps": 10}
+    )
+    runner = cluster.scheduler.get(exp_id)
+    await wait_until(lambda: runner.staleness.accepted == 2)
+    await cluster.commit(exp_id, 1)
+    await wait_until(lambda: runner.staleness.accepted == 4)
+    await cluster.commit(exp_id, 2)
+    await wait_until(lambda: runner.terminal)
+    exp = await cluster.experiment(exp_id)
+    assert exp.state == COMPLETED
+    assert exp.progress.left_over == 1
+    assert "1 accepted groups left over" in exp.message
+
+
+async def test_submit_oversized_name_invalid_argument(cluster, files):
+    await cluster.start_scheduler()
+    data = json.loads(spec(files))
+    data["name"] = "x" * 2_000_000
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await submit(cluster, json.dumps(data))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("name:")
+
+
+# ---- bounded records ------------------------------------------------------------------------
+
+
+async def test_history_outside_record_served_after_restart(cluster, files):
+    await cluster.start_scheduler()
+    exp_id = await running_experiment(cluster, files, FakeRollout(), trainer={"total_steps": 10})
+    for version in (1, 2, 3):
+        await cluster.commit(exp_id, version)
+    await cluster.scheduler.store.flush()
+    saved = json.loads((await cluster.scheduler.store.kv.get(record_key(exp_id))).value)
+    assert "history" not in saved and saved["last_step"]["version"] == 3
+    await cluster.stop_scheduler()
+    await cluster.start_scheduler(port=cluster.port)
+    exp = await cluster.stub.GetExperiment(
+        scheduler_pb2.GetExperimentRequest(experiment_id=exp_id, with_history=True), timeout=5
+    )
+    assert [h.version for h in exp.history] == [1, 2, 3]
+    assert exp.progress.last_step.version == 3

@@ -1,0 +1,119 @@
+"""Each experiment's steps and evals, appended to a JetStream stream (subject
+`asyncrl.sched.history.<experiment>`), so the KV record stays bounded however long the run.
+
+Appends are queued and written in order by one writer task that retries while NATS is away; a
+restarted scheduler reads an experiment's entries back (`load`). A step whose version is not
+above the previous one starts a new lineage (the trainer resumed from an older checkpoint): the
+steps it replaces are dropped on load, as they are in memory (`ExperimentRecord.add_step`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import asdict
+
+import nats.errors
+import nats.js.errors
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
+
+from asyncrl.logging import get_logger
+from asyncrl.types import EvalResult, StepMetrics
+from services.scheduler.records import ExperimentRecord, build_dataclass
+
+log = get_logger(component="history")
+STREAM = "ASYNCRL_SCHED_HISTORY"
+SUBJECT_ROOT = "asyncrl.sched.history"
+RETRY_S = 0.5
+FETCH_BATCH = 1000
+
+
+def history_subject(experiment_id: str) -> str:
+    return f"{SUBJECT_ROOT}.{experiment_id}"
+
+
+class HistoryLog:
+    def __init__(self, js):
+        self.js = js
+        self._queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+
+    @classmethod
+    async def open(cls, js) -> HistoryLog:
+        """The history stream, created on first use."""
+        try:
+            await js.stream_info(STREAM)
+        except nats.js.errors.NotFoundError:
+            await js.add_stream(
+                StreamConfig(name=STREAM, subjects=[f"{SUBJECT_ROOT}.>"], storage=StorageType.FILE)
+            )
+        return cls(js)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._write_forever(), name="history-writer")
+
+    def append_step(self, experiment_id: str, step: StepMetrics) -> None:
+        self._append(experiment_id, {"step": asdict(step)})
+
+    def append_eval(self, experiment_id: str, result: EvalResult) -> None:
+        self._append(experiment_id, {"eval": asdict(result)})
+
+    def _append(self, experiment_id: str, entry: dict) -> None:
+        self._queue.put_nowait((history_subject(experiment_id), json.dumps(entry).encode()))
+
+    async def _write_forever(self) -> None:
+        while True:
+            subject, data = await self._queue.get()
+            while True:
+                try:
+                    await self.js.publish(subject, data)
+                    break
+                except (TimeoutError, nats.errors.Error) as e:
+                    log.warning("history_append_failed", subject=subject, error=str(e))
+                    await asyncio.sleep(RETRY_S)
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Stop the writer; what is still queued is written once more (best effort)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        while not self._queue.empty():
+            subject, data = self._queue.get_nowait()
+            try:
+                await self.js.publish(subject, data, timeout=timeout)
+            except (TimeoutError, nats.errors.Error) as e:
+                log.warning("history_lost_on_close", subject=subject, error=str(e))
+
+    async def load_into(self, record: ExperimentRecord) -> None:
+        """Replace the record's history and evals with the logged ones (if any)."""
+        entries = await self._read(history_subject(record.id))
+        if not entries:
+            return
+        replay = ExperimentRecord(record.id, record.name, {})
+        for entry in entries:
+            if "step" in entry:
+                replay.add_step(build_dataclass(StepMetrics, entry["step"]))
+            elif "eval" in entry:
+                replay.evals.append(build_dataclass(EvalResult, entry["eval"]))
+        record.history = replay.history
+        known = {e.version for e in replay.evals}
+        record.evals = replay.evals + [e for e in record.evals if e.version not in known]
+
+    async def _read(self, subject: str) -> list[dict]:
+        """Every entry on `subject`, in order (an ephemeral pull consumer, no acks)."""
+        info = await self.js.stream_info(STREAM, subjects_filter=subject)
+        count = (info.state.subjects or {}).get(subject, 0)
+        if not count:
+            return []
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE)
+        sub = await self.js.pull_subscribe(subject, stream=STREAM, config=config)
+        entries: list[dict] = []
+        try:
+            while len(entries) < count:
+                msgs = await sub.fetch(min(FETCH_BATCH, count - len(entries)), timeout=5.0)
+                entries.extend(json.loads(m.data) for m in msgs)
+                if msgs[-1].metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        return entries

@@ -1,0 +1,47 @@
+"""The persisted experiment record stays bounded however long the run (history lives in the
+history log), and the in-memory history keeps one lineage."""
+
+from __future__ import annotations
+
+from asyncrl.types import EvalResult, StepMetrics
+from services.scheduler.records import KEPT, ExperimentRecord, Progress
+
+
+def _record() -> ExperimentRecord:
+    spec = {"name": "x", "model": {"path": "/m" * 100}, "dataset": {"path": "/d" * 100}}
+    return ExperimentRecord(id="x-000000", name="x", spec=spec, weight_uris={0: "/m"})
+
+
+def test_record_after_10000_steps_serialized_under_64_kib():
+    record = _record()
+    for v in range(1, 10_001):
+        step = StepMetrics(step=v, version=v, loss=0.123456789, reward_mean=0.5, groups=8)
+        record.add_step(step)
+        record.add_weights(v, f"file:///var/weights/x-000000/v{v:06d}")
+        record.evals.append(EvalResult(version=v, accuracy=0.5, n_prompts=100, n_samples=100))
+        record.failure_reasons[f"reward raised: error {v}"] = 1
+    data = record.to_json()
+    assert len(data) < 64 * 1024
+    restored = ExperimentRecord.from_json(data)
+    assert [s.version for s in restored.history] == [10_000]  # the last step; the rest is logged
+    assert len(restored.evals) == KEPT and restored.evals[-1].version == 10_000
+    assert sorted(restored.weight_uris)[:2] == [0, 10_000 - KEPT + 1]
+    assert restored.weight_uris[10_000].endswith("v010000")
+
+
+def test_add_step_of_an_older_version_replaces_the_discarded_lineage():
+    record = _record()
+    for v in (1, 2, 3):
+        record.add_step(StepMetrics(step=v, version=v, groups=2))
+    discarded = record.add_step(StepMetrics(step=2, version=2, groups=2, loss=9.0))
+    assert [s.version for s in discarded] == [3, 2]
+    assert [(s.version, s.loss) for s in record.history] == [(1, 0.0), (2, 9.0)]
+
+
+def test_record_round_trip_keeps_progress_and_reasons():
+    record = _record()
+    record.progress = Progress(version=3, accepted=7, left_over=1)
+    record.failure_reasons = {"reward raised": 4}
+    restored = ExperimentRecord.from_json(record.to_json())
+    assert restored.progress == record.progress
+    assert restored.failure_reasons == {"reward raised": 4}
