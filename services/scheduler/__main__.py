@@ -1,5 +1,6 @@
 """python -m services.scheduler [--port 50051] [--host 127.0.0.1] [--lease-ttl 10]
-[--heartbeat-interval 1] [--metrics-port PORT]
+[--heartbeat-interval 1] [--progress-timeout 300] [--trainer-poll-interval 5]
+[--metrics-port PORT]
 
 Environment: NATS_URL (experiment state in NATS KV).
 """
@@ -32,6 +33,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--heartbeat-interval", type=float, default=1.0, help="seconds between worker heartbeats"
     )
+    p.add_argument(
+        "--progress-timeout",
+        type=float,
+        default=300.0,
+        help="seconds without a commit, a settled group or a joining rollout before the trainer"
+        " is started again (the second time: the experiment is FAILED)",
+    )
+    p.add_argument(
+        "--trainer-poll-interval",
+        type=float,
+        default=5.0,
+        help="seconds between two GetStatus calls to a running experiment's trainer",
+    )
     return p.parse_args(argv)
 
 
@@ -43,6 +57,8 @@ async def start(args: argparse.Namespace) -> ServiceRuntime:
         lease_ttl_s=args.lease_ttl,
         heartbeat_interval_s=args.heartbeat_interval,
         metrics_port=args.metrics_port,
+        progress_timeout_s=args.progress_timeout,
+        trainer_poll_interval_s=args.trainer_poll_interval,
     )
     return runtime
 

@@ -541,7 +541,7 @@ class ExperimentRunner:
         p, batch = self.snapshot().progress, self.spec.trainer.batch_size
         reason = self._finish_reason
         if p.left_over:
-            reason += f"; {p.left_over} accepted groups left over (fewer than batch_size={batch})"
+            reason += f"; {p.left_over} accepted groups left over, never trained"
         if self.version > 0 or self.record.history:
             return ExperimentState.COMPLETED, reason
         counts = (
