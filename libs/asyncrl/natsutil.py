@@ -23,6 +23,10 @@ STREAM = "ASYNCRL_TRAJ"
 SUBJECT_ROOT = "asyncrl.traj"
 KV_BUCKET = "asyncrl_scheduler"
 DUPLICATE_WINDOW_S = 3600
+"""JetStream drops a publish whose Nats-Msg-Id (the group id) it stored this recently. A group
+retried after an infrastructure fault keeps its id, and the retry can come a whole
+`rollout.group_timeout_s` (600 s by default) plus a fence or a scheduler restart after the
+first publish: an hour covers that with margin."""
 
 
 def train_subject(experiment_id: str) -> str:

@@ -126,6 +126,10 @@ class RolloutSpec(_Section):
     filter: FILTERS.literal() = "nonconstant_reward"
     """Dynamic filter: `nonconstant_reward` rejects groups whose rewards are all equal."""
     group_timeout_s: float = Field(600.0, gt=0)
+    weight_update_timeout_s: float = Field(30.0, gt=0)
+    """Deadline for each rollout to take a committed version (UpdateWeights). A rollout that
+    has not answered by then (frozen, or stuck loading) is fenced, and the commit completes
+    with the others; it also bounds how long one commit can wait."""
     workflow: WorkflowSpec = Field(default_factory=WorkflowSpec)
     """How one trajectory is produced; the system runs it n_samples times per prompt."""
 

@@ -1,14 +1,19 @@
 """Client of Reward.Score with fail-over across reward replicas.
 
 Score is idempotent, so a transient failure (UNAVAILABLE, DEADLINE_EXCEEDED) is retried through
-`asyncrl.retry.idempotent_rpc`, and every attempt goes to the next address: a dead replica
-costs one fast failure, not the group. Addresses are picked round-robin across calls so the
-load spreads over the replicas.
+`asyncrl.retry.idempotent_rpc` for up to `max_wait_s`, and every attempt goes to the next
+address: a dead replica costs one fast failure, not the group, and a restarted one is found
+again. A reward service that stays unreachable is an infrastructure fault, not the sample's
+fate: `RewardUnavailable`, which the rollout turns into an UNAVAILABLE GenerateGroup so the
+scheduler retries the group under the same id. Any other error status is the reward service's
+answer about these items: FAILED scores with the reason. Addresses are picked round-robin across
+calls so the load spreads over the replicas.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 from dataclasses import dataclass
 
 import grpc
@@ -16,7 +21,7 @@ import grpc
 from asyncrl.convert import status_from_proto
 from asyncrl.grpcutil import channel
 from asyncrl.logging import get_logger
-from asyncrl.retry import idempotent_rpc
+from asyncrl.retry import RETRYABLE_CODES, idempotent_rpc
 from asyncrl.types import RewardStatus, Score
 from asyncrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
@@ -24,7 +29,8 @@ log = get_logger(component="reward_client")
 
 
 class RewardUnavailable(RuntimeError):
-    """No reward service produced an answer; `reason` says what the last one did."""
+    """No reward service answered within the client's `max_wait_s`; the message says what the
+    last attempt got."""
 
 
 @dataclass
@@ -52,9 +58,11 @@ class RewardBinding:
 
 
 class RewardClient:
-    def __init__(self, attempts_per_address: int = 2, max_delay_s: float = 30.0):
-        self.attempts_per_address = attempts_per_address
-        self.max_delay_s = max_delay_s
+    def __init__(self, max_wait_s: float = 10.0):
+        self.max_wait_s = max_wait_s
+        """How long one Score call keeps retrying unreachable replicas: a supervisor restarts a
+        dead one in about a second, and the scheduler's next dispatch carries the addresses
+        of replicas that registered meanwhile."""
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._bound: set[tuple[str, str]] = set()
         """(address, experiment) pairs already bound."""
@@ -69,7 +77,7 @@ class RewardClient:
         self, addresses: list[str], binding: RewardBinding, items: list[ScoreItem]
     ) -> list[Score]:
         """Score `items` with one Score call; results come back in the order of `items`.
-        Raises RewardUnavailable when no address answers, or when the call is refused."""
+        Raises RewardUnavailable when no address answers within `max_wait_s`."""
         if not addresses:
             raise RewardUnavailable("no reward service address")
         req = reward_pb2.ScoreRequest(
@@ -85,9 +93,8 @@ class RewardClient:
         order = [addresses[(start + k) % len(addresses)] for k in range(len(addresses))]
         tried = itertools.cycle(order)
         deadline = score_deadline(binding.timeout_s, len(items))
-        policy = idempotent_rpc(
-            attempts=self.attempts_per_address * len(addresses), max_delay_s=self.max_delay_s
-        )
+        # bounded by time, not by attempts: each attempt after the first waits up to 2 s
+        policy = idempotent_rpc(attempts=sys.maxsize, max_delay_s=self.max_wait_s)
         address = order[0]
         try:
             async for attempt in policy:
@@ -95,16 +102,11 @@ class RewardClient:
                     address = next(tried)
                     resp = await self._score_once(address, binding, req, deadline)
         except grpc.aio.AioRpcError as e:
-            log.warning(
-                "reward_unavailable",
-                address=address,
-                code=e.code().name,
-                details=e.details(),
-                addresses=addresses,
-            )
-            raise RewardUnavailable(
-                f"reward service {address}: {e.code().name}: {e.details()}"
-            ) from None
+            reason = f"reward service {address}: {e.code().name}: {e.details()}"
+            log.warning("reward_call_failed", reason=reason, addresses=addresses)
+            if e.code() in RETRYABLE_CODES:
+                raise RewardUnavailable(reason) from None
+            return [Score(0.0, RewardStatus.FAILED, reason) for _ in items]
         by_id = {r.id: r for r in resp.results}
         return [_score(by_id.get(i.id)) for i in items]
 

@@ -7,6 +7,7 @@ one `ServiceRuntime`; `await runtime.close()` stops it gracefully.
 
 from __future__ import annotations
 
+import grpc
 from prometheus_client.registry import Collector
 
 from asyncrl.logging import get_logger
@@ -16,12 +17,16 @@ from asyncrl.runtime import ServiceRuntime
 from asyncrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.rollout.engine import Engine
 from services.rollout.filters import GroupStatus
+from services.rollout.reward_client import RewardUnavailable
 from services.rollout.service import GroupJob, GroupSummary, RolloutService
 
 log = get_logger()
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
 DEFAULT_CAPACITY = 64
+FAULT = ("asyncrl-fault", "reward-unavailable")
+"""Trailing metadata of an UNAVAILABLE GenerateGroup whose reward services were unreachable
+(see GenerateGroup in rollout.proto)."""
 
 _STATUS = {
     GroupStatus.ACCEPTED: rollout_pb2.GROUP_STATUS_ACCEPTED,
@@ -54,6 +59,7 @@ def summary_to_proto(s: GroupSummary) -> rollout_pb2.GroupSummary:
         start_version=s.start_version,
         end_version=s.end_version,
         published=s.published,
+        duplicate=s.duplicate,
         duration_s=s.duration_s,
         worker=s.worker,
     )
@@ -68,7 +74,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return common_pb2.BindExperimentResponse()
 
     async def GenerateGroup(self, request, context):
-        summary = await self.service.generate_group(job_from_proto(request))
+        try:
+            summary = await self.service.generate_group(job_from_proto(request))
+        except RewardUnavailable as e:
+            # not the group's fate: the scheduler re-queues it under the same id, and the
+            # marker tells it this worker is fine (no fence)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e), trailing_metadata=(FAULT,))
         return summary_to_proto(summary)
 
     async def UpdateWeights(self, request, context):

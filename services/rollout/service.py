@@ -104,6 +104,8 @@ class GroupSummary:
     start_version: int = 0
     end_version: int = 0
     published: bool = False
+    duplicate: bool = False
+    """JetStream already held this group id (an earlier call published it): not stored again."""
     duration_s: float = 0.0
     worker: str = ""
 
@@ -278,6 +280,8 @@ class RolloutService:
                 )
             log.info("group_cancelled", group=job.group_id)
             raise
+        except RewardUnavailable:
+            raise  # an infrastructure fault: the scheduler retries the group
         except Exception as exc:  # noqa: BLE001 - reported as a FAILED group with the reason
             log.exception("generation_failed", group=job.group_id)
             return self._summary(
@@ -302,6 +306,7 @@ class RolloutService:
             tokens=summary.tokens,
             versions=(summary.start_version, summary.end_version),
             published=summary.published,
+            duplicate=summary.duplicate,
         )
         return summary
 
@@ -335,7 +340,7 @@ class RolloutService:
             rollout_worker=self.worker,
             epoch=job.epoch,
         )
-        await publish_group(self.js, group)
+        _, summary.duplicate = await publish_group(self.js, group)
         summary.published = True
 
     def _decode(self, ids: list[int]) -> str:
@@ -366,10 +371,7 @@ class RolloutService:
 
         async def score(prompt: str, text: str) -> Score:
             item = ScoreItem(f"{job.group_id}:{index}", prompt, text, job.answer)
-            try:
-                [got] = await self.rewards.score(job.reward_addresses, binding.rewards, [item])
-            except RewardUnavailable as exc:
-                return Score(0.0, RewardStatus.FAILED, str(exc))
+            [got] = await self.rewards.score(job.reward_addresses, binding.rewards, [item])
             return got
 
         return WorkflowContext(
@@ -395,16 +397,15 @@ class RolloutService:
             sample.text = self.tokenizer.decode(policy, skip_special_tokens=True)
 
     async def _score(self, job: GroupJob, binding: Binding, samples: list[Sample]) -> None:
-        """Score the samples the workflow left unscored (one Score call); an unreachable reward
-        service fails every one of them."""
+        """Score the samples the workflow left unscored (one Score call). An unreachable reward
+        service raises RewardUnavailable: the group is not theirs to fail."""
+        if not samples:
+            return
         items = [
             ScoreItem(f"{job.group_id}:{i}", job.prompt, s.text, job.answer)
             for i, s in enumerate(samples)
         ]
-        try:
-            scores = await self.rewards.score(job.reward_addresses, binding.rewards, items)
-        except RewardUnavailable as exc:
-            scores = [Score(0.0, RewardStatus.FAILED, str(exc))] * len(samples)
+        scores = await self.rewards.score(job.reward_addresses, binding.rewards, items)
         for sample, score in zip(samples, scores, strict=True):
             sample.score(score)
 

@@ -137,10 +137,12 @@ class FleetWeights:
                     return version
 
     async def broadcast(
-        self, workers: list[Worker], version: int, uri: str, timeout: float
+        self, workers: list[Worker], version: int, uri: str
     ) -> list[tuple[Worker, str]]:
         """UpdateWeights to all `workers` in parallel (call with `lock` held); returns the ones
-        that failed or lagged past the deadline, with the reason."""
+        that failed or lagged past the spec's `rollout.weight_update_timeout_s`, with the
+        reason. That deadline, not a frozen worker's lease, bounds how long a commit waits."""
+        timeout = self.calls.spec.rollout.weight_update_timeout_s
         results = await asyncio.gather(
             *(self.calls.update_weights(w, version, uri, timeout) for w in workers),
             return_exceptions=True,

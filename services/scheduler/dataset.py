@@ -1,8 +1,10 @@
 """The dataset an experiment iterates: JSONL prompts and a resumable cursor over epochs.
 
 A `Ticket` names one dispatch of one prompt: (epoch, row index, attempt). Its group id is
-`<experiment>-e<epoch>-p<index>-a<attempt>`; a re-queued prompt gets the next attempt number so
-JetStream's dedup (Nats-Msg-Id = group id) never swallows the retry.
+`<experiment>-e<epoch>-p<index>-a<attempt>`. A prompt re-queued after an infrastructure fault
+(failed RPC, lost worker, scheduler restart) keeps its attempt, so a copy the lost call did
+publish and the retry are one message to JetStream's dedup (Nats-Msg-Id = group id). Only a
+group that must be sampled afresh (dropped or aborted as too stale) gets the next attempt.
 """
 
 from __future__ import annotations
@@ -123,8 +125,9 @@ class DatasetCursor:
             self.position = 0
         return ticket
 
-    def requeue(self, ticket: Ticket, new_attempt: bool = True, front: bool = False) -> None:
-        """Put a prompt back (stale-dropped, or its RPC failed)."""
+    def requeue(self, ticket: Ticket, new_attempt: bool = False, front: bool = False) -> None:
+        """Put a prompt back: under the same group id after an infrastructure fault, with
+        `new_attempt` when its sample is unusable (too stale) and must be generated again."""
         item = ticket.retry() if new_attempt else ticket
         if front:
             self.requeued.appendleft(item)

@@ -26,6 +26,7 @@ from services.scheduler.records import ExperimentRecord
 from services.scheduler.registry import Worker
 
 THROUGHPUT_WINDOW_S = 30.0
+FAULT_KEY = "asyncrl-fault"
 
 
 @dataclass
@@ -72,9 +73,10 @@ class Dispatcher:
             record.cursor or None,
         )
         # Groups in flight when the record was saved go first with the same attempt: if the
-        # lost call had published, JetStream dedup drops the duplicate.
+        # lost call had published, JetStream dedup drops the duplicate. The persisted counters
+        # come from the same snapshot, so none of these was counted yet.
         for t in reversed(record.inflight):
-            self.cursor.requeue(Ticket(*t), new_attempt=False, front=True)
+            self.cursor.requeue(Ticket(*t), front=True)
         self.evaluator = Evaluator(
             len(eval_prompts),
             spec.eval.every_versions,
@@ -167,7 +169,7 @@ class Dispatcher:
             summary = await self.calls.generate_group(item.worker, request)
         except grpc.aio.AioRpcError as e:
             if self.settle(item):
-                self._rpc_failed(item, e.code(), e.details() or "")
+                self._rpc_failed(item, e.code(), e.details() or "", _fault(e))
             return
         except Exception as e:  # noqa: BLE001 - treated as a failed call, logged with its trace
             self.log.exception("group_call_error", group=item.group_id)
@@ -201,6 +203,10 @@ class Dispatcher:
             )
             self._eval_progress(item.eval_round)
         elif summary.status == rollout_pb2.GROUP_STATUS_ACCEPTED:
+            # A duplicate is a retry of a call that published and whose answer never came (a
+            # lost reply, a scheduler restart): that call was never counted, this one is.
+            if summary.duplicate:
+                self.log.info("group_duplicate", group=item.group_id, worker=item.worker.worker_id)
             self.staleness.on_accept()
         elif summary.status == rollout_pb2.GROUP_STATUS_REJECTED:
             self.staleness.on_reject()
@@ -212,21 +218,26 @@ class Dispatcher:
                 "group_failed", group=item.group_id, worker=item.worker.worker_id, reason=reason
             )
 
-    def _rpc_failed(self, item: InFlight, code: grpc.StatusCode, details: str) -> None:
-        """The call failed (worker died, deadline, error): re-queue the prompt, and fence the
-        worker unless the group merely ran past its deadline."""
+    def _rpc_failed(
+        self, item: InFlight, code: grpc.StatusCode, details: str, fault: str = ""
+    ) -> None:
+        """The call failed (worker died, deadline, error): re-queue the prompt under the same
+        id, and fence the worker unless the group merely ran past its deadline or the worker
+        answered that a service it needs (`fault`, e.g. the reward) was unreachable."""
         self.log.warning(
             "group_rpc_failed",
             group=item.group_id,
             worker=item.worker.worker_id,
             code=code.name,
             details=details,
+            fault=fault,
         )
         self._requeue(item)
-        if code != grpc.StatusCode.DEADLINE_EXCEEDED:
+        if code != grpc.StatusCode.DEADLINE_EXCEEDED and not fault:
             self.hooks.fence(item.worker, f"GenerateGroup failed: {code.name}")
 
     def _requeue(self, item: InFlight) -> None:
+        """An infrastructure fault: the prompt goes back under the same group id."""
         if item.ticket is not None:
             self.staleness.on_requeue()
             self.cursor.requeue(item.ticket)
@@ -249,7 +260,7 @@ class Dispatcher:
                 self._requeue(item)
             elif how == "abort":
                 self.staleness.on_abort()
-                self.cursor.requeue(item.ticket)
+                self.cursor.requeue(item.ticket, new_attempt=True)
                 self._aborted.add(item.group_id)
             elif item.ticket is not None:
                 self.staleness.on_cancel()
@@ -281,9 +292,15 @@ class Dispatcher:
             self.staleness.on_trainer_drop()
             ticket = Ticket.parse(group_id)
             if ticket is not None:
-                self.cursor.requeue(ticket)
+                self.cursor.requeue(ticket, new_attempt=True)
                 requeued += 1
         return requeued
 
     def tasks(self) -> list[asyncio.Task]:
         return [i.task for i in self.inflight.values() if i.task is not None]
+
+
+def _fault(error: grpc.aio.AioRpcError) -> str:
+    """The `asyncrl-fault` trailing metadata a rollout sets when it is fine but a service it
+    needs was unreachable (rollout.proto, GenerateGroup); "" for any other failure."""
+    return dict(error.trailing_metadata() or ()).get(FAULT_KEY, "")

@@ -82,16 +82,16 @@ class StalenessManager:
         self.accepted = max(0, self.accepted - 1)
         self.stale_dropped += 1
 
-    def recover(self, version: int) -> None:
-        """Resume at `version`: the trainer has consumed version * B groups, so admission allows
-        (eta + 1) * B - running more instead of a burst."""
-        self.accepted = version * self.batch_size
-
     def counters(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in COUNTERS}
 
     def load_counters(self, counters: dict[str, int]) -> None:
-        """Restore persisted outcome counters; `running` restarts at 0 (nothing is in flight)."""
+        """Restore persisted outcome counters; `running` restarts at 0 (nothing is in flight).
+
+        `accepted` stays what was persisted, whatever version a resumed trainer reports: the
+        groups in flight in the same snapshot were not counted yet, and each is counted once
+        when its re-dispatch answers (a duplicate publish included). Setting it to
+        version * B instead counted the trained ones among them twice."""
         for name in ("accepted", "rejected", "failed", "stale_dropped", "requeued"):
             setattr(self, name, int(counters.get(name, 0)))
 

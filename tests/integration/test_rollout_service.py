@@ -211,13 +211,52 @@ async def test_generate_group_dead_reward_address_fails_over_to_live_one(rollout
         assert summary.failed_samples == 0
 
 
-async def test_generate_group_no_live_reward_service_is_failed_with_reason(rollout, js):
-    stub, _ = rollout
-    summary = await stub.GenerateGroup(_request("f3", [f"127.0.0.1:{free_port()}"]), timeout=60)
-    assert summary.status == rollout_pb2.GROUP_STATUS_FAILED and not summary.published
-    assert summary.failed_samples == 3 and list(summary.rewards) == []
-    assert "UNAVAILABLE" in summary.reason
+async def test_generate_group_no_live_reward_service_is_unavailable_not_failed(rollout, js):
+    # an infrastructure fault, not the group's fate: the scheduler retries it (same id)
+    stub, service = rollout
+    service.rewards.max_wait_s = 0.5
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.GenerateGroup(_request("f3", [f"127.0.0.1:{free_port()}"]), timeout=60)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "reward service" in e.value.details()
+    assert dict(e.value.trailing_metadata())["asyncrl-fault"] == "reward-unavailable"
     assert (await js.stream_info(STREAM)).state.messages == 0
+
+
+async def test_generate_group_reward_restarted_mid_group_is_scored_not_failed(rollout, js):
+    stub, service = rollout
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    reward, _ = await create_reward(port=port, workers=1, register=False)
+    summary = await stub.GenerateGroup(_request("r0", [address]), timeout=60)
+    assert summary.status == rollout_pb2.GROUP_STATUS_ACCEPTED  # bound, channel open
+    await reward.close()  # kill: the next group finds no reward service
+    failures = _count_failed_score_calls(service)
+    call = stub.GenerateGroup(_request("r1", [address]), timeout=60)
+    await wait_until(lambda: failures, timeout=30, interval=0.01)
+    reward, _ = await create_reward(port=port, workers=1, register=False)  # restarted
+    try:
+        summary = await call
+    finally:
+        await reward.close()
+    assert summary.status == rollout_pb2.GROUP_STATUS_ACCEPTED, summary.reason
+    assert summary.failed_samples == 0 and summary.published
+
+
+def _count_failed_score_calls(service) -> list[str]:
+    """The codes of the reward calls that failed from now on (the rollout's own client)."""
+    failures: list[str] = []
+    score_once = service.rewards._score_once
+
+    async def counted(*args):
+        try:
+            return await score_once(*args)
+        except grpc.aio.AioRpcError as e:
+            failures.append(e.code().name)
+            raise
+
+    service.rewards._score_once = counted
+    return failures
 
 
 async def test_bind_mismatched_engine_is_failed_precondition(rollout, models):

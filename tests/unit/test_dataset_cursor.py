@@ -40,19 +40,27 @@ def test_cursor_shuffle_is_deterministic_per_seed_and_differs_across_epochs():
     assert epoch0 != [t.index for t in drain(DatasetCursor(20, 1, True, seed=8))]
 
 
-def test_cursor_requeue_takes_priority_with_next_attempt():
+def test_cursor_requeue_takes_priority_with_same_attempt():
+    # an infrastructure fault (failed RPC, lost worker) retries under the same group id
     c = DatasetCursor(5, epochs=1, shuffle=False, seed=0)
     first = c.next()
     c.next()
     c.requeue(first)
-    assert c.next() == Ticket(0, 0, 1)
+    assert c.next() == Ticket(0, 0, 0)
     assert c.next() == Ticket(0, 2, 0)
+
+
+def test_cursor_requeue_new_attempt_only_when_asked():
+    # a group dropped as too stale must be sampled again: a new group id
+    c = DatasetCursor(5, epochs=1, shuffle=False, seed=0)
+    c.requeue(Ticket(0, 4, 2), new_attempt=True)
+    assert c.next() == Ticket(0, 4, 3)
 
 
 def test_cursor_requeue_same_attempt_at_front():
     c = DatasetCursor(5, epochs=1, shuffle=False, seed=0)
-    c.requeue(Ticket(0, 4, 2))
-    c.requeue(Ticket(0, 3, 1), new_attempt=False, front=True)
+    c.requeue(Ticket(0, 4, 2), new_attempt=True)
+    c.requeue(Ticket(0, 3, 1), front=True)
     assert [c.next(), c.next()] == [Ticket(0, 3, 1), Ticket(0, 4, 3)]
 
 
@@ -62,7 +70,7 @@ def test_cursor_exhausted_only_when_epochs_done_and_requeue_empty():
     assert c.exhausted and c.next() is None
     c.requeue(b)
     assert not c.exhausted
-    assert c.next() == Ticket(0, b.index, 1)
+    assert c.next() == Ticket(0, b.index, 0)
     assert c.exhausted
     assert a.index == 0
 

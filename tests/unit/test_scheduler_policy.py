@@ -64,8 +64,8 @@ def test_capacity_rejected_and_failed_groups_free_their_slot():
 
 def test_capacity_never_negative_after_version_rollback():
     sm, fv = manager(batch_size=4, eta=0, version=3)
-    sm.recover(3)
-    fv.v = 1
+    sm.load_counters({"accepted": 12})
+    fv.v = 1  # a trainer resumed from an older checkpoint
     assert sm.capacity() == 0
 
 
@@ -99,11 +99,12 @@ def test_requeue_frees_slot_and_counts():
     assert (sm.running, sm.requeued, sm.capacity()) == (0, 1, 2)
 
 
-def test_recover_sets_accepted_to_version_times_batch():
-    sm, fv = manager(batch_size=4, eta=2, version=5)
-    sm.recover(5)
-    assert sm.accepted == 20
-    assert sm.capacity() == 12  # (eta + 1) * B, not a burst of 32
+def test_resume_keeps_persisted_accepted_whatever_the_trainer_version():
+    # the fleet resumes at the trainer's version 5; the groups it trained are in `accepted`
+    sm, _ = manager(batch_size=4, eta=2, version=5)
+    sm.load_counters({"accepted": 22, "running": 3})
+    assert (sm.accepted, sm.running) == (22, 0)
+    assert sm.capacity() == 10  # (eta + 5 + 1) * B - 22, not a burst of 32
 
 
 def test_load_counters_restores_outcomes_but_not_running():
