@@ -73,7 +73,7 @@ class HistoryLog:
                     await asyncio.sleep(RETRY_S)
 
     async def close(self, timeout: float = 5.0) -> None:
-        """Stop the writer; what is still queued is written once more (best effort)."""
+        """Stop the writer; what is still queued is written now (until the first failure)."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -82,7 +82,9 @@ class HistoryLog:
             try:
                 await self.js.publish(subject, data, timeout=timeout)
             except (TimeoutError, nats.errors.Error) as e:
-                log.warning("history_lost_on_close", subject=subject, error=str(e))
+                lost = self._queue.qsize() + 1
+                log.warning("history_lost_on_close", entries=lost, error=str(e))
+                return
 
     async def load_into(self, record: ExperimentRecord) -> None:
         """Replace the record's history and evals with the logged ones (if any)."""

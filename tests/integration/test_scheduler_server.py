@@ -803,3 +803,29 @@ async def test_history_outside_record_served_after_restart(cluster, files):
     )
     assert [h.version for h in exp.history] == [1, 2, 3]
     assert exp.progress.last_step.version == 3
+
+
+async def test_trainer_resumed_from_older_checkpoint_step_not_counted_twice(cluster, files):
+    await cluster.start_scheduler(lease_ttl_s=0.6, heartbeat_interval_s=0.1)
+    first = FakeTrainer()
+    await cluster.worker(REWARD)
+    _, kill = await cluster.worker(TRAINER, first)
+    await cluster.worker(ROLLOUT, FakeRollout())
+    exp_id = await submit(cluster, spec(files, trainer={"total_steps": 10}))
+    await wait_until(lambda: first.started == [exp_id])
+    for version in (1, 2, 3):
+        await cluster.commit(exp_id, version)
+    await kill()
+    successor = FakeTrainer(version=2)  # its newest checkpoint is v2: step 3 is trained again
+    await cluster.worker(TRAINER, successor)
+    runner = cluster.scheduler.get(exp_id)
+    await wait_until(lambda: successor.started == [exp_id] and runner.state.value == "RUNNING")
+    assert runner.version == 2
+    await cluster.commit(exp_id, 3)
+    await cluster.stop_scheduler()
+    await cluster.start_scheduler(port=cluster.port)
+    exp = await cluster.stub.GetExperiment(
+        scheduler_pb2.GetExperimentRequest(experiment_id=exp_id, with_history=True), timeout=5
+    )
+    assert [h.version for h in exp.history] == [1, 2, 3]
+    assert exp.progress.trained_groups == 6
