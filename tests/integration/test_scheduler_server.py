@@ -799,7 +799,9 @@ async def test_history_outside_record_served_after_restart(cluster, files):
     await cluster.stop_scheduler()
     await cluster.start_scheduler(port=cluster.port)
     exp = await cluster.stub.GetExperiment(
-        scheduler_pb2.GetExperimentRequest(experiment_id=exp_id, with_history=True), timeout=5
+        scheduler_pb2.GetExperimentRequest(experiment_id=exp_id, with_history=True),
+        timeout=5,
+        wait_for_ready=True,  # the channel reconnects to the restarted scheduler
     )
     assert [h.version for h in exp.history] == [1, 2, 3]
     assert exp.progress.last_step.version == 3
@@ -825,7 +827,9 @@ async def test_trainer_resumed_from_older_checkpoint_step_not_counted_twice(clus
     await cluster.stop_scheduler()
     await cluster.start_scheduler(port=cluster.port)
     exp = await cluster.stub.GetExperiment(
-        scheduler_pb2.GetExperimentRequest(experiment_id=exp_id, with_history=True), timeout=5
+        scheduler_pb2.GetExperimentRequest(experiment_id=exp_id, with_history=True),
+        timeout=5,
+        wait_for_ready=True,  # the channel reconnects to the restarted scheduler
     )
     assert [h.version for h in exp.history] == [1, 2, 3]
     assert exp.progress.trained_groups == 6
