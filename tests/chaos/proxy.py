@@ -1,0 +1,95 @@
+"""A gRPC proxy in front of one rollout that can lose a reply after the work is done.
+
+    python -m tests.chaos.proxy --listen 127.0.0.1:P --upstream 127.0.0.2:P
+
+Every unary call is forwarded as raw bytes (no protos needed). Each SIGUSR1 arms one loss: the
+next GenerateGroup is forwarded, the rollout generates and publishes the group, and the reply
+is thrown away; the caller gets UNAVAILABLE, as if the connection died on the way back. The
+rollout binds the upstream address and advertises the listen one (its `--host`/`--port` with
+ASYNCRL_ADVERTISE_HOST), so the scheduler reaches it only through here. Each loss is printed
+as a JSON line {"event": "reply_dropped", "method", "t"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import time
+
+import grpc
+
+from asyncrl.grpcutil import CHANNEL_OPTIONS
+
+LOSSY_METHOD = "/asyncrl.v1.Rollout/GenerateGroup"
+
+
+class Forwarder(grpc.GenericRpcHandler):
+    """Forwards unary calls to `channel`; `armed` replies of LOSSY_METHOD are lost."""
+
+    def __init__(self, channel: grpc.aio.Channel):
+        self.channel = channel
+        self.armed = 0
+        self.dropped = 0
+
+    def service(self, details: grpc.HandlerCallDetails):
+        method = details.method
+        call = self.channel.unary_unary(method)
+
+        async def forward(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            metadata = [
+                (k, v)
+                for k, v in context.invocation_metadata() or ()
+                if not k.startswith((":", "grpc-"))
+            ]
+            try:
+                reply = await call(
+                    request, timeout=context.time_remaining(), metadata=metadata or None
+                )
+            except grpc.aio.AioRpcError as e:
+                await context.abort(e.code(), e.details() or "")
+            if method == LOSSY_METHOD and self.armed:
+                self.armed -= 1
+                self.dropped += 1
+                print(
+                    json.dumps({"event": "reply_dropped", "method": method, "t": time.time()}),
+                    flush=True,
+                )
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "reply lost (chaos proxy)")
+            return reply
+
+        return grpc.unary_unary_rpc_method_handler(forward)
+
+
+async def serve(listen: str, upstream: str) -> None:
+    channel = grpc.aio.insecure_channel(upstream, options=CHANNEL_OPTIONS)
+    forwarder = Forwarder(channel)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server.add_generic_rpc_handlers((forwarder,))
+    server.add_insecure_port(listen)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(
+        signal.SIGUSR1, lambda: setattr(forwarder, "armed", forwarder.armed + 1)
+    )
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    print(
+        json.dumps({"event": "proxy_serving", "listen": listen, "upstream": upstream}), flush=True
+    )
+    await stop.wait()
+    await server.stop(1.0)
+    await channel.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--listen", required=True)
+    p.add_argument("--upstream", required=True)
+    args = p.parse_args()
+    asyncio.run(serve(args.listen, args.upstream))
+
+
+if __name__ == "__main__":
+    main()

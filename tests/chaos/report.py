@@ -1,0 +1,117 @@
+"""The chaos report, pure: one row per run from what the run recorded (its faults, the version
+timeline it polled, the ledger and status JSON), the suite's verdict, and the table.
+
+A run's row:
+
+    fault, at_version       the scenario and the version the first fault hit
+    faults                  every injection: {what, at_version, at_s, recovery_s}
+    completed, state        the experiment ended COMPLETED (state: its final state)
+    steps, lost, trained_twice, failed, filtered, left_over, in_flight, quarantined,
+    duplicates, trained_groups   from `asyncrl ledger ID --json`
+    expected_groups         steps x B (the ledger agrees with the trainer when trained == it)
+    recovery_s              the slowest fault's time from injection to the next committed step
+    wall_s                  submit to the end of the experiment
+"""
+
+from __future__ import annotations
+
+from rich.markup import escape
+from rich.table import Table
+
+COLUMNS = (
+    "fault",
+    "at_version",
+    "completed",
+    "steps",
+    "lost",
+    "trained_twice",
+    "failed",
+    "quarantined",
+    "recovery_s",
+    "wall_s",
+)
+
+
+def recovery_s(timeline: list[tuple[float, int]], at_s: float, at_version: int) -> float | None:
+    """Seconds from a fault at `at_s` (version `at_version` then) to the first poll that saw a
+    higher version; None when none came."""
+    for t, version in timeline:
+        if t >= at_s and version > at_version:
+            return round(t - at_s, 2)
+    return None
+
+
+def with_recovery(faults: list[dict], timeline: list[tuple[float, int]]) -> list[dict]:
+    return [f | {"recovery_s": recovery_s(timeline, f["at_s"], f["at_version"])} for f in faults]
+
+
+def make_row(run: dict, ledger: dict, status: dict) -> dict:
+    """The report row of one run. `run`: fault, faults, timeline, wall_s, batch_size (and any
+    extra keys, kept); `ledger`: the ledger JSON; `status`: the status JSON."""
+    totals = ledger.get("totals", {})
+    faults = with_recovery(run["faults"], run["timeline"])
+    recoveries = [f["recovery_s"] for f in faults]
+    state = str(status.get("state", "UNKNOWN")).removeprefix("EXPERIMENT_STATE_")
+    steps = ledger.get("steps", 0)
+    extra = {k: v for k, v in run.items() if k not in ("faults", "timeline")}
+    return extra | {
+        "at_version": faults[0]["at_version"] if faults else None,
+        "faults": faults,
+        "completed": state == "COMPLETED",
+        "state": state,
+        "message": status.get("message", ""),
+        "steps": steps,
+        **{fate: totals.get(fate, 0) for fate in ("trained", "trained_twice", "lost")},
+        **{fate: totals.get(fate, 0) for fate in ("failed", "filtered", "left_over")},
+        "in_flight": totals.get("in_flight", 0),
+        "quarantined": ledger.get("quarantined", 0),
+        "duplicates": ledger.get("duplicates", 0),
+        "trained_groups": ledger.get("trained_groups", 0),
+        "expected_groups": steps * run.get("batch_size", 0),
+        "recovery_s": None if not faults or None in recoveries else max(recoveries),
+    }
+
+
+def problems(row: dict) -> list[str]:
+    """What makes a run fail the acceptance: not COMPLETED, a prompt lost or trained twice, an
+    infrastructure fault turned into a failed prompt, poison not quarantined, trained groups
+    that are not steps x B."""
+    found = []
+    if not row.get("completed"):
+        found.append(f"ended {row.get('state')}: {row.get('message', '')}".strip())
+    for key in ("lost", "trained_twice", "in_flight"):
+        if row.get(key):
+            found.append(f"{key}={row[key]}")
+    if row.get("infrastructure", True) and row.get("failed"):
+        found.append(f"failed={row['failed']}")
+    if row.get("expect_quarantined") and row.get("quarantined", 0) < row["expect_quarantined"]:
+        found.append(f"quarantined {row.get('quarantined', 0)} < {row['expect_quarantined']}")
+    if row.get("completed") and not row.get("steps"):
+        found.append("the ledger has no steps")
+    if row.get("steps") and row.get("trained_groups") != row.get("expected_groups"):
+        found.append(f"trained_groups {row['trained_groups']} != {row['expected_groups']}")
+    if row.get("error"):
+        found.append(row["error"])
+    return found
+
+
+def _cell(row: dict, key: str) -> str:
+    value = row.get(key)
+    if key == "completed":
+        return "[green]yes[/green]" if value else f"[red]{escape(str(row.get('state')))}[/red]"
+    if key in ("lost", "trained_twice", "failed") and value:
+        return f"[red]{value}[/red]"
+    return "-" if value is None else str(value)
+
+
+def table(rows: list[dict], title: str = "make chaos") -> Table:
+    t = Table(title=title)
+    for col in ("run", *COLUMNS, "verdict"):
+        t.add_column(col, justify="left" if col in ("run", "fault", "verdict") else "right")
+    for row in rows:
+        issues = problems(row)
+        verdict = (
+            "[green]ok[/green]" if not issues else "[red]" + escape("; ".join(issues)) + "[/red]"
+        )
+        t.add_row(row.get("run", ""), *(_cell(row, c) for c in COLUMNS), verdict)
+    return t

@@ -1,0 +1,296 @@
+"""One chaos run, inside its own network namespace (started by `python -m tests.chaos`):
+
+    python -m tests.chaos.run --scenario trainer --var var/chaos/trainer --task var/chaos/task
+
+`make up` with the run's var dir on the namespace's own loopback (default ports: nothing else
+is there), the arith experiment submitted with `asyncrl submit --id-file`, the scenario's
+faults injected at seeded random versions while a poller records the version timeline, the
+wait for COMPLETED/FAILED (or the timeout), `asyncrl ledger ID --json` and `asyncrl status ID
+--json`, and `make down`. Everything it learned goes to <var>/result.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from asyncrl.client import AsyncrlClient, is_terminal, state_name
+from asyncrl.proc import pid_alive
+from tests.chaos.scenarios import SCENARIOS, Scenario, run_rng
+
+ROOT = Path(__file__).resolve().parents[2]
+NATS_URL = "nats://127.0.0.1:4222"
+SCHEDULER = "127.0.0.1:50051"
+POLL_S = 0.25
+ARITH = ROOT / "examples" / "arith" / "experiment.yaml"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    scenario: str
+    var: Path
+    task: Path
+    """Built by `python -m examples.arith.build --out <task>/model`."""
+    seed: int = 0
+    total_steps: int = 30
+    batch_size: int = 4
+    n_samples: int = 8
+    timeout_s: float = 600.0
+    """Submit to the end of the experiment, at most."""
+    stall_s: float = 150.0
+    """A run whose version has not moved for this long is hung: stop waiting."""
+
+    def overrides(self) -> list[str]:
+        t = self.task.resolve()
+        return [
+            f"name=chaos-{self.scenario}",
+            f"seed={self.seed}",
+            f"model.path={t / 'model'}",
+            f"dataset.path={t / 'train.jsonl'}",
+            f"eval.dataset_path={t / 'eval.jsonl'}",
+            "eval.max_prompts=16",
+            "eval.every_versions=0",
+            "trainer.backend=torch",
+            f"trainer.total_steps={self.total_steps}",
+            f"trainer.batch_size={self.batch_size}",
+            "trainer.checkpoint_every=4",
+            f"rollout.n_samples={self.n_samples}",
+            "rollout.max_head_offpolicyness=2",
+            "rollout.filter=none",
+        ]
+
+
+class Run:
+    """The cluster of one run and what the run saw of it."""
+
+    def __init__(self, cfg: RunConfig, scenario: Scenario):
+        self.cfg = cfg
+        self.scenario = scenario
+        self.env = {
+            k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_") and k != "NATS_URL"
+        } | {"COLUMNS": "10000", "NATS_URL": NATS_URL, "ASYNCRL_SCHEDULER": SCHEDULER}
+        self.env |= scenario.env
+        self.experiment_id = ""
+        self.t0 = 0.0
+        self.version = 0
+        self.state = ""
+        self.timeline: list[tuple[float, int]] = []
+        self.seen_pids: set[int] = set()
+        self.helpers: list[subprocess.Popen] = []
+        self.faults: list[dict] = []
+        self.nats_url = NATS_URL
+        self.proxy: subprocess.Popen | None = None
+        self.errors: list[str] = []
+
+    # ------------------------------------------------------------ processes
+
+    def sh(self, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            argv, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout
+        )
+
+    def make(self, *args: str) -> subprocess.CompletedProcess:
+        return self.sh("make", "--no-print-directory", *args, f"VAR={self.cfg.var}")
+
+    def processes(self) -> list[dict]:
+        state = json.loads((self.cfg.var / "run" / "state.json").read_text())
+        self.seen_pids |= {p["pid"] for p in state["processes"] if p["pid"]}
+        self.seen_pids.add(state["supervisor_pid"])
+        return state["processes"]
+
+    async def pid(self, service: str, replica: int = 0, timeout: float = 60) -> int:
+        """The live pid of a replica (waiting for it to be running again after a restart)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for p in self.processes():
+                if (p["service"], p["replica"]) == (service, replica) and p["status"] == "running":
+                    if p["pid"] and pid_alive(p["pid"]):
+                        return p["pid"]
+            await asyncio.sleep(POLL_S)
+        raise RuntimeError(f"{service}-{replica} not running after {timeout}s")
+
+    def spawn_helper(self, *args: str, log: str) -> subprocess.Popen:
+        """A process of the run's own (the lost-reply proxy), stopped at `down`."""
+        with open(self.cfg.var / log, "ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, *args], cwd=ROOT, env=self.env, stdout=out, stderr=out
+            )
+        self.helpers.append(proc)
+        return proc
+
+    # ------------------------------------------------------------ the run's steps
+
+    def up(self) -> None:
+        self.cfg.var.mkdir(parents=True, exist_ok=True)
+        self.scenario.before_up(self)
+        started = self.make("-o", "venv", "-o", "protos", "up")  # built once, before the runs
+        if started.returncode != 0:
+            raise RuntimeError(f"make up failed: {started.stdout[-2000:]}{started.stderr[-2000:]}")
+        if self.scenario.rollouts > 1:
+            self.make("scale", "SERVICE=rollout", f"N={self.scenario.rollouts}")
+        self.processes()
+
+    def submit(self) -> None:
+        id_file = self.cfg.var / "experiment_id"
+        sets = [a for o in self.cfg.overrides() for a in ("--set", o)]
+        done = self.sh(".venv/bin/asyncrl", "submit", str(ARITH), "--id-file", str(id_file), *sets)
+        if done.returncode != 0:
+            raise RuntimeError(f"submit failed: {done.stdout}{done.stderr}")
+        self.t0 = time.time()
+        self.experiment_id = id_file.read_text().strip()
+
+    def cli_json(self, *args: str) -> dict:
+        done = self.sh(".venv/bin/asyncrl", *args, self.experiment_id, "--json", timeout=120)
+        if done.returncode != 0:
+            return {"error": (done.stdout + done.stderr)[-1000:]}
+        return json.loads(done.stdout)
+
+    def down(self) -> None:
+        for proc in self.helpers:
+            proc.terminate()
+        try:
+            self.make("down")
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in self.seen_pids | {p.pid for p in self.helpers}:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+    # ------------------------------------------------------------ watching the experiment
+
+    def since(self) -> float:
+        return round(time.time() - self.t0, 3)
+
+    async def track(self) -> None:
+        """Poll the experiment until it ends, recording (seconds since submit, version) at each
+        change; a scheduler that is down just means no poll this time."""
+        async with AsyncrlClient(SCHEDULER, timeout_s=2.0) as client:
+            while not is_terminal_name(self.state):
+                try:
+                    exp = await client.get(self.experiment_id)
+                except Exception:  # the scheduler or nats is down: the point of the exercise
+                    await asyncio.sleep(POLL_S)
+                    continue
+                self.state = state_name(exp.state)
+                if not self.timeline or exp.progress.version != self.version:
+                    self.version = exp.progress.version
+                    self.timeline.append((self.since(), self.version))
+                if is_terminal(exp):
+                    return
+                if self.since() - self.timeline[-1][0] > self.cfg.stall_s:
+                    self.errors.append(
+                        f"hung: {self.state} at v{self.version} for {self.cfg.stall_s:.0f}s"
+                    )
+                    return
+                await asyncio.sleep(POLL_S)
+
+    async def reach(self, version: int, timeout: float = 240) -> bool:
+        """Wait until the experiment is at `version` or past it; False if it ended or stalled."""
+        deadline = time.monotonic() + timeout
+        while self.version < version:
+            if is_terminal_name(self.state) or time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(POLL_S / 2)
+        return True
+
+    def mark(self, what: str, **extra) -> dict:
+        """Record a fault happening now, at the current version."""
+        fault = {"what": what, "at_version": self.version, "at_s": self.since(), **extra}
+        self.faults.append(fault)
+        return fault
+
+    async def advance(self) -> bool:
+        """Wait for the next committed step; False if none came."""
+        return await self.reach(self.version + 1)
+
+    async def recovered(self, fault: dict, service: str, old_pid: int) -> bool:
+        """Wait until `service` runs again (a new pid, its time recorded as back_s) and a step
+        is committed after that, so the next fault hits a system that recovered. False if it
+        never did."""
+        if not await self.restarted(service, old_pid):
+            return False
+        fault["back_s"] = round(self.since() - fault["at_s"], 2)
+        return await self.advance()
+
+    async def restarted(self, service: str, old_pid: int, timeout: float = 120) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if await self.pid(service, timeout=timeout) != old_pid:
+                return True
+            await asyncio.sleep(POLL_S)
+        return False
+
+
+def is_terminal_name(state: str) -> bool:
+    return state in ("COMPLETED", "FAILED", "CANCELLED")
+
+
+async def drive(run: Run, rng: random.Random) -> None:
+    """Track the experiment while the scenario injects its faults; wait for the end."""
+    tracker = asyncio.create_task(run.track())
+    try:
+        await run.scenario.inject(run, rng)
+    except Exception as e:  # recorded; the experiment is still watched to its end
+        run.errors.append(f"inject: {type(e).__name__}: {e}")
+    try:
+        await asyncio.wait_for(tracker, max(1.0, run.cfg.timeout_s - run.since()))
+    except TimeoutError:
+        run.errors.append(f"experiment not ended after {run.cfg.timeout_s:.0f}s")
+
+
+def execute(cfg: RunConfig) -> dict:
+    scenario = SCENARIOS[cfg.scenario]
+    run = Run(cfg, scenario)
+    rng = run_rng(cfg.seed, cfg.scenario)
+    result = {"run": cfg.var.name, "fault": scenario.fault, "seed": cfg.seed}
+    result |= {"batch_size": cfg.batch_size, "infrastructure": scenario.infrastructure}
+    result |= {"expect_quarantined": scenario.expect_quarantined, "faults": [], "timeline": []}
+    started = time.time()
+    try:
+        run.up()
+        run.submit()
+        result["experiment"] = run.experiment_id
+        asyncio.run(drive(run, rng))
+        result["wall_s"] = round(run.since(), 1)
+        result["ledger"] = run.cli_json("ledger")
+        result["status"] = run.cli_json("status")
+    except Exception as e:  # the report says what broke the run itself
+        run.errors.append(f"{type(e).__name__}: {e}")
+    finally:
+        result |= {"faults": run.faults, "timeline": run.timeline}
+        run.down()
+    if run.errors:
+        result["error"] = "; ".join(run.errors)
+    result["total_s"] = round(time.time() - started, 1)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scenario", required=True, choices=sorted(SCENARIOS))
+    p.add_argument("--var", type=Path, required=True)
+    p.add_argument("--task", type=Path, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--n-samples", type=int, default=8)
+    p.add_argument("--timeout", type=float, default=600.0)
+    a = p.parse_args()
+    cfg = RunConfig(
+        a.scenario, a.var, a.task, a.seed, a.steps, a.batch_size, a.n_samples, a.timeout
+    )
+    result = execute(cfg)
+    (cfg.var / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

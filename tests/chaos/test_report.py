@@ -1,0 +1,100 @@
+"""The chaos suite's pure parts: fault points, the report rows and the verdict (no cluster)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.chaos import report
+from tests.chaos.__main__ import parse_args, plan
+from tests.chaos.scenarios import SCENARIOS, run_rng, targets
+
+TIMELINE = [(0.0, 0), (4.0, 3), (9.5, 4), (10.0, 6)]
+LEDGER = {
+    "totals": {"trained": 24, "trained_twice": 0, "filtered": 0, "failed": 0, "lost": 0},
+    "steps": 6,
+    "trained_groups": 24,
+    "quarantined": 0,
+    "duplicates": 1,
+}
+
+
+def run_record(**extra) -> dict:
+    faults = [
+        {"what": "kill -9 trainer", "at_version": 3, "at_s": 5.0},
+        {"what": "kill -9 trainer", "at_version": 4, "at_s": 9.6},
+    ]
+    return {"run": "trainer", "fault": "kill -9 trainer x2", "batch_size": 4} | {
+        "faults": faults,
+        "timeline": TIMELINE,
+        **extra,
+    }
+
+
+def test_recovery_s_fault_then_higher_version_time_to_it():
+    assert report.recovery_s(TIMELINE, at_s=5.0, at_version=3) == 4.5
+
+
+def test_recovery_s_no_higher_version_after_fault_none():
+    assert report.recovery_s(TIMELINE, at_s=10.5, at_version=6) is None
+
+
+def test_make_row_ledger_and_status_counts_and_slowest_recovery():
+    row = report.make_row(run_record(), LEDGER, {"state": "EXPERIMENT_STATE_COMPLETED"})
+    assert row["completed"] and row["state"] == "COMPLETED"
+    assert (row["at_version"], row["steps"], row["lost"], row["trained_twice"]) == (3, 6, 0, 0)
+    assert [f["recovery_s"] for f in row["faults"]] == [4.5, 0.4]
+    assert row["recovery_s"] == 4.5
+    assert row["expected_groups"] == 24 and row["duplicates"] == 1
+    assert "timeline" not in row
+    assert report.problems(row) == []
+
+
+def test_problems_lost_twice_failed_infrastructure_fault_each_named():
+    ledger = LEDGER | {"totals": LEDGER["totals"] | {"lost": 2, "trained_twice": 1, "failed": 3}}
+    row = report.make_row(run_record(), ledger, {"state": "EXPERIMENT_STATE_COMPLETED"})
+    assert report.problems(row) == ["lost=2", "trained_twice=1", "failed=3"]
+
+
+def test_problems_poison_failed_allowed_quarantine_short_named():
+    ledger = LEDGER | {"totals": LEDGER["totals"] | {"failed": 1}, "quarantined": 3}
+    record = run_record(infrastructure=False, expect_quarantined=4)
+    row = report.make_row(record, ledger, {"state": "EXPERIMENT_STATE_COMPLETED"})
+    assert report.problems(row) == ["quarantined 3 < 4"]
+
+
+def test_problems_running_and_groups_not_steps_times_b_named():
+    row = report.make_row(
+        run_record(error="hung"),
+        LEDGER | {"trained_groups": 25},
+        {"state": "EXPERIMENT_STATE_RUNNING", "message": ""},
+    )
+    assert report.problems(row) == ["ended RUNNING:", "trained_groups 25 != 24", "hung"]
+
+
+def test_targets_same_seed_same_versions_in_range_increasing():
+    drawn = targets(run_rng(0, "trainer"), 3, 30)
+    assert drawn == targets(run_rng(0, "trainer"), 3, 30)
+    assert drawn == sorted(drawn) and all(2 <= v <= 26 for v in drawn)
+    assert len(drawn) == 3
+
+
+def test_plan_only_and_repeat_names_runs_and_seeds():
+    runs = plan(parse_args(["--only", "trainer,poison", "--repeat", "2", "--seed", "5"]))
+    assert runs == [
+        ("trainer-1", "trainer", 5),
+        ("trainer-2", "trainer", 6),
+        ("poison-1", "poison", 5),
+        ("poison-2", "poison", 6),
+    ]
+
+
+def test_plan_unknown_scenario_exits():
+    with pytest.raises(SystemExit):
+        plan(parse_args(["--only", "nope"]))
+
+
+def test_scenarios_every_fault_of_the_suite_present():
+    assert set(SCENARIOS) == {
+        *("rollout", "reward", "trainer", "scheduler", "nats"),
+        *("stop-rollout", "stop-trainer", "lost-reply", "poison"),
+    }
