@@ -21,6 +21,7 @@ from asyncrl.types import TrajectoryGroup
 
 STREAM = "ASYNCRL_TRAJ"
 SUBJECT_ROOT = "asyncrl.traj"
+DEAD_ROOT = "asyncrl.dead"
 KV_BUCKET = "asyncrl_scheduler"
 DUPLICATE_WINDOW_S = 3600
 """JetStream drops a publish whose Nats-Msg-Id (the group id) it stored this recently. A group
@@ -39,6 +40,11 @@ def eval_subject(experiment_id: str) -> str:
 
 def experiment_subjects(experiment_id: str) -> str:
     return f"{SUBJECT_ROOT}.{experiment_id}.>"
+
+
+def dead_subject(experiment_id: str) -> str:
+    """Where the trainer dead-letters a message it will not train (the reason in a header)."""
+    return f"{DEAD_ROOT}.{experiment_id}"
 
 
 def nats_server_binary() -> str:
@@ -117,18 +123,25 @@ async def connect(url: str | None = None) -> nats.NATS:
 
 
 async def ensure_stream(js) -> None:
-    """Create (or keep) the trajectory stream: file storage, limits retention, dedup window."""
+    """Create (or keep) the trajectory stream: file storage, limits retention, dedup window;
+    it also stores the dead letters (a stream made before they existed gains their subject)."""
+    subjects = [f"{SUBJECT_ROOT}.>", f"{DEAD_ROOT}.>"]
     cfg = StreamConfig(
         name=STREAM,
-        subjects=[f"{SUBJECT_ROOT}.>"],
+        subjects=subjects,
         storage=StorageType.FILE,
         retention=RetentionPolicy.LIMITS,
         duplicate_window=DUPLICATE_WINDOW_S,
     )
     try:
-        await js.stream_info(STREAM)
+        info = await js.stream_info(STREAM)
     except nats.js.errors.NotFoundError:
         await js.add_stream(cfg)
+        return
+    missing = [s for s in subjects if s not in (info.config.subjects or [])]
+    if missing:
+        info.config.subjects = [*(info.config.subjects or []), *missing]
+        await js.update_stream(info.config)
 
 
 async def publish_group(js, group: TrajectoryGroup) -> tuple[int, bool]:

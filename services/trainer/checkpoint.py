@@ -7,7 +7,12 @@ temporary sibling and renamed into place, so a directory named `step_*` is alway
 The consumer position is the stream sequence of the last message consumed at a step boundary
 (every message up to it was trained or dropped). Resuming re-creates the trainer's consumer at
 `last_seq + 1`: groups consumed after the checkpoint are trained again (their effect was lost
-with the process) and nothing before it is.
+with the process) and nothing before it is. Messages the trainer fetched but had not yet taken
+into a step lie after that position, so they are delivered again too.
+
+The ids of the groups trained up to the checkpoint (the newest `TRAINED_IDS_KEPT`) are part of
+the state, so a replayed group (the same group id on the stream again) is recognised after a
+restart; ids trained after the checkpoint are forgotten with the steps that trained them.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class CheckpointState:
     """Policy version of the checkpointed weights."""
     last_seq: int
     """Stream sequence of the last consumed message (0: nothing consumed yet)."""
+    trained_ids: tuple[str, ...] = ()
+    """Group ids trained up to this checkpoint, oldest first (bounded by the trainer)."""
 
 
 def checkpoint_root(var_dir: Path, experiment_id: str) -> Path:
@@ -53,7 +60,9 @@ def _step_dirs(root: Path) -> list[Path]:
 
 
 def read_state(ckpt_dir: Path) -> CheckpointState:
-    return CheckpointState(**json.loads((Path(ckpt_dir) / STATE_FILE).read_text()))
+    raw = json.loads((Path(ckpt_dir) / STATE_FILE).read_text())
+    raw["trained_ids"] = tuple(raw.get("trained_ids", ()))  # absent before ids were kept
+    return CheckpointState(**raw)
 
 
 def latest_checkpoint(root: Path) -> tuple[Path, CheckpointState] | None:

@@ -1,14 +1,24 @@
 """The trainer's durable JetStream pull consumer on one experiment's train subject.
 
-Messages are acked as they are taken (into a batch, or dropped as stale); the position that
-matters for recovery is kept in the trainer checkpoint, not in the consumer's ack floor. So
-`open(start_seq)` always deletes and re-creates the durable consumer to deliver from
-`start_seq` (DeliverPolicy.BY_START_SEQUENCE): the checkpoint decides where training resumes.
+Messages are acked as they are fetched; the position that matters for recovery is kept in the
+trainer checkpoint, not in the consumer's ack floor. So `open(start_seq)` always deletes and
+re-creates the durable consumer to deliver from `start_seq` (DeliverPolicy.BY_START_SEQUENCE):
+the checkpoint decides where training resumes.
+
+`pull(n)` hands out at most n messages, in stream order. A fetch can return more than it asked
+for (nats-py drains everything its subscription already holds, e.g. what a pull request left
+over from a timed-out fetch delivered); the surplus waits here for the next `pull`. It is
+acked but not consumed: the trainer's position (the last sequence it handed to a step) stays
+below it, so after a crash the re-created consumer delivers it again.
+
+A message the trainer will not train is dead-lettered on `dead_subject(experiment)`, with the
+reason and its stream sequence in headers (deduplicated by that sequence).
 """
 
 from __future__ import annotations
 
 import re
+from collections import deque
 from dataclasses import dataclass
 
 import nats
@@ -17,12 +27,16 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from asyncrl.convert import group_from_bytes
 from asyncrl.logging import get_logger
-from asyncrl.natsutil import STREAM, train_subject
+from asyncrl.natsutil import STREAM, dead_subject, train_subject
 from asyncrl.types import TrajectoryGroup
 
 log = get_logger()
 
 ACK_TIMEOUT_S = 10.0
+PUBLISH_TIMEOUT_S = 10.0
+REASON_HEADER = "Asyncrl-Reason"
+SEQ_HEADER = "Asyncrl-Stream-Seq"
+MAX_REASON_CHARS = 1000
 
 
 def durable_name(experiment_id: str) -> str:
@@ -30,12 +44,29 @@ def durable_name(experiment_id: str) -> str:
     return "trainer-" + re.sub(r"[^A-Za-z0-9_-]", "_", experiment_id)
 
 
+def header_safe(text: str) -> str:
+    """`text` as one printable ASCII line a NATS header can carry."""
+    flat = " ".join(text.split())[:MAX_REASON_CHARS]
+    return flat.encode("ascii", "backslashreplace").decode("ascii")
+
+
 @dataclass
 class Pulled:
     seq: int
     """Stream sequence of the message."""
     group: TrajectoryGroup | None
-    """None when the payload was not a TrajectoryGroup (acked and skipped)."""
+    """None when the payload did not decode as a TrajectoryGroup (see `error`)."""
+    data: bytes = b""
+    """The payload as published (what a dead letter carries)."""
+    error: str = ""
+    """Why the payload did not decode."""
+
+
+def _decode(seq: int, data: bytes) -> Pulled:
+    try:
+        return Pulled(seq=seq, group=group_from_bytes(data), data=data)
+    except (DecodeError, ValueError) as exc:  # garbage on the stream must not stop training
+        return Pulled(seq=seq, group=None, data=data, error=f"{type(exc).__name__}: {exc}")
 
 
 class GroupConsumer:
@@ -44,6 +75,7 @@ class GroupConsumer:
         self.experiment_id = experiment_id
         self.name = durable_name(experiment_id)
         self._sub = None
+        self._surplus: deque[Pulled] = deque()
 
     async def open(self, start_seq: int) -> None:
         """(Re-)create the durable consumer so that it delivers from stream seq `start_seq`."""
@@ -51,6 +83,7 @@ class GroupConsumer:
             await self.js.delete_consumer(STREAM, self.name)
         except nats.js.errors.NotFoundError:
             pass
+        self._surplus.clear()
         cfg = ConsumerConfig(
             durable_name=self.name,
             name=self.name,
@@ -70,30 +103,40 @@ class GroupConsumer:
         )
 
     async def pull(self, n: int, timeout: float) -> list[Pulled]:
-        """Take up to n messages (waiting at most `timeout` for the first), acking each."""
+        """Take up to n messages in stream order (waiting at most `timeout` for the first when
+        none is held back from an earlier fetch), acking each as it is fetched."""
         assert self._sub is not None, "open() first"
-        try:
-            msgs = await self._sub.fetch(n, timeout=timeout)
-        except (TimeoutError, nats.errors.TimeoutError):
-            return []
-        out = []
-        for msg in msgs:
-            seq = msg.metadata.sequence.stream
+        if not self._surplus:
             try:
-                group = group_from_bytes(msg.data)
-            except DecodeError as exc:  # a poison message must not stop training
-                log.error(
-                    "bad_trajectory_message",
-                    experiment=self.experiment_id,
-                    seq=seq,
-                    error=f"{type(exc).__name__}: {exc}",
-                )
-                group = None
-            await msg.ack_sync(timeout=ACK_TIMEOUT_S)
-            out.append(Pulled(seq=seq, group=group))
-        return out
+                msgs = await self._sub.fetch(n, timeout=timeout)
+            except (TimeoutError, nats.errors.TimeoutError):
+                return []
+            for msg in msgs:
+                await msg.ack_sync(timeout=ACK_TIMEOUT_S)
+                self._surplus.append(_decode(msg.metadata.sequence.stream, msg.data))
+        return [self._surplus.popleft() for _ in range(min(n, len(self._surplus)))]
+
+    @property
+    def held(self) -> int:
+        """Messages fetched but not yet handed out."""
+        return len(self._surplus)
+
+    async def dead_letter(self, pulled: Pulled, reason: str) -> None:
+        """Publish the message to the experiment's dead-letter subject with `reason`."""
+        headers = {
+            "Nats-Msg-Id": f"dead-{pulled.seq}",
+            REASON_HEADER: header_safe(reason),
+            SEQ_HEADER: str(pulled.seq),
+        }
+        await self.js.publish(
+            dead_subject(self.experiment_id),
+            pulled.data,
+            headers=headers,
+            timeout=PUBLISH_TIMEOUT_S,
+        )
 
     async def close(self) -> None:
+        self._surplus.clear()
         if self._sub is not None:
             await self._sub.unsubscribe()
             self._sub = None

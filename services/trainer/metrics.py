@@ -33,11 +33,14 @@ def step_metrics(
     backend_stats: dict[str, float],
     step_time_s: float,
     stale_dropped: int,
+    quarantined: int = 0,
+    replayed: int = 0,
 ) -> StepMetrics:
     """Metrics of the step that trained `groups` at `trainer_version` and produced `version`.
 
     `backend_stats` is what `TrainerBackend.train_step` returned (loss, clip_fraction, entropy,
-    kl, grad_norm, tokens); a key a backend does not report counts as 0.
+    kl, grad_norm, tokens); a key a backend does not report counts as 0. `stale_dropped`,
+    `quarantined` and `replayed` count the messages consumed for the step and not trained.
     """
     ok = [s for g in groups for s in g.samples if s.reward_status == RewardStatus.OK]
     staleness = [g.staleness(trainer_version) for g in groups]
@@ -59,4 +62,6 @@ def step_metrics(
         grad_norm=float(backend_stats.get("grad_norm", 0.0)),
         kl=float(backend_stats.get("kl", 0.0)),
         stale_groups=sum(s >= 1 for s in staleness),
+        quarantined=quarantined,
+        replayed=replayed,
     )

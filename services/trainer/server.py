@@ -19,7 +19,15 @@ from services.trainer.service import TrainerService
 log = get_logger()
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
-STEP_FIELDS = ("loss", "reward_mean", "staleness_max", "tokens_per_s", "step_time_s")
+STEP_FIELDS = (
+    "loss",
+    "reward_mean",
+    "staleness_max",
+    "tokens_per_s",
+    "step_time_s",
+    "quarantined",
+    "replayed",
+)
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):

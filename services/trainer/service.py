@@ -1,23 +1,32 @@
-"""The trainer service: one experiment at a time, B trajectory groups per optimizer step.
+"""The trainer service: one experiment at a time, exactly B trajectory groups per optimizer step.
 
 Per step: pull groups from the experiment's durable consumer until B trainable ones are in
-hand (a group staler than eta is acked and reported to the scheduler as dropped), train them
+hand, triaging each (`validation.py`): a malformed or foreign message is dead-lettered with its
+reason, a replay of a group already trained is skipped, a group staler than eta is reported to
+the scheduler as dropped; all of them are acked and counted. Then train them
 (the backend computes in a worker thread so the event loop stays responsive), write the
 weights of the new version to the weight store, `CommitWeights` to the scheduler, and
 checkpoint every `trainer.checkpoint_every` steps. `checkpoint.py` explains how the consumer
 position in the checkpoint makes a crash lose nothing and train nothing twice.
+
+A failure (loading, consuming, training, publishing weights, committing, checkpointing) leaves
+the trainer in state `failed` with a message naming the stage and the cause, which GetStatus
+reports; the worker keeps heartbeating so the scheduler can ask.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import shutil
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import grpc
 
 from asyncrl.errors import Conflict, NotFound
 from asyncrl.logging import get_logger
@@ -35,12 +44,12 @@ from services.trainer.checkpoint import (
     latest_checkpoint,
     write_checkpoint,
 )
-from services.trainer.consumer import GroupConsumer
+from services.trainer.consumer import GroupConsumer, Pulled
 from services.trainer.metrics import (
     drop_reason,
-    partition_by_staleness,
     step_metrics,
 )
+from services.trainer.validation import Admission, RecentIds, Verdict, triage
 from services.trainer.weight_sync import WeightBroadcaster
 
 log = get_logger()
@@ -53,10 +62,30 @@ SCHEDULER_RETRY_S = 120.0  # keep retrying UNAVAILABLE this long (a scheduler re
 
 @dataclass
 class Batch:
-    groups: list[TrajectoryGroup]
     last_seq: int
-    """Stream sequence of the last message consumed for this batch (trained or dropped)."""
-    dropped: int
+    """Stream sequence of the last message consumed for this batch (trained or not)."""
+    groups: list[TrajectoryGroup] = field(default_factory=list)
+    taken: set[str] = field(default_factory=set)
+    """Ids of `groups`: a second copy within the batch is a replay too."""
+    dropped: int = 0
+    quarantined: int = 0
+    replayed: int = 0
+
+
+def model_vocab_size(model_dir: str | Path) -> int:
+    """`vocab_size` of a HuggingFace config.json (top level, or its text_config)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
+    if not vocab:
+        raise ValueError(f"no vocab_size in {model_dir}/config.json")
+    return int(vocab)
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as one line: its type and message (a gRPC error's code and details)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{type(exc).__name__}: {exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 class TrainerService:
@@ -90,6 +119,9 @@ class TrainerService:
         self._consumer: GroupConsumer | None = None
         self._broadcaster: WeightBroadcaster | None = None  # trainer.weight_sync nccl
         self._boundary_seq = 0  # last stream seq consumed at the last step boundary
+        self._trained = RecentIds()  # group ids trained up to the last step boundary
+        self._vocab_size = 0
+        self._stage = ""  # what the loop is doing: names the cause of a failure
         self._task: asyncio.Task | None = None
         self._stop = asyncio.Event()
         self._lock = asyncio.Lock()  # one of: start, a step, a checkpoint
@@ -185,6 +217,7 @@ class TrainerService:
         self.state, self.message = TrainerState.LOADING, ""
         self.version = self.step = self._boundary_seq = 0
         self.resumed, self.last_metrics = False, None
+        self._trained = RecentIds()
         self._stop = asyncio.Event()  # a StopExperiment during loading stops the new run
         self.log = log.bind(experiment=experiment_id)
 
@@ -196,6 +229,7 @@ class TrainerService:
 
     async def _load(self) -> None:
         spec = self.spec
+        self._vocab_size = model_vocab_size(spec.model.path)
         self.backend = make_backend(spec)
         await asyncio.to_thread(self.backend.load, spec.model.path)
         found = latest_checkpoint(checkpoint_root(self.var_dir, self.experiment_id))
@@ -204,6 +238,7 @@ class TrainerService:
             path, state = found
             await asyncio.to_thread(self.backend.load_checkpoint, path / BACKEND_DIR)
             self.step, self.version, self._boundary_seq = state.step, state.version, state.last_seq
+            self._trained = RecentIds(state.trained_ids)
             self.resumed = True
             if (
                 self.version > 0
@@ -221,11 +256,12 @@ class TrainerService:
             step=self.step,
             resumed=self.resumed,
             last_seq=self._boundary_seq,
+            trained_ids=len(self._trained),
         )
 
     def _fail(self, exc: BaseException, where: str) -> None:
         self.state = TrainerState.FAILED
-        self.message = f"{where}: {type(exc).__name__}: {exc}"
+        self.message = f"{where}: {describe(exc)}"
         self.log.error(
             "trainer_failed",
             where=where,
@@ -247,44 +283,78 @@ class TrainerService:
                 if stop:
                     break
             async with self._lock:
+                self._stage = "final checkpoint"
                 await self._checkpoint()
             self.state = TrainerState.STOPPED
             self.log.info("experiment_stopped", version=self.version, step=self.step)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - recorded as the failed state, never hidden
-            self._fail(exc, "training")
+            self._fail(exc, self._stage)
         finally:
-            if self._broadcaster is not None:
-                await asyncio.to_thread(self._broadcaster.close)
-                self._broadcaster = None
+            await self._leave_broadcast()
+
+    async def _leave_broadcast(self) -> None:
+        if self._broadcaster is None:
+            return
+        try:
+            await asyncio.to_thread(self._broadcaster.close)
+        except Exception as exc:  # noqa: BLE001 - the run's outcome is already recorded
+            self.log.warning("weight_broadcast_close_failed", error=describe(exc))
+        self._broadcaster = None
+
+    def _admission(self) -> Admission:
+        return Admission(
+            experiment_id=self.experiment_id,
+            vocab_size=self._vocab_size,
+            trainer_version=self.version,
+            eta=self.spec.rollout.max_head_offpolicyness,
+        )
 
     async def _collect(self) -> Batch | None:
-        """Pull until B trainable groups are in hand; None if asked to stop first."""
+        """Pull until exactly B trainable groups are in hand; None if asked to stop first."""
         b = self.spec.trainer.batch_size
-        eta = self.spec.rollout.max_head_offpolicyness
-        groups: list[TrajectoryGroup] = []
-        dropped, last_seq = 0, self._boundary_seq
+        batch = Batch(last_seq=self._boundary_seq)
         self.state = TrainerState.WAITING
-        while len(groups) < b:
+        while len(batch.groups) < b:
             if self._stop.is_set():
                 return None
-            pulled = await self._consumer.pull(b - len(groups), timeout=self.fetch_timeout_s)
-            if not pulled:
-                continue
-            last_seq = pulled[-1].seq
-            fresh, stale = partition_by_staleness(
-                [p.group for p in pulled if p.group is not None], self.version, eta
-            )
+            self._stage = "consume"
+            pulled = await self._consumer.pull(b - len(batch.groups), timeout=self.fetch_timeout_s)
+            stale = [g for p in pulled for g in await self._admit(p, batch)]
             if stale:
-                await self._report_dropped(stale, eta)
-                dropped += len(stale)
-            groups.extend(fresh)
-        return Batch(groups=groups, last_seq=last_seq, dropped=dropped)
+                self._stage = "report dropped"
+                await self._report_dropped(stale, self.spec.rollout.max_head_offpolicyness)
+            if pulled:
+                batch.last_seq = pulled[-1].seq
+        return batch
+
+    async def _admit(self, p: Pulled, batch: Batch) -> list[TrajectoryGroup]:
+        """Triage one pulled message into `batch`; returns its group when it is too stale."""
+        if p.group is None:
+            verdict, reason = Verdict.BAD, f"undecodable: {p.error}"
+        else:
+            verdict, reason = triage(p.group, self._admission(), self._trained, batch.taken)
+        if verdict == Verdict.TRAIN:
+            batch.groups.append(p.group)
+            batch.taken.add(p.group.group_id)
+        elif verdict == Verdict.STALE:
+            batch.dropped += 1
+            return [p.group]
+        elif verdict == Verdict.REPLAY:
+            batch.replayed += 1
+            self.log.info("group_replay_skipped", group=p.group.group_id, seq=p.seq)
+        else:
+            batch.quarantined += 1
+            self._stage = "quarantine"
+            await self._consumer.dead_letter(p, reason)
+            group = p.group.group_id if p.group else ""
+            self.log.warning("group_quarantined", seq=p.seq, group=group, reason=reason)
+        return []
 
     async def _train(self, batch: Batch) -> bool:
         """One optimizer step -> version + 1. Returns True when the scheduler says stop."""
-        self.state = TrainerState.TRAINING
+        self.state, self._stage = TrainerState.TRAINING, "training"
         trained_at = self.version
         t0 = time.perf_counter()
         stats = await asyncio.to_thread(self.backend.train_step, batch.groups)
@@ -292,6 +362,7 @@ class TrainerService:
         self.version += 1
         self.step += 1
         self._boundary_seq = batch.last_seq
+        self._trained.extend(g.group_id for g in batch.groups)
         m = step_metrics(
             step=self.step,
             version=self.version,
@@ -300,15 +371,20 @@ class TrainerService:
             backend_stats=stats,
             step_time_s=step_time,
             stale_dropped=batch.dropped,
+            quarantined=batch.quarantined,
+            replayed=batch.replayed,
         )
         self.last_metrics = m
         slog = self.log.bind(version=self.version)
         slog.info("train_step", **{k: v for k, v in asdict(m).items() if k != "version"})
+        self._stage = "publish weights"
         uri = await asyncio.to_thread(self._publish_weights, self.version)
+        self._stage = "commit"
         resp = await self._commit_and_send(uri, m)
         if resp.stop:
             slog.info("scheduler_says_stop", fleet_version=resp.fleet_version)
         elif self.step % self.spec.trainer.checkpoint_every == 0:
+            self._stage = "checkpoint"
             await self._checkpoint()
         self.state = TrainerState.WAITING
         return resp.stop
@@ -335,6 +411,7 @@ class TrainerService:
             step=self.step,
             version=self.version,
             last_seq=self._boundary_seq,
+            trained_ids=tuple(self._trained.to_list()),
         )
         root = checkpoint_root(self.var_dir, self.experiment_id)
         path = await asyncio.to_thread(write_checkpoint, root, state, self.backend.save_checkpoint)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -17,8 +18,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from asyncrl.convert import group_to_bytes
 from asyncrl.grpcutil import channel
-from asyncrl.natsutil import STREAM, publish_group, wait_until
+from asyncrl.natsutil import (
+    STREAM,
+    dead_subject,
+    ensure_stream,
+    publish_group,
+    train_subject,
+    wait_until,
+)
 from asyncrl.net import free_port
 from asyncrl.runtime import ServiceRuntime
 from asyncrl.spec import (
@@ -49,6 +58,8 @@ class RecordingScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.dropped: list[scheduler_pb2.DroppedGroup] = []
         self.workers: list[scheduler_pb2.RegisterWorkerRequest] = []
         self.stop_at_version: int | None = None
+        self.heartbeats = 0
+        self.commit_error: tuple[grpc.StatusCode, str] | None = None
 
     async def RegisterWorker(self, request, context):
         self.workers.append(request)
@@ -57,9 +68,12 @@ class RecordingScheduler(scheduler_pb2_grpc.SchedulerServicer):
         )
 
     async def Heartbeat(self, request, context):
+        self.heartbeats += 1
         return scheduler_pb2.HeartbeatResponse(known=True)
 
     async def CommitWeights(self, request, context):
+        if self.commit_error is not None:
+            await context.abort(*self.commit_error)
         self.commits.append(request)
         stop = self.stop_at_version is not None and request.version >= self.stop_at_version
         return scheduler_pb2.CommitWeightsResponse(fleet_version=request.version, stop=stop)
@@ -310,19 +324,197 @@ async def test_trainer_backend_error_marks_failed_with_message(tiny, scheduler, 
     await stub.StartExperiment(
         trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=_spec(tiny[0])), timeout=60
     )
-    bad = _group(tiny, "bad", 0)
-    bad.samples[0].output_ids = [10_000]  # outside the vocabulary: the forward pass raises
-    bad.samples[0].logprobs, bad.samples[0].versions = [-1.0], [0]
-    await publish_group(js, bad)
+
+    def broken_step(groups):
+        raise RuntimeError("loss is nan")
+
+    service.backend.train_step = broken_step
+    await publish_group(js, _group(tiny, "g0", 0))
     await publish_group(js, _group(tiny, "g1", 0))
     await wait_until(lambda: service.state == "failed", timeout=30)
     st = await _status(stub)
     assert st.state == "failed"
-    assert st.message.startswith("training: IndexError")
+    assert st.message == "training: RuntimeError: loss is nan"
     assert scheduler.commits == []
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.CheckpointNow(trainer_pb2.CheckpointNowRequest(experiment_id=EXP), timeout=10)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_trainer_commit_rejected_failed_names_commit_and_keeps_heartbeating(
+    tiny, scheduler, start_trainer, js
+):
+    scheduler.commit_error = (grpc.StatusCode.FAILED_PRECONDITION, "trainer-1 is not bound")
+    service, stub = await start_trainer()
+    await stub.StartExperiment(
+        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=_spec(tiny[0])), timeout=60
+    )
+    await publish_group(js, _group(tiny, "g0", 0))
+    await publish_group(js, _group(tiny, "g1", 0))
+    await wait_until(lambda: service.state == "failed", timeout=30)
+    st = await _status(stub)
+    assert (st.state, st.version) == ("failed", 1)
+    assert st.message == "commit: AioRpcError: FAILED_PRECONDITION: trainer-1 is not bound"
+    beats = scheduler.heartbeats
+    await wait_until(lambda: scheduler.heartbeats > beats, timeout=10)  # still answers for itself
+
+
+async def test_trainer_model_fails_to_load_failed_names_load(tiny, start_trainer, tmp_path):
+    _, stub = await start_trainer()
+    no_weights = tmp_path / "config-only"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((tiny[0] / "config.json").read_text())
+    with pytest.raises(grpc.aio.AioRpcError):
+        await stub.StartExperiment(
+            trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=_spec(no_weights)),
+            timeout=60,
+        )
+    st = await _status(stub)
+    assert st.state == "failed"
+    assert st.message.startswith("load: OSError: ")
+
+
+async def _orphan_pull_request(nc, service, batch: int) -> None:
+    """A pull request on the trainer's consumer whose client gave up, as a timed-out fetch
+    leaves one on the server: what it delivers waits in the trainer's subscription queue, and
+    nats-py's next fetch returns all of it, however few messages that fetch asked for."""
+    sub = service._consumer._sub
+    request = {"batch": batch, "expires": 20_000_000_000}
+    await nc.publish(sub._nms, json.dumps(request).encode(), reply=sub._deliver)
+    await nc.flush()
+
+
+async def test_trainer_fetch_returns_more_than_asked_each_step_trains_exactly_b(
+    tiny, scheduler, start_trainer, js, nc
+):
+    service, stub = await start_trainer()
+    await stub.StartExperiment(
+        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=_spec(tiny[0], eta=3)),
+        timeout=60,
+    )
+    await _orphan_pull_request(nc, service, batch=10)
+    ids = [f"g{i}" for i in range(6)]
+    for gid in ids:
+        await publish_group(js, _group(tiny, gid, 0))
+    await wait_until(lambda: sum(c.metrics.groups for c in scheduler.commits) >= 6, timeout=60)
+    assert [c.metrics.groups for c in scheduler.commits] == [2, 2, 2]
+    await wait_until(lambda: service.state == "waiting")
+    _, state = latest_checkpoint(checkpoint_root(service.var_dir, EXP))
+    assert (state.step, state.last_seq, state.trained_ids) == (3, 6, tuple(ids))
+
+
+async def _dead_letters(js, n: int) -> list:
+    sub = await js.subscribe(dead_subject(EXP), stream=STREAM, ordered_consumer=True)
+    try:
+        return [await sub.next_msg(timeout=10) for _ in range(n)]
+    finally:
+        await sub.unsubscribe()
+
+
+def _bad_groups(tiny) -> list[tuple[str, bytes]]:
+    """(reason prefix, payload) of messages the trainer must not train."""
+    vocab = json.loads((tiny[0] / "config.json").read_text())["vocab_size"]
+    foreign = _group(tiny, "foreign", 0)
+    foreign.experiment_id = "another-experiment"
+    short = _group(tiny, "short", 0)
+    short.samples[1].logprobs = short.samples[1].logprobs[:-1]
+    past_vocab = _group(tiny, "past-vocab", 0)
+    past_vocab.samples[0].output_ids[-1] = vocab
+    future = _group(tiny, "future", 0)
+    future.samples[0].versions[-1] = 5
+    empty = _group(tiny, "empty", 0)
+    empty.samples = []
+    return [
+        ("undecodable: DecodeError", b"\xff\xff garbage, not a TrajectoryGroup"),
+        ("experiment 'another-experiment' is not 'exp-trainer'", group_to_bytes(foreign)),
+        ("sample 1: ", group_to_bytes(short)),
+        (f"sample 0 output_ids: token id {vocab} outside", group_to_bytes(past_vocab)),
+        ("sample 0: version 5 outside [0, trainer version 0]", group_to_bytes(future)),
+        ("no samples", group_to_bytes(empty)),
+    ]
+
+
+async def test_trainer_bad_messages_quarantined_to_dead_letters_training_goes_on(
+    tiny, scheduler, start_trainer, js
+):
+    service, stub = await start_trainer()
+    await stub.StartExperiment(
+        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=_spec(tiny[0])), timeout=60
+    )
+    bad = _bad_groups(tiny)
+    seqs = [
+        (await js.publish(train_subject(EXP), payload, headers={"Nats-Msg-Id": f"bad-{i}"})).seq
+        for i, (_, payload) in enumerate(bad)
+    ]
+    await publish_group(js, _group(tiny, "g0", 0))
+    await publish_group(js, _group(tiny, "g1", 0))
+    await _wait_commits(scheduler, 1)
+
+    m = scheduler.commits[0].metrics
+    assert (m.groups, m.quarantined, m.stale_dropped, m.replayed) == (2, len(bad), 0, 0)
+    assert (await _status(stub)).state in ("waiting", "training")
+    assert scheduler.dropped == []
+    letters = await _dead_letters(js, len(bad))
+    for (reason, payload), msg, seq in zip(bad, letters, seqs, strict=True):
+        assert msg.headers["Asyncrl-Reason"].startswith(reason)
+        assert (msg.headers["Asyncrl-Stream-Seq"], msg.data) == (str(seq), payload)
+
+
+async def test_ensure_stream_made_before_dead_letters_gains_their_subject(js):
+    await js.delete_stream(STREAM)
+    await js.add_stream(name=STREAM, subjects=["asyncrl.traj.>"], duplicate_window=3600)
+    await ensure_stream(js)
+    info = await js.stream_info(STREAM)
+    assert info.config.subjects == ["asyncrl.traj.>", "asyncrl.dead.>"]
+    ack = await js.publish(dead_subject(EXP), b"x")
+    assert ack.stream == STREAM
+
+
+async def _replay(js, group: TrajectoryGroup, copy: int) -> None:
+    """The same group again under another message id (past the dedup window, re-published)."""
+    headers = {"Nats-Msg-Id": f"{group.group_id}-copy-{copy}"}
+    await js.publish(train_subject(EXP), group_to_bytes(group), headers=headers)
+
+
+async def test_trainer_replayed_group_across_restart_never_trained_twice_nor_reported(
+    tiny, scheduler, start_trainer, js
+):
+    spec = _spec(tiny[0], eta=1)
+    groups = {gid: _group(tiny, gid, v) for gid, v in [("g0", 0), ("g1", 0), ("g2", 1)]}
+    service, stub = await start_trainer()
+    await stub.StartExperiment(
+        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=spec), timeout=60
+    )
+    for gid in ("g0", "g1"):
+        await publish_group(js, groups[gid])
+    await _wait_commits(scheduler, 1)
+    await _replay(js, groups["g0"], 1)  # staleness 1 <= eta at v1: trainable, but trained
+    await publish_group(js, groups["g2"])
+    await publish_group(js, _group(tiny, "g3", 1))
+    await _wait_commits(scheduler, 2)
+    await wait_until(lambda: service.state == "waiting")
+    await service.close(checkpoint=False)  # a crash after step 2's checkpoint
+
+    service2, stub2 = await start_trainer()
+    resp = await stub2.StartExperiment(
+        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=spec), timeout=60
+    )
+    assert (resp.version, resp.resumed) == (2, True)
+    await _replay(js, groups["g1"], 1)  # staleness 2 > eta: too stale, but trained: silent
+    await _replay(js, groups["g2"], 1)
+    for gid in ("g4", "g5"):
+        await publish_group(js, _group(tiny, gid, 2))
+    await _wait_commits(scheduler, 3)
+
+    assert [(c.metrics.groups, c.metrics.replayed) for c in scheduler.commits] == [
+        (2, 0),
+        (2, 1),
+        (2, 2),
+    ]
+    assert scheduler.dropped == []  # a replay's prompt was trained: nothing to re-queue
+    await wait_until(lambda: service2.state == "waiting")
+    _, state = latest_checkpoint(checkpoint_root(service2.var_dir, EXP))
+    assert state.trained_ids == ("g0", "g1", "g2", "g3", "g4", "g5")
 
 
 async def test_trainer_start_invalid_spec_invalid_argument_names_field(tiny, start_trainer):
