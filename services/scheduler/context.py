@@ -76,5 +76,7 @@ class RunnerContext:
     store: StateStore
     history: HistoryLog
     """Where steps and evals are appended (the record keeps only the last ones)."""
+    js: object
+    """JetStream: each runner appends its groups' fates to the ledger there."""
     workers_changed: Callable[[], None]
     """Call after binding changes (a worker freed or fenced) so the scheduler re-binds."""

@@ -18,6 +18,7 @@ import time
 import grpc
 
 from asyncrl.errors import BadRequest, NotFound
+from asyncrl.ledger import ensure_ledger
 from asyncrl.logging import get_logger
 from asyncrl.rewards import validate_reward_function
 from asyncrl.spec import ExperimentSpec, SpecError, check_files, spec_from_json, validate_spec
@@ -78,12 +79,14 @@ class Scheduler:
     async def start(self) -> None:
         self.store = await StateStore.open(self.js, self.config.save_interval_s)
         self.history = await HistoryLog.open(self.js)
+        await ensure_ledger(self.js)
         self._ctx = RunnerContext(
             self.config,
             self.registry,
             self.channels,
             self.store,
             history=self.history,
+            js=self.js,
             workers_changed=self._reconcile_soon,
         )
         for record in await self.store.load_all():
@@ -154,6 +157,9 @@ class Scheduler:
             weight_uris={0: spec.model.path},
         )
         runner = ExperimentRunner(record, spec, prompts, eval_prompts, self._ctx)
+        await runner.dispatcher.ledger.record(
+            "started", prompts=len(prompts), epochs=spec.dataset.epochs
+        )
         await self.store.save(runner.snapshot())
         self.runners[record.id] = runner
         log.info(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from asyncrl.ledger import Ledger
 from asyncrl.spec import ExperimentSpec
 from asyncrl.throughput import Throughput
 from asyncrl.types import EvalResult
@@ -40,6 +41,13 @@ class DispatchHooks:
     eval_done: Callable[[EvalResult], None]
 
 
+_STATUS_NAMES = {
+    rollout_pb2.GROUP_STATUS_ACCEPTED: "accepted",
+    rollout_pb2.GROUP_STATUS_REJECTED: "rejected",
+    rollout_pb2.GROUP_STATUS_FAILED: "failed",
+}
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -51,8 +59,11 @@ class Dispatcher:
         hooks: DispatchHooks,
         log,
         version: Callable[[], int],
+        ledger: Ledger,
     ):
         self.record = record
+        self.ledger = ledger
+        """Where every training group's fate is recorded (asyncrl.ledger)."""
         self.spec = spec
         self.prompts = prompts
         self.eval_prompts = eval_prompts
@@ -155,6 +166,16 @@ class Dispatcher:
         self.staleness.on_submit()
         self.record.progress.dispatched += 1
         self._start(InFlight(request.group_id, worker, version, ticket=ticket), request)
+        self.ledger.emit(
+            "dispatched",
+            group=request.group_id,
+            prompt=request.prompt_id,
+            epoch=ticket.epoch,
+            index=ticket.index,
+            attempt=ticket.attempt,
+            worker=worker.worker_id,
+            version=version,
+        )
         return True
 
     def _start(self, item: InFlight, request: rollout_pb2.GenerateGroupRequest) -> None:
@@ -195,6 +216,14 @@ class Dispatcher:
     def _done(self, item: InFlight, summary: rollout_pb2.GroupSummary) -> None:
         item.worker.groups_done += 1
         self.throughput.add(summary.tokens)
+        if item.ticket is not None:
+            self.ledger.emit(
+                "settled",
+                group=item.group_id,
+                status=_STATUS_NAMES.get(summary.status, "failed"),
+                reason=summary.reason,
+                duplicate=summary.duplicate,
+            )
         if item.eval_round is not None:
             item.eval_round.add(
                 list(summary.rewards),
@@ -232,15 +261,16 @@ class Dispatcher:
             details=details,
             fault=fault,
         )
-        self._requeue(item)
+        self._requeue(item, f"GenerateGroup failed: {code.name}{f' ({fault})' if fault else ''}")
         if code != grpc.StatusCode.DEADLINE_EXCEEDED and not fault:
             self.hooks.fence(item.worker, f"GenerateGroup failed: {code.name}")
 
-    def _requeue(self, item: InFlight) -> None:
+    def _requeue(self, item: InFlight, reason: str) -> None:
         """An infrastructure fault: the prompt goes back under the same group id."""
         if item.ticket is not None:
             self.staleness.on_requeue()
             self.cursor.requeue(item.ticket)
+            self.ledger.emit("retried", group=item.group_id, reason=reason)
         else:
             item.eval_round.retry(item.eval_index, item.eval_attempt)
             self._eval_progress(item.eval_round)
@@ -257,14 +287,18 @@ class Dispatcher:
         for item in items:
             self.settle(item)
             if how == "requeue":
-                self._requeue(item)
+                self._requeue(item, "its rollout was lost or fenced")
             elif how == "abort":
                 self.staleness.on_abort()
                 self.cursor.requeue(item.ticket, new_attempt=True)
                 self._aborted.add(item.group_id)
+                self.ledger.emit("dropped", group=item.group_id, reason="aborted: too stale")
             elif item.ticket is not None:
                 self.staleness.on_cancel()
             item.task.cancel()
+        cancelled = [i.group_id for i in items if how == "cancel" and i.ticket is not None]
+        if cancelled:
+            self.ledger.emit("left_over", groups=cancelled, reason="in flight when the run ended")
         return len(items)
 
     def requeue_worker(self, worker: Worker) -> int:
@@ -290,6 +324,7 @@ class Dispatcher:
                 continue  # reported twice, or already re-queued when the scheduler aborted it
             self._drops_seen.add(group_id)
             self.staleness.on_trainer_drop()
+            self.ledger.emit("dropped", group=group_id, reason="the trainer found it too stale")
             ticket = Ticket.parse(group_id)
             if ticket is not None:
                 self.cursor.requeue(ticket, new_attempt=True)

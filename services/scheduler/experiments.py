@@ -18,6 +18,7 @@ import time
 
 import grpc
 
+from asyncrl.ledger import Ledger
 from asyncrl.logging import get_logger
 from asyncrl.spec import ExperimentSpec
 from asyncrl.types import EvalResult, StepMetrics, TrainerState
@@ -56,7 +57,15 @@ class ExperimentRunner:
         self.fleet = FleetWeights(self.calls, lambda: (self.version, self.record.fleet_uri))
         hooks = DispatchHooks(changed=self._changed, fence=self._fence, eval_done=self._eval_done)
         self.dispatcher = Dispatcher(
-            record, spec, prompts, eval_prompts, self.calls, hooks, self.log, lambda: self.version
+            record,
+            spec,
+            prompts,
+            eval_prompts,
+            self.calls,
+            hooks,
+            self.log,
+            lambda: self.version,
+            Ledger(ctx.js, record.id),
         )
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # the dispatch loop waits for an event, nothing dispatchable

@@ -140,3 +140,31 @@ class GroupConsumer:
         if self._sub is not None:
             await self._sub.unsubscribe()
             self._sub = None
+
+
+async def unconsumed_group_ids(js, experiment_id: str, after_seq: int) -> list[str]:
+    """Ids of the training groups stored after stream sequence `after_seq` (what no step took
+    when the run ended), read with an ephemeral ordered consumer; undecodable messages skipped."""
+    subject = train_subject(experiment_id)
+    info = await js.stream_info(STREAM, subjects_filter=subject)
+    if info.state.last_seq <= after_seq:
+        return []
+    config = ConsumerConfig(
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after_seq + 1
+    )
+    sub = await js.subscribe(subject, stream=STREAM, ordered_consumer=True, config=config)
+    ids = []
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=1.0)
+            except TimeoutError:
+                return ids
+            try:
+                ids.append(group_from_bytes(msg.data).group_id)
+            except DecodeError:
+                pass
+            if msg.metadata.num_pending == 0:
+                return ids
+    finally:
+        await sub.unsubscribe()

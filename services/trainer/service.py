@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 
 from asyncrl.errors import Conflict, NotFound
+from asyncrl.ledger import Ledger, ensure_ledger
 from asyncrl.logging import get_logger
 from asyncrl.retry import idempotent_rpc
 from asyncrl.spec import ExperimentSpec, SpecError, spec_from_json
@@ -44,7 +45,7 @@ from services.trainer.checkpoint import (
     latest_checkpoint,
     write_checkpoint,
 )
-from services.trainer.consumer import GroupConsumer, Pulled
+from services.trainer.consumer import GroupConsumer, Pulled, unconsumed_group_ids
 from services.trainer.metrics import (
     drop_reason,
     step_metrics,
@@ -220,6 +221,9 @@ class TrainerService:
         self._trained = RecentIds()
         self._stop = asyncio.Event()  # a StopExperiment during loading stops the new run
         self.log = log.bind(experiment=experiment_id)
+        self.ledger = Ledger(self.js, experiment_id)
+        self.run_id = uuid.uuid4().hex[:8]
+        """This process's run of the experiment, in its ledger events."""
 
     async def _release(self) -> None:
         if self._consumer is not None:
@@ -248,6 +252,10 @@ class TrainerService:
         self._consumer = GroupConsumer(self.js, self.experiment_id)
         await self._consumer.open(consumer_start_seq(state))
         self._broadcaster = WeightBroadcaster.from_spec(spec.trainer)  # joins at 1st commit
+        await ensure_ledger(self.js)
+        # steps recorded after the checkpoint this run resumes from were lost with the process
+        # that trained them: their groups come again and are trained by this run
+        await self.ledger.record("rewound", to_step=self.step, run=self.run_id)
         self.state = TrainerState.WAITING
         self.log.info(
             "experiment_started",
@@ -282,6 +290,8 @@ class TrainerService:
                     stop = await self._train(batch)
                 if stop:
                     break
+            self._stage = "left over"
+            await self._record_left_over()
             async with self._lock:
                 self._stage = "final checkpoint"
                 await self._checkpoint()
@@ -293,6 +303,14 @@ class TrainerService:
             self._fail(exc, self._stage)
         finally:
             await self._leave_broadcast()
+
+    async def _record_left_over(self) -> None:
+        """The training groups no step took when the run ended: reported, never silent."""
+        ids = await unconsumed_group_ids(self.js, self.experiment_id, self._boundary_seq)
+        ids = [i for i in ids if i not in self._trained]
+        if ids:
+            await self.ledger.record("left_over", groups=ids, reason="not trained when it ended")
+            self.log.info("left_over", groups=len(ids))
 
     async def _leave_broadcast(self) -> None:
         if self._broadcaster is None:
@@ -349,6 +367,7 @@ class TrainerService:
             self._stage = "quarantine"
             await self._consumer.dead_letter(p, reason)
             group = p.group.group_id if p.group else ""
+            self.ledger.emit("quarantined", group=group, seq=p.seq, reason=reason)
             self.log.warning("group_quarantined", seq=p.seq, group=group, reason=reason)
         return []
 
@@ -381,6 +400,10 @@ class TrainerService:
         uri = await asyncio.to_thread(self._publish_weights, self.version)
         self._stage = "commit"
         resp = await self._commit_and_send(uri, m)
+        ids = [g.group_id for g in batch.groups]
+        await self.ledger.record(
+            "trained", step=self.step, version=self.version, groups=ids, run=self.run_id
+        )
         if resp.stop:
             slog.info("scheduler_says_stop", fleet_version=resp.fleet_version)
         elif self.step % self.spec.trainer.checkpoint_every == 0:

@@ -22,7 +22,7 @@ from asyncrl.cli import app as cli_app
 from asyncrl.cli import load_spec_dict
 from asyncrl.client import AsyncrlClient, is_terminal, state_name
 from asyncrl.supervisor import pid_alive
-from tests.cluster import ROOT, Cluster
+from tests.cluster import ROOT, Cluster, wait_for
 
 TOTAL_STEPS = 4
 ARITH_DEMO = ROOT / "examples" / "arith" / "experiment.yaml"
@@ -187,6 +187,33 @@ def assert_dump_decodes(cluster: Cluster, exp, out: Path, total_steps: int = TOT
     assert len(first["samples"]) == 4
     for s in first["samples"]:
         assert len(s["versions"]) == len(s["output_ids"]) == len(s["logprobs"])
+
+
+def ledger_report(cluster: Cluster, exp) -> dict:
+    """`asyncrl ledger ID --json`: every prompt's fate, from the ledger stream."""
+    result = CliRunner().invoke(
+        cli_app, ["ledger", exp.id, "--json", "--nats", f"nats://127.0.0.1:{cluster.nats_port}"]
+    )
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def assert_ledger_clean(cluster: Cluster, exp, batch_size: int = 2) -> dict:
+    """Nothing lost, nothing trained twice, nothing left open, and the ledger agrees with the
+    trainer: trained groups = steps x B."""
+    report = wait_for(lambda: _settled_ledger(cluster, exp), timeout=30)
+    totals = report["totals"]
+    assert totals["lost"] == 0 and totals["trained_twice"] == 0, totals
+    assert report["steps"] == exp.progress.version, report["steps"]
+    assert report["trained_groups"] == report["steps"] * batch_size
+    assert totals["trained"] == report["trained_groups"]
+    return report
+
+
+def _settled_ledger(cluster: Cluster, exp) -> dict | None:
+    """The ledger once the trainer has recorded what was left over (it does so as it stops)."""
+    report = ledger_report(cluster, exp)
+    return report if report["totals"]["in_flight"] == 0 and report["totals"]["lost"] == 0 else None
 
 
 def kill_sglang_child(pid: int) -> None:

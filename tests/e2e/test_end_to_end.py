@@ -21,6 +21,7 @@ from tests.e2e.experiment import (
     arith_demo_spec,
     assert_completed,
     assert_dump_decodes,
+    assert_ledger_clean,
     build_arith_demo,
     log_events,
     run_experiment,
@@ -40,6 +41,8 @@ def test_small_experiment_completes_through_all_services(cluster, task, tmp_path
     exp = asyncio.run(run_experiment(cluster.scheduler, small_spec(task)))
     assert_completed(exp)
     assert_dump_decodes(cluster, exp, tmp_path / "traj.jsonl")
+    report = assert_ledger_clean(cluster, exp)
+    assert report["totals"]["trained"] == 2 * exp.progress.version
 
 
 def test_arith_demo_fifteen_steps_final_eval_accuracy_above_initial(cluster, tmp_path):
