@@ -225,6 +225,15 @@ def summarize(events: list[dict]) -> LedgerReport:
                     by_group[g].left_over = True
         elif kind == "quarantined":
             counts["quarantined"] += 1
+            if group in by_group:  # one of ours, set aside by the trainer: its task failed
+                _settle(
+                    by_group[group],
+                    {
+                        "event": "settled",
+                        "status": "failed",
+                        "reason": f"quarantined: {e.get('reason', '')}",
+                    },
+                )
     steps = counted_steps(events)
     trained_times: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for s in steps:

@@ -130,3 +130,18 @@ def test_trained_group_without_recorded_dispatch_maps_to_its_prompt_by_id():
     report = summarize([trained(1, "exp-x1-e0-p7-a2"), trained(2, "exp-x1-e0-p7-a3")])
     [p] = report.prompts
     assert (p.epoch, p.index, p.fate) == (0, 7, "trained_twice")
+
+
+def test_quarantined_own_group_is_failed_with_the_reason_foreign_one_only_counted():
+    events = [
+        dispatched("g0", 0),
+        settled("g0"),
+        {"event": "quarantined", "group": "g0", "reason": "token id 999 >= vocab 64"},
+        {"event": "quarantined", "group": "other-e0-p1-a0", "reason": "foreign experiment"},
+    ]
+    report = summarize(events)
+    assert report.quarantined == 2 and len(report.prompts) == 1
+    assert (report.prompts[0].fate, report.prompts[0].reason) == (
+        "failed",
+        "quarantined: token id 999 >= vocab 64",
+    )
