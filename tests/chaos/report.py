@@ -8,6 +8,8 @@ A run's row:
     completed, state        the experiment ended COMPLETED (state: its final state)
     steps, lost, trained_twice, failed, filtered, left_over, in_flight, quarantined,
     duplicates, trained_groups   from `asyncrl ledger ID --json`
+    replayed                the trainer's count of replayed (already trained) groups it skipped,
+                            summed over the status history
     expected_groups         steps x B (the ledger agrees with the trainer when trained == it)
     recovery_s              the slowest fault's time from injection to the next committed step
     wall_s                  submit to the end of the experiment
@@ -32,17 +34,31 @@ COLUMNS = (
 )
 
 
-def recovery_s(timeline: list[tuple[float, int]], at_s: float, at_version: int) -> float | None:
-    """Seconds from a fault at `at_s` (version `at_version` then) to the first poll that saw a
-    higher version; None when none came."""
+def recovery_s(timeline: list[tuple[float, int]], fault: dict) -> float | None:
+    """Seconds from the fault to new progress: the first version past every version seen
+    until the faulted process was back (`back_s` after the fault; the fault itself when
+    nothing was restarted). In-flight commits that land just after a kill, and steps trained
+    again after a rewind to a checkpoint, do not count. None when no new progress came."""
+    at_s = fault["at_s"]
+    back = at_s + (fault.get("back_s") or 0.0)
+    peak = max([fault["at_version"], *(v for t, v in timeline if t <= back)])
     for t, version in timeline:
-        if t >= at_s and version > at_version:
+        if t > back and version > peak:
             return round(t - at_s, 2)
     return None
 
 
+def lowest_after(timeline: list[tuple[float, int]], fault: dict) -> int | None:
+    """The lowest version seen after the fault (below at_version: the run was rewound)."""
+    seen = [v for t, v in timeline if t >= fault["at_s"]]
+    return min(seen) if seen else None
+
+
 def with_recovery(faults: list[dict], timeline: list[tuple[float, int]]) -> list[dict]:
-    return [f | {"recovery_s": recovery_s(timeline, f["at_s"], f["at_version"])} for f in faults]
+    return [
+        f | {"recovery_s": recovery_s(timeline, f), "lowest_after": lowest_after(timeline, f)}
+        for f in faults
+    ]
 
 
 def make_row(run: dict, ledger: dict, status: dict) -> dict:
@@ -66,6 +82,7 @@ def make_row(run: dict, ledger: dict, status: dict) -> dict:
         "in_flight": totals.get("in_flight", 0),
         "quarantined": ledger.get("quarantined", 0),
         "duplicates": ledger.get("duplicates", 0),
+        "replayed": sum(int(h.get("replayed", 0)) for h in status.get("history", [])),
         "trained_groups": ledger.get("trained_groups", 0),
         "expected_groups": steps * run.get("batch_size", 0),
         "recovery_s": None if not faults or None in recoveries else max(recoveries),
@@ -74,7 +91,8 @@ def make_row(run: dict, ledger: dict, status: dict) -> dict:
 
 def problems(row: dict) -> list[str]:
     """What makes a run fail the acceptance: not COMPLETED, a prompt lost or trained twice, an
-    infrastructure fault turned into a failed prompt, poison not quarantined, trained groups
+    infrastructure fault turned into a failed prompt, poison not quarantined (or a replay not
+    skipped as one), trained groups
     that are not steps x B."""
     found = []
     if not row.get("completed"):
@@ -84,8 +102,10 @@ def problems(row: dict) -> list[str]:
             found.append(f"{key}={row[key]}")
     if row.get("infrastructure", True) and row.get("failed"):
         found.append(f"failed={row['failed']}")
-    if row.get("expect_quarantined") and row.get("quarantined", 0) < row["expect_quarantined"]:
-        found.append(f"quarantined {row.get('quarantined', 0)} < {row['expect_quarantined']}")
+    for key in ("quarantined", "replayed"):
+        expected = row.get(f"expect_{key}", 0)
+        if row.get(key, 0) < expected:
+            found.append(f"{key} {row.get(key, 0)} < {expected}")
     if row.get("completed") and not row.get("steps"):
         found.append("the ledger has no steps")
     if row.get("steps") and row.get("trained_groups") != row.get("expected_groups"):

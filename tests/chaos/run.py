@@ -209,12 +209,12 @@ class Run:
         return fault
 
     async def advance(self) -> bool:
-        """Wait for the next committed step; False if none came."""
-        return await self.reach(self.version + 1)
+        """Wait for new progress: a version past every one seen so far; False if none came."""
+        return await self.reach(max(v for _, v in self.timeline) + 1)
 
     async def recovered(self, fault: dict, service: str, old_pid: int) -> bool:
-        """Wait until `service` runs again (a new pid, its time recorded as back_s) and a step
-        is committed after that, so the next fault hits a system that recovered. False if it
+        """Wait until `service` runs again (a new pid; back_s records when) and the run makes
+        new progress after that, so the next fault hits a system that recovered. False if it
         never did."""
         if not await self.restarted(service, old_pid):
             return False
@@ -254,6 +254,7 @@ def execute(cfg: RunConfig) -> dict:
     result = {"run": cfg.var.name, "fault": scenario.fault, "seed": cfg.seed}
     result |= {"batch_size": cfg.batch_size, "infrastructure": scenario.infrastructure}
     result |= {"expect_quarantined": scenario.expect_quarantined, "faults": [], "timeline": []}
+    result["expect_replayed"] = scenario.expect_replayed
     started = time.time()
     try:
         run.up()

@@ -77,9 +77,10 @@ async def stop_trainer(run: Run, rng: random.Random) -> None:
         return
     pid = await run.pid("trainer")
     os.kill(pid, signal.SIGSTOP)
-    run.mark(f"SIGSTOP trainer (pid {pid}) {TRAINER_STOP_S:.0f}s, then kill -9")
+    fault = run.mark(f"SIGSTOP trainer (pid {pid}) {TRAINER_STOP_S:.0f}s, then kill -9")
     await asyncio.sleep(TRAINER_STOP_S)
     os.kill(pid, signal.SIGKILL)
+    await run.recovered(fault, "trainer", pid)
 
 
 def start_proxy(run: Run) -> None:
@@ -148,6 +149,9 @@ class Scenario:
     infrastructure: bool = True
     """An infrastructure fault: no prompt may end `failed` because of it."""
     expect_quarantined: int = 0
+    """Bad messages the ledger must count as quarantined."""
+    expect_replayed: int = 0
+    """Replays of trained groups the trainer must report skipping (StepMetrics.replayed)."""
 
 
 def _scenarios() -> dict[str, Scenario]:
@@ -172,7 +176,8 @@ def _scenarios() -> dict[str, Scenario]:
             publish_poison,
             count=len(poison.KINDS),
             infrastructure=False,
-            expect_quarantined=len(poison.KINDS),
+            expect_quarantined=len(poison.KINDS) - 1,  # garbage, foreign, misaligned
+            expect_replayed=1,
         ),
     ]
     return {s.name: s for s in (*kills, *others)}

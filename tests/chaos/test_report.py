@@ -31,11 +31,19 @@ def run_record(**extra) -> dict:
 
 
 def test_recovery_s_fault_then_higher_version_time_to_it():
-    assert report.recovery_s(TIMELINE, at_s=5.0, at_version=3) == 4.5
+    assert report.recovery_s(TIMELINE, {"at_s": 5.0, "at_version": 3}) == 4.5
 
 
 def test_recovery_s_no_higher_version_after_fault_none():
-    assert report.recovery_s(TIMELINE, at_s=10.5, at_version=6) is None
+    assert report.recovery_s(TIMELINE, {"at_s": 10.5, "at_version": 6}) is None
+
+
+def test_recovery_s_rewound_and_in_flight_commit_counts_only_new_progress():
+    """Killed at v3 (6.5s), v4 lands in flight, back at 7.5s, rewound to v0, past v4 at 28.3s."""
+    timeline = [(0.0, 0), (6.4, 3), (6.7, 4), (25.2, 0), (27.8, 2), (28.0, 4), (28.3, 7)]
+    fault = {"at_s": 6.5, "at_version": 3, "back_s": 1.0}
+    assert report.recovery_s(timeline, fault) == 21.8
+    assert report.lowest_after(timeline, fault) == 0
 
 
 def test_make_row_ledger_and_status_counts_and_slowest_recovery():
@@ -43,6 +51,7 @@ def test_make_row_ledger_and_status_counts_and_slowest_recovery():
     assert row["completed"] and row["state"] == "COMPLETED"
     assert (row["at_version"], row["steps"], row["lost"], row["trained_twice"]) == (3, 6, 0, 0)
     assert [f["recovery_s"] for f in row["faults"]] == [4.5, 0.4]
+    assert [f["lowest_after"] for f in row["faults"]] == [4, 6]
     assert row["recovery_s"] == 4.5
     assert row["expected_groups"] == 24 and row["duplicates"] == 1
     assert "timeline" not in row
@@ -55,11 +64,15 @@ def test_problems_lost_twice_failed_infrastructure_fault_each_named():
     assert report.problems(row) == ["lost=2", "trained_twice=1", "failed=3"]
 
 
-def test_problems_poison_failed_allowed_quarantine_short_named():
-    ledger = LEDGER | {"totals": LEDGER["totals"] | {"failed": 1}, "quarantined": 3}
-    record = run_record(infrastructure=False, expect_quarantined=4)
-    row = report.make_row(record, ledger, {"state": "EXPERIMENT_STATE_COMPLETED"})
-    assert report.problems(row) == ["quarantined 3 < 4"]
+def test_problems_poison_failed_allowed_quarantine_and_replay_short_named():
+    ledger = LEDGER | {"totals": LEDGER["totals"] | {"failed": 1}, "quarantined": 2}
+    record = run_record(infrastructure=False, expect_quarantined=3, expect_replayed=1)
+    status = {"state": "EXPERIMENT_STATE_COMPLETED", "history": [{"replayed": 0}]}
+    row = report.make_row(record, ledger, status)
+    assert report.problems(row) == ["quarantined 2 < 3", "replayed 0 < 1"]
+    status["history"].append({"replayed": 1})
+    ledger["quarantined"] = 3
+    assert report.problems(report.make_row(record, ledger, status)) == []
 
 
 def test_problems_running_and_groups_not_steps_times_b_named():
