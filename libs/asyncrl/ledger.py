@@ -10,7 +10,8 @@ order they were made; an event whose write was acked survives any crash:
     scheduler  settled     {"group", "status": accepted|rejected|failed, "reason", "duplicate"}
     scheduler  retried     {"group", "reason"}        an infrastructure fault: same id again
     scheduler  dropped     {"group", "reason"}        too stale: the prompt gets a new attempt
-    scheduler  left_over   {"groups": [...]}          accepted, never trained (end of the data)
+    scheduler  left_over   {"groups"|"prompts": [...]} in flight or re-queued when the run ended
+    trainer    left_over   {"groups": [...]}          published, taken by no step when it ended
     trainer    trained     {"step", "version", "groups": [...], "run"}
     trainer    rewound     {"to_step", "run"}         a restarted trainer resumed at step k:
                                                       steps > k recorded before are discarded
@@ -220,9 +221,12 @@ def summarize(events: list[dict]) -> LedgerReport:
             _settle(by_group[group], e)
             counts["duplicates"] += bool(e.get("duplicate"))
         elif kind == "left_over":
-            for g in e["groups"]:
+            for g in e.get("groups", []):
                 if g in by_group:
                     by_group[g].left_over = True
+            for key in e.get("prompts", []):
+                if tuple(key) in prompts:
+                    prompts[tuple(key)].left_over = True
         elif kind == "quarantined":
             counts["quarantined"] += 1
             if group in by_group:  # one of ours, set aside by the trainer: its task failed

@@ -313,7 +313,11 @@ class Dispatcher:
         )
 
     def cancel(self, training_only: bool) -> int:
-        """The run is over: cancel groups in flight; not counted as drops, not re-queued."""
+        """The run is over: cancel groups in flight; not counted as drops, not re-queued.
+        Prompts re-queued and not dispatched again are left over too."""
+        waiting = [[t.epoch, t.index] for t in self.cursor.requeued]
+        if waiting:
+            self.ledger.emit("left_over", prompts=waiting, reason="re-queued when the run ended")
         return self._end(lambda i: i.ticket is not None or not training_only, "cancel")
 
     def report_dropped(self, group_ids: list[str]) -> int:

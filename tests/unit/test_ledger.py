@@ -145,3 +145,14 @@ def test_quarantined_own_group_is_failed_with_the_reason_foreign_one_only_counte
         "failed",
         "quarantined: token id 999 >= vocab 64",
     )
+
+
+def test_dropped_then_requeued_but_never_dispatched_again_is_left_over():
+    events = [
+        dispatched("a0", 3),
+        settled("a0"),
+        {"event": "dropped", "group": "a0", "reason": "the trainer found it too stale"},
+        {"event": "left_over", "prompts": [[0, 3]], "reason": "re-queued when the run ended"},
+    ]
+    assert summarize(events).totals["left_over"] == 1
+    assert summarize(events[:3]).totals["lost"] == 1  # without the report it would be lost
