@@ -11,7 +11,8 @@ A run's row:
     replayed                the trainer's count of replayed (already trained) groups it skipped,
                             summed over the status history
     expected_groups         steps x B (the ledger agrees with the trainer when trained == it)
-    recovery_s              the slowest fault's time from injection to the next committed step
+    recovery_s              the slowest fault's time from injection to new progress (faults
+                            the run ended right after, without new progress, are left out)
     wall_s                  submit to the end of the experiment
 """
 
@@ -66,7 +67,7 @@ def make_row(run: dict, ledger: dict, status: dict) -> dict:
     extra keys, kept); `ledger`: the ledger JSON; `status`: the status JSON."""
     totals = ledger.get("totals", {})
     faults = with_recovery(run["faults"], run["timeline"])
-    recoveries = [f["recovery_s"] for f in faults]
+    recoveries = [f["recovery_s"] for f in faults if f["recovery_s"] is not None]
     state = str(status.get("state", "UNKNOWN")).removeprefix("EXPERIMENT_STATE_")
     steps = ledger.get("steps", 0)
     extra = {k: v for k, v in run.items() if k not in ("faults", "timeline")}
@@ -85,7 +86,7 @@ def make_row(run: dict, ledger: dict, status: dict) -> dict:
         "replayed": sum(int(h.get("replayed", 0)) for h in status.get("history", [])),
         "trained_groups": ledger.get("trained_groups", 0),
         "expected_groups": steps * run.get("batch_size", 0),
-        "recovery_s": None if not faults or None in recoveries else max(recoveries),
+        "recovery_s": max(recoveries, default=None),
     }
 
 

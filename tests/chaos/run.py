@@ -90,6 +90,7 @@ class Run:
         self.nats_url = NATS_URL
         self.proxy: subprocess.Popen | None = None
         self.errors: list[str] = []
+        self.skipped: list[str] = []
 
     # ------------------------------------------------------------ processes
 
@@ -202,6 +203,16 @@ class Run:
             await asyncio.sleep(POLL_S / 2)
         return True
 
+    async def reach_in_time(self, version: int) -> bool:
+        """`reach`, and False (noted in `skipped`) when the run got so close to its end on the
+        way that a fault there would leave nothing to recover in."""
+        if not await self.reach(version):
+            return False
+        if self.version >= self.cfg.total_steps - 2:
+            self.skipped.append(f"fault at v{version} skipped: already at v{self.version}")
+            return False
+        return True
+
     def mark(self, what: str, **extra) -> dict:
         """Record a fault happening now, at the current version."""
         fault = {"what": what, "at_version": self.version, "at_s": self.since(), **extra}
@@ -267,7 +278,7 @@ def execute(cfg: RunConfig) -> dict:
     except Exception as e:  # the report says what broke the run itself
         run.errors.append(f"{type(e).__name__}: {e}")
     finally:
-        result |= {"faults": run.faults, "timeline": run.timeline}
+        result |= {"faults": run.faults, "timeline": run.timeline, "skipped": run.skipped}
         run.down()
     if run.errors:
         result["error"] = "; ".join(run.errors)

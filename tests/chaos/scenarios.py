@@ -47,7 +47,7 @@ def targets(rng: random.Random, k: int, total_steps: int) -> list[int]:
 
 async def kill(service: str, run: Run, rng: random.Random) -> None:
     for version in targets(rng, run.scenario.count, run.cfg.total_steps):
-        if not await run.reach(version):
+        if not await run.reach_in_time(version):
             return
         pid = await run.pid(service)
         os.kill(pid, signal.SIGKILL)
@@ -60,7 +60,7 @@ async def stop_rollout(run: Run, rng: random.Random) -> None:
     """SIGSTOP one of two rollouts for ROLLOUT_STOP_S (long enough for weight updates to be
     committed while it is frozen), then SIGCONT."""
     (version,) = targets(rng, 1, run.cfg.total_steps)
-    if not await run.reach(version):
+    if not await run.reach_in_time(version):
         return
     pid = await run.pid("rollout", 0)
     os.kill(pid, signal.SIGSTOP)
@@ -73,7 +73,7 @@ async def stop_rollout(run: Run, rng: random.Random) -> None:
 async def stop_trainer(run: Run, rng: random.Random) -> None:
     """SIGSTOP the trainer for TRAINER_STOP_S, then kill -9 it (the supervisor restarts it)."""
     (version,) = targets(rng, 1, run.cfg.total_steps)
-    if not await run.reach(version):
+    if not await run.reach_in_time(version):
         return
     pid = await run.pid("trainer")
     os.kill(pid, signal.SIGSTOP)
@@ -106,7 +106,7 @@ async def lose_reply(run: Run, rng: random.Random) -> None:
     """KILLS times: arm the proxy (SIGUSR1); the next GenerateGroup reply, sent after the group
     was published, is lost. The fault is marked when the proxy reports the loss."""
     for version in targets(rng, run.scenario.count, run.cfg.total_steps):
-        if not await run.reach(version):
+        if not await run.reach_in_time(version):
             return
         before = len(drops(run))
         run.proxy.send_signal(signal.SIGUSR1)
@@ -125,7 +125,7 @@ async def publish_poison(run: Run, rng: random.Random) -> None:
     """Each kind of poison once, at its own version."""
     versions = targets(rng, run.scenario.count, run.cfg.total_steps)
     for kind, version in zip(poison.KINDS, versions, strict=True):
-        if not await run.reach(version):
+        if not await run.reach_in_time(version):
             return
         what = await poison.publish(run.nats_url, run.experiment_id, kind, rng)
         run.mark(f"poison {kind}: {what}")
