@@ -295,6 +295,7 @@ class TrainerService:
             async with self._lock:
                 self._stage = "final checkpoint"
                 await self._checkpoint()
+            await self._leave_broadcast()  # before STOPPED: a stopped trainer holds no group
             self.state = TrainerState.STOPPED
             self.log.info("experiment_stopped", version=self.version, step=self.step)
         except asyncio.CancelledError:
