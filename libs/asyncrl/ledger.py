@@ -33,9 +33,11 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 import nats
-from nats.js.api import DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
+import nats.errors
+import nats.js.errors
 
 from asyncrl.logging import get_logger
+from asyncrl.natsutil import ensure_file_stream, read_subject
 
 log = get_logger(component="ledger")
 
@@ -43,6 +45,7 @@ LEDGER_STREAM = "ASYNCRL_LEDGER"
 LEDGER_ROOT = "asyncrl.ledger"
 
 FATES = ("trained", "trained_twice", "filtered", "failed", "left_over", "lost", "in_flight")
+RETRY_S = 0.5
 MAX_BATCH = 1000
 """Events per ledger message at most (a message stays far below NATS's payload limit)."""
 _TICKET = re.compile(r"-e(\d+)-p(\d+)-a(\d+)$")
@@ -60,17 +63,7 @@ def ledger_subject(experiment_id: str) -> str:
 
 async def ensure_ledger(js) -> None:
     """Create (or keep) the ledger stream: file storage, kept as long as the trajectories."""
-    try:
-        await js.stream_info(LEDGER_STREAM)
-    except nats.js.errors.NotFoundError:
-        await js.add_stream(
-            StreamConfig(
-                name=LEDGER_STREAM,
-                subjects=[f"{LEDGER_ROOT}.>"],
-                storage=StorageType.FILE,
-                retention=RetentionPolicy.LIMITS,
-            )
-        )
+    await ensure_file_stream(js, LEDGER_STREAM, [f"{LEDGER_ROOT}.>"])
 
 
 class Ledger:
@@ -106,10 +99,13 @@ class Ledger:
             while not self._queue.empty() and len(batch) < MAX_BATCH:
                 batch.append(self._queue.get_nowait())
             body = json.dumps(batch, separators=(",", ":")).encode()
-            try:
-                await self.js.publish(self.subject, body)
-            except Exception as exc:  # noqa: BLE001 - the ledger must not take the service down
-                log.warning("ledger_write_failed", events=len(batch), error=repr(exc))
+            while True:  # NATS away (restarting): keep the events and try again
+                try:
+                    await self.js.publish(self.subject, body)
+                    break
+                except (TimeoutError, nats.errors.Error) as exc:
+                    log.warning("ledger_write_failed", events=len(batch), error=repr(exc))
+                    await asyncio.sleep(RETRY_S)
 
     async def flush(self) -> None:
         """Wait until every emitted event is stored (or its write failed)."""
@@ -118,26 +114,16 @@ class Ledger:
                 await asyncio.shield(self._writer)
 
 
-async def read_events(js, experiment_id: str, timeout_s: float = 5.0) -> list[dict]:
+async def read_events(js, experiment_id: str) -> list[dict]:
     """Every event of the experiment, oldest first."""
-    subject = ledger_subject(experiment_id)
     try:
-        info = await js.stream_info(LEDGER_STREAM, subjects_filter=subject)
+        messages = await read_subject(js, LEDGER_STREAM, ledger_subject(experiment_id))
     except nats.js.errors.NotFoundError:
         return []
-    total = sum((info.state.subjects or {}).values())
-    if not total:
-        return []
-    sub = await js.subscribe(
-        subject, stream=LEDGER_STREAM, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
-    )
     events: list[dict] = []
-    try:
-        for _ in range(total):
-            body = json.loads((await sub.next_msg(timeout=timeout_s)).data)
-            events.extend(body if isinstance(body, list) else [body])
-    finally:
-        await sub.unsubscribe()
+    for data in messages:
+        body = json.loads(data)
+        events.extend(body if isinstance(body, list) else [body])
     return events
 
 

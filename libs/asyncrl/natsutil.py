@@ -12,7 +12,14 @@ import time
 from pathlib import Path
 
 import nats
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
 
 from asyncrl.convert import group_to_bytes
 from asyncrl.net import free_port
@@ -159,3 +166,38 @@ async def wait_until(pred, timeout: float = 10.0, interval: float = 0.05) -> Non
         if time.monotonic() > deadline:
             raise TimeoutError("condition not met")
         await asyncio.sleep(interval)
+
+
+async def ensure_file_stream(js, name: str, subjects: list[str]) -> None:
+    """Create (or keep) a file-backed stream `name` over `subjects` (limits retention)."""
+    try:
+        await js.stream_info(name)
+    except nats.js.errors.NotFoundError:
+        await js.add_stream(
+            StreamConfig(
+                name=name,
+                subjects=subjects,
+                storage=StorageType.FILE,
+                retention=RetentionPolicy.LIMITS,
+            )
+        )
+
+
+async def read_subject(js, stream: str, subject: str, batch: int = 1000) -> list[bytes]:
+    """Every message stored on `subject`, oldest first (an ephemeral pull consumer, no acks)."""
+    info = await js.stream_info(stream, subjects_filter=subject)
+    count = (info.state.subjects or {}).get(subject, 0)
+    if not count:
+        return []
+    config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE)
+    sub = await js.pull_subscribe(subject, stream=stream, config=config)
+    data: list[bytes] = []
+    try:
+        while len(data) < count:
+            msgs = await sub.fetch(min(batch, count - len(data)), timeout=5.0)
+            data.extend(m.data for m in msgs)
+            if msgs[-1].metadata.num_pending == 0:
+                break
+    finally:
+        await sub.unsubscribe()
+    return data

@@ -15,9 +15,9 @@ from dataclasses import asdict
 
 import nats.errors
 import nats.js.errors
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 
 from asyncrl.logging import get_logger
+from asyncrl.natsutil import ensure_file_stream, read_subject
 from asyncrl.types import EvalResult, StepMetrics
 from services.scheduler.records import ExperimentRecord, build_dataclass
 
@@ -41,12 +41,7 @@ class HistoryLog:
     @classmethod
     async def open(cls, js) -> HistoryLog:
         """The history stream, created on first use."""
-        try:
-            await js.stream_info(STREAM)
-        except nats.js.errors.NotFoundError:
-            await js.add_stream(
-                StreamConfig(name=STREAM, subjects=[f"{SUBJECT_ROOT}.>"], storage=StorageType.FILE)
-            )
+        await ensure_file_stream(js, STREAM, [f"{SUBJECT_ROOT}.>"])
         return cls(js)
 
     def start(self) -> None:
@@ -102,20 +97,5 @@ class HistoryLog:
         record.evals = replay.evals + [e for e in record.evals if e.version not in known]
 
     async def _read(self, subject: str) -> list[dict]:
-        """Every entry on `subject`, in order (an ephemeral pull consumer, no acks)."""
-        info = await self.js.stream_info(STREAM, subjects_filter=subject)
-        count = (info.state.subjects or {}).get(subject, 0)
-        if not count:
-            return []
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE)
-        sub = await self.js.pull_subscribe(subject, stream=STREAM, config=config)
-        entries: list[dict] = []
-        try:
-            while len(entries) < count:
-                msgs = await sub.fetch(min(FETCH_BATCH, count - len(entries)), timeout=5.0)
-                entries.extend(json.loads(m.data) for m in msgs)
-                if msgs[-1].metadata.num_pending == 0:
-                    break
-        finally:
-            await sub.unsubscribe()
-        return entries
+        """Every entry on `subject`, in order."""
+        return [json.loads(d) for d in await read_subject(self.js, STREAM, subject, FETCH_BATCH)]
