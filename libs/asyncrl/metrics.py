@@ -48,9 +48,8 @@ class MetricsServer:
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        bound = site._server.sockets[0].getsockname()[1]
+        await web.TCPSite(self._runner, host, port).start()
+        bound = self._runner.addresses[0][1]
         log.info("metrics_serving", host=host, port=bound)
         return bound
 

@@ -20,8 +20,6 @@ class SchedulerConfig:
     """A worker that has not heartbeated for this long is gone; its work is reassigned."""
     heartbeat_interval_s: float = 1.0
     """How often workers are told to heartbeat."""
-    update_weights_timeout_s: float = 30.0
-    """Deadline for a bound rollout to take a committed version; a laggard is fenced."""
     bind_timeout_s: float = 300.0
     """Deadline for a newly bound rollout to load the current weights (may load a model)."""
     trainer_start_timeout_s: float = 600.0
