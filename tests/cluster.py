@@ -21,13 +21,19 @@ ROOT = Path(__file__).resolve().parents[1]
 FRESH_S = 5.0  # a worker heartbeating within this many seconds counts as alive
 
 
+DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
 class Cluster:
     def __init__(self, var: Path):
         self.var = var
         self.nats_port = free_port()
         self.scheduler_port = free_port()
+        # an in-process megatron test leaves MASTER_PORT (its gloo group's) in this process's
+        # environment: a trainer started here must pick its own
+        inherited = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
         self.env = {
-            **os.environ,
+            **inherited,
             "ASYNCRL_NATS_PORT": str(self.nats_port),
             "ASYNCRL_SCHEDULER_PORT": str(self.scheduler_port),
         }

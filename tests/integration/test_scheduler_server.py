@@ -646,16 +646,22 @@ FAILED = scheduler_pb2.EXPERIMENT_STATE_FAILED
 COMPLETED = scheduler_pb2.EXPERIMENT_STATE_COMPLETED
 
 
-async def test_trainer_restarted_at_same_address_is_started_again(cluster, files):
-    await cluster.start_scheduler(trainer_poll_interval_s=60)  # re-registering triggers it
+async def _trainer_committed_v1(cluster, files):
+    """Workers and an experiment whose first trainer started and committed v1; returns
+    (experiment id, runner, the trainer's agent, a kill of the trainer)."""
     first = FakeTrainer()
     await cluster.worker(REWARD)
     agent, kill = await cluster.worker(TRAINER, first)
     await cluster.worker(ROLLOUT, FakeRollout())
     exp_id = await submit(cluster, spec(files, trainer={"total_steps": 10}))
-    runner = cluster.scheduler.get(exp_id)
     await wait_until(lambda: first.started == [exp_id])
     await cluster.commit(exp_id, 1)
+    return exp_id, cluster.scheduler.get(exp_id), agent, kill
+
+
+async def test_trainer_restarted_at_same_address_is_started_again(cluster, files):
+    await cluster.start_scheduler(trainer_poll_interval_s=60)  # re-registering triggers it
+    exp_id, runner, agent, kill = await _trainer_committed_v1(cluster, files)
     worker_id = runner.trainer().worker_id
     await kill()  # kill -9 and a supervisor restart, within the lease
     restarted = FakeTrainer(version=1)  # resumes from its checkpoint at v1
@@ -668,14 +674,7 @@ async def test_trainer_restarted_at_same_address_is_started_again(cluster, files
 
 async def test_trainer_replaced_before_lease_lapse_is_started(cluster, files):
     await cluster.start_scheduler(lease_ttl_s=0.6, heartbeat_interval_s=0.1)
-    first = FakeTrainer()
-    await cluster.worker(REWARD)
-    _, kill = await cluster.worker(TRAINER, first)
-    await cluster.worker(ROLLOUT, FakeRollout())
-    exp_id = await submit(cluster, spec(files, trainer={"total_steps": 10}))
-    runner = cluster.scheduler.get(exp_id)
-    await wait_until(lambda: first.started == [exp_id])
-    await cluster.commit(exp_id, 1)
+    exp_id, runner, _, kill = await _trainer_committed_v1(cluster, files)
     await kill()
     successor = FakeTrainer(version=1)
     await cluster.worker(TRAINER, successor)  # registers before the dead one's lease lapses

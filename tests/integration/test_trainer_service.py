@@ -38,7 +38,6 @@ from asyncrl.spec import (
     TrainerSpec,
     spec_to_json,
 )
-from asyncrl.tiny import build_tiny_model
 from asyncrl.types import RewardStatus, Sample, TrajectoryGroup
 from asyncrl.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from asyncrl.weights import uri_to_path
@@ -81,15 +80,6 @@ class RecordingScheduler(scheduler_pb2_grpc.SchedulerServicer):
     async def ReportDropped(self, request, context):
         self.dropped.extend(request.groups)
         return scheduler_pb2.ReportDroppedResponse()
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(model dir, the loaded base model, tokenizer) built once for the module."""
-    d = tmp_path_factory.mktemp("tiny")
-    build_tiny_model(d)
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    return d, model, AutoTokenizer.from_pretrained(d)
 
 
 @pytest.fixture

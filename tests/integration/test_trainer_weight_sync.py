@@ -7,14 +7,10 @@ GPUs: tests/integration/test_sglang_engine.py, marked gpu."""
 from __future__ import annotations
 
 import aiohttp
-import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.natsutil import publish_group, wait_until
 from asyncrl.net import free_port
 from asyncrl.runtime import ServiceRuntime
-from asyncrl.tiny import build_tiny_model
 from asyncrl.v1 import scheduler_pb2_grpc
 from asyncrl.weights import uri_to_path, version_dir
 from services.rollout.sglang_config import SGLangConfig
@@ -36,15 +32,6 @@ class UpdatingScheduler(RecordingScheduler):
     async def CommitWeights(self, request, context):
         await self.engine.update_weights(str(uri_to_path(request.uri)), request.version)
         return await super().CommitWeights(request, context)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(model dir, the loaded base model, tokenizer)."""
-    d = tmp_path_factory.mktemp("tiny")
-    build_tiny_model(d)
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    return d, model, AutoTokenizer.from_pretrained(d)
 
 
 async def _served_digests(url: str) -> dict[str, str]:
