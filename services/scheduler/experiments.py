@@ -73,6 +73,8 @@ class ExperimentRunner:
         self._background: set[asyncio.Task] = set()
         self._subscribers: set[asyncio.Queue] = set()
         self._finishing = False
+        self._ending = False
+        """`_end` is under way (it stops the trainer before the state turns terminal)."""
         self._finish_reason = ""
         self._start_failures = 0
         self._trainer_id: str | None = None
@@ -563,10 +565,13 @@ class ExperimentRunner:
         return ExperimentState.FAILED, f"trained nothing: {self._finish_reason}: {counts}"
 
     async def _end(self, state: ExperimentState, message: str) -> None:
-        """Enter a terminal state: stop everything, free the workers, tell the trainer."""
-        if self.terminal:
+        """Enter a terminal state: stop everything, free the workers, stop the trainer, and
+        only then say so, so a client that sees the end also sees the trainer's last ledger
+        events (what it left over) and its final checkpoint."""
+        if self.terminal or self._ending:
             return
-        self._finishing = False
+        self._ending = True
+        self._finishing = True  # a commit meanwhile is told to stop
         self.dispatcher.cancel(training_only=False)
         current = asyncio.current_task()
         for t in (self._task, *self._background):
@@ -575,8 +580,6 @@ class ExperimentRunner:
         for w in self.rollouts():
             self.registry.unbind(w)
         self.fleet.ready.clear()
-        self._set_state(state, message)
-        self.log.info("experiment_ended", state=state.value, message=message, version=self.version)
         trainer = self.trainer()
         if trainer is not None:  # stopped before it is freed, so no other experiment races it
             try:
@@ -586,6 +589,10 @@ class ExperimentRunner:
                     "trainer_stop_failed", worker=trainer.worker_id, code=e.code().name
                 )
             self.registry.unbind(trainer)
+        await self.dispatcher.ledger.flush()
+        self._finishing = False
+        self._set_state(state, message)
+        self.log.info("experiment_ended", state=state.value, message=message, version=self.version)
         self.ctx.workers_changed()
 
     # ---- plumbing ----------------------------------------------------------------------------
