@@ -16,4 +16,5 @@ BENCHMARKS: dict[str, str] = {
     "admission": "bench.admission",
     "agent": "bench.agent",
     "ledger": "bench.ledger",
+    "security": "bench.security",
 }

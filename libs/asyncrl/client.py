@@ -187,8 +187,8 @@ async def read_groups(
     async def quiet(exc: Exception) -> None:  # connection errors surface as the raised error
         pass
 
-    nc = await nats.connect(
-        nats_url or natsutil.nats_url(),
+    nc = await natsutil.connect(
+        nats_url,
         connect_timeout=timeout_s,
         max_reconnect_attempts=2,
         error_cb=quiet,

@@ -1,10 +1,13 @@
-"""gRPC client helpers: channels with the message-size options every service uses, and a
-health probe. Servers are made by `asyncrl.runtime.ServiceRuntime.serve`."""
+"""gRPC client helpers: channels with the message-size options every service uses, TLS and the
+caller's token, and a health probe. Servers are made by `asyncrl.runtime.ServiceRuntime.serve`."""
 
 from __future__ import annotations
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from asyncrl.security import credentials
+from asyncrl.settings import settings
 
 MAX_MSG = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -13,12 +16,20 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, identity: str | None = None, token: bool = True) -> grpc.aio.Channel:
+    """A channel to `address` over TLS that presents `identity`'s token on every call (default
+    ASYNCRL_IDENTITY, i.e. the CLI's admin). Plain when ASYNCRL_INSECURE."""
+    creds = credentials(identity or settings().identity)
+    if creds is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(
+        address, creds.channel_credentials(token), options=CHANNEL_OPTIONS
+    )
 
 
 async def check_health(address: str, timeout: float = 2.0) -> bool:
-    async with channel(address) as ch:
+    """Whether the server at `address` answers SERVING (health needs TLS but no token)."""
+    async with channel(address, token=False) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         try:
             resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)

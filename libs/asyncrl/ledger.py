@@ -36,6 +36,7 @@ import nats
 import nats.errors
 import nats.js.errors
 
+from asyncrl import natsutil
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import ensure_file_stream, read_subject
 
@@ -273,7 +274,7 @@ async def fetch_report(experiment_id: str, nats_url: str, timeout_s: float = 10.
     async def quiet(exc: Exception) -> None:  # connection errors surface as the raised error
         pass
 
-    nc = await nats.connect(
+    nc = await natsutil.connect(
         nats_url, connect_timeout=timeout_s, max_reconnect_attempts=2, error_cb=quiet
     )
     try:

@@ -42,15 +42,15 @@ class MetricsServer:
         body = generate_latest(self.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def start(self, port: int = 0, host: str = "127.0.0.1") -> int:
-        """Listen on host:port (0: a free port); returns the bound port."""
+    async def start(self, port: int = 0, host: str = "127.0.0.1", ssl_context=None) -> int:
+        """Listen on host:port (0: a free port), HTTPS with `ssl_context`; returns the port."""
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
+        await web.TCPSite(self._runner, host, port, ssl_context=ssl_context).start()
         bound = self._runner.addresses[0][1]
-        log.info("metrics_serving", host=host, port=bound)
+        log.info("metrics_serving", host=host, port=bound, tls=ssl_context is not None)
         return bound
 
     async def stop(self) -> None:

@@ -4,6 +4,8 @@ trajectory stream, subjects, and group publishing with Nats-Msg-Id dedup."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import shutil
 import socket
 import subprocess
@@ -65,20 +67,116 @@ def nats_server_binary() -> str:
     return found
 
 
+TRAJ_API = [f"$JS.API.STREAM.INFO.{STREAM}", f"$JS.API.STREAM.CREATE.{STREAM}"]
+LEDGER_API = ["$JS.API.STREAM.INFO.ASYNCRL_LEDGER", "$JS.API.STREAM.CREATE.ASYNCRL_LEDGER"]
+
+
+def _consume(stream: str) -> list[str]:
+    """Create, look up, pull from and ack consumers of `stream` (not delete the stream)."""
+    return [
+        f"$JS.API.CONSUMER.*.{stream}",
+        f"$JS.API.CONSUMER.*.{stream}.>",
+        f"$JS.API.CONSUMER.*.*.{stream}.>",
+        f"$JS.ACK.{stream}.>",
+    ]
+
+
+def _read(stream: str) -> list[str]:
+    """Look at `stream` through ephemeral consumers (no ack, no delete)."""
+    return [
+        f"$JS.API.STREAM.INFO.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.>",
+        f"$JS.API.CONSUMER.INFO.{stream}.>",
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>",
+        "$JS.FC.>",
+    ]
+
+
+_READ_ONLY = [
+    "$JS.API.INFO",
+    *_read(STREAM),
+    *_read("ASYNCRL_LEDGER"),
+    *_read("ASYNCRL_SCHED_HISTORY"),
+]
+NATS_PERMISSIONS: dict[str, list[str]] = {
+    "scheduler": [">"],
+    "trainer": [
+        "$JS.API.INFO",
+        *TRAJ_API,
+        *LEDGER_API,
+        *_consume(STREAM),
+        f"{DEAD_ROOT}.>",
+        "asyncrl.ledger.>",
+    ],
+    "rollout": ["$JS.API.INFO", *TRAJ_API, f"{SUBJECT_ROOT}.>"],
+    "admin": _READ_ONLY,
+    "viewer": _READ_ONLY,
+}
+"""What each NATS user may publish (they all may subscribe to their own reply inboxes; the
+scheduler to everything). Only the scheduler may touch the KV bucket, the history stream or
+delete anything; only rollouts publish trajectories; only the trainer consumes and acks them."""
+
+
+def nats_config(port: int, store_dir: Path, secrets: Path, host: str = "127.0.0.1") -> str:
+    """nats-server configuration: JetStream, TLS with this host's certificate, and one user
+    per NATS_PERMISSIONS entry whose password is stored as a bcrypt hash."""
+    import bcrypt
+
+    users = []
+    for user, publish in NATS_PERMISSIONS.items():
+        password = (secrets / "nats" / f"{user}.password").read_bytes().strip()
+        hashed = bcrypt.hashpw(password, bcrypt.gensalt(10, prefix=b"2a")).decode()
+        subscribe = [">"] if user == "scheduler" else ["_INBOX.>"]
+        users.append(
+            {
+                "user": user,
+                "password": hashed,
+                "permissions": {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}},
+            }
+        )
+    config = {
+        "host": host,
+        "port": port,
+        "jetstream": {"store_dir": str(store_dir)},
+        "tls": {
+            "cert_file": str(secrets / "server.pem"),
+            "key_file": str(secrets / "server.key"),
+            "ca_file": str(secrets / "ca.pem"),
+            "verify": settings().mtls,
+            "timeout": 5,
+        },
+        "authorization": {"users": users},
+    }
+    return json.dumps(config, indent=2)  # nats-server reads JSON as its config syntax
+
+
 class LocalNatsServer:
-    """A real nats-server with JetStream on loopback, storing under `store_dir`."""
+    """A real nats-server with JetStream on loopback, storing under `store_dir`. Secure unless
+    ASYNCRL_INSECURE: TLS and the users of `nats_config` (the secrets directory must exist:
+    `asyncrl.security.ensure_secrets`)."""
 
     def __init__(self, store_dir: str | Path, port: int = 0, log_file: str | Path | None = None):
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.log_file = log_file
         self.proc: subprocess.Popen | None = None
+        self.secure = not settings().insecure
+        self.config_file = self.store_dir.parent / f"{self.store_dir.name}.conf"
 
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
+        if self.secure:
+            from asyncrl.security import ensure_secrets
+
+            text = nats_config(self.port, self.store_dir, ensure_secrets())
+            fd = os.open(self.config_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            return [nats_server_binary(), "-c", str(self.config_file)]
         return [
             nats_server_binary(),
             "-a",
@@ -125,8 +223,20 @@ def nats_url() -> str:
     return settings().nats_url
 
 
-async def connect(url: str | None = None) -> nats.NATS:
-    return await nats.connect(url or nats_url(), max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+def connect_options(identity: str | None = None) -> dict:
+    """`nats.connect` keyword arguments for `identity` (default ASYNCRL_IDENTITY): its NATS
+    user, password and TLS; nothing when ASYNCRL_INSECURE."""
+    from asyncrl.security import credentials
+
+    creds = credentials(identity or settings().identity)
+    return {} if creds is None else creds.nats_options()
+
+
+async def connect(url: str | None = None, identity: str | None = None, **options) -> nats.NATS:
+    """Connect as `identity` (see connect_options), reconnecting forever unless `options` say
+    otherwise."""
+    options = {"max_reconnect_attempts": -1, "reconnect_time_wait": 0.5, **options}
+    return await nats.connect(url or nats_url(), **connect_options(identity), **options)
 
 
 async def ensure_stream(js) -> None:

@@ -16,7 +16,9 @@ own logic, and drains NATS last. A failure
 half-way through start-up closes what was already open.
 
 Every gRPC server gets the standard health service, server reflection and one interceptor
-chain; `ErrorInterceptor` maps exceptions to status codes in one place.
+chain: `asyncrl.security.AuthInterceptor` checks the caller's token against the policy, then
+`ErrorInterceptor` maps exceptions to status codes in one place. Every port (gRPC, /metrics,
+NATS) is TLS with the credentials of the service's identity (its name) unless ASYNCRL_INSECURE.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from asyncrl.logging import get_logger
 from asyncrl.metrics import MetricsServer
 from asyncrl.natsutil import connect
 from asyncrl.retry import connect_policy
+from asyncrl.security import credentials, server_interceptors
 from asyncrl.settings import settings
 from asyncrl.worker import WorkerAgent
 
@@ -106,6 +109,7 @@ class ServiceRuntime:
         self.port = 0
         self.worker_id = ""
         self.metrics_port: int | None = None
+        self.credentials = credentials(name)
         self._stack = AsyncExitStack()
         self._health: health.aio.HealthServicer | None = None
 
@@ -122,7 +126,7 @@ class ServiceRuntime:
         """Connect (retrying while the server starts); drained on close."""
         async for attempt in connect_policy(max_delay_s=max_delay_s):
             with attempt:
-                nc = await connect(url)
+                nc = await connect(url, identity=self.name)
         self.on_close(nc.drain)
         return nc
 
@@ -134,7 +138,8 @@ class ServiceRuntime:
     ) -> int:
         """Start the gRPC server: `servicers` are (add_XServicer_to_server, servicer) pairs,
         plus health and reflection. Returns the bound port (pass 0 for a free one)."""
-        server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[ErrorInterceptor()])
+        interceptors = [*server_interceptors(), ErrorInterceptor()]
+        server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
         for add, servicer in servicers:
             add(servicer, server)
         self._health = health.aio.HealthServicer()
@@ -142,7 +147,11 @@ class ServiceRuntime:
         reflection.enable_server_reflection(
             [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
-        self.port = server.add_insecure_port(f"{self.host}:{port}")
+        if self.credentials is None:
+            self.port = server.add_insecure_port(f"{self.host}:{port}")
+        else:
+            creds = self.credentials.server_credentials()
+            self.port = server.add_secure_port(f"{self.host}:{port}", creds)
         await server.start()
         self.on_close(lambda: self._stop_server(server))
         for name in ["", *service_names]:
@@ -162,18 +171,26 @@ class ServiceRuntime:
         scheduler: str | None = None,
     ) -> str:
         """Register this worker with the scheduler and heartbeat until close."""
-        agent = WorkerAgent(kind, self.address, capacity=capacity, scheduler=scheduler, load=load)
+        agent = WorkerAgent(
+            kind,
+            self.address,
+            capacity=capacity,
+            scheduler=scheduler,
+            load=load,
+            identity=self.name,
+        )
         self.worker_id = await agent.start()
         self.on_close(agent.stop)
         return self.worker_id
 
     async def serve_metrics(self, port: int | None, *collectors: Collector) -> int | None:
-        """Serve `collectors` at http://ASYNCRL_METRICS_HOST:port/metrics from this event loop
+        """Serve `collectors` at https://ASYNCRL_METRICS_HOST:port/metrics from this event loop
         (None: off; 0: a free port)."""
         if port is None:
             return None
         server = MetricsServer(*collectors)
-        self.metrics_port = await server.start(port, settings().metrics_host)
+        tls = self.credentials.server_ssl_context() if self.credentials else None
+        self.metrics_port = await server.start(port, settings().metrics_host, ssl_context=tls)
         self.on_close(server.stop)
         return self.metrics_port
 

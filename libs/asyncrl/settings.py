@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -34,6 +34,34 @@ class Settings(BaseSettings):
     """`json` (services) or `console`."""
     log_level: str = "INFO"
 
+    # security (asyncrl.security): TLS + tokens + NATS users, on unless `insecure`
+    secrets: Path | None = None
+    """Secrets directory (CA, certificates, tokens, NATS passwords); default `<var>/secrets`."""
+    insecure: bool = False
+    """Plain gRPC, no tokens, anonymous NATS. For the benchmark's same-run comparison only."""
+    mtls: bool = False
+    """Mutual TLS: servers also require a client certificate signed by the CA."""
+    identity: str = "admin"
+    """Whose token the CLI and SDK present (admin or viewer; services use their own)."""
+    token: SecretStr | None = None
+    """A bearer token, instead of reading `tokens/<identity>.jwt` from the secrets directory."""
+    token_file: Path | None = None
+    """File holding this process's bearer token (the supervisor sets one per replica)."""
+    token_pubkey: Path | None = None
+    """Key that verifies tokens; default `<secrets>/token.pub`."""
+    tls_ca: Path | None = None
+    """CA certificate to trust; default `<secrets>/ca.pem`."""
+    tls_cert: Path | None = None
+    """This host's certificate; default `<secrets>/server.pem`."""
+    tls_key: Path | None = None
+    """Its private key; default `<secrets>/server.key`."""
+    tls_hosts: str = ""
+    """Comma-separated extra names/IPs for the certificate `make up` creates (other hosts)."""
+    nats_user: str | None = None
+    """NATS user; default: the service kind (scheduler, trainer, rollout, reward, admin)."""
+    nats_password: SecretStr | None = None
+    """Its password; default `<secrets>/nats/<user>.password`."""
+
     # the local cluster (`make up`, asyncrl.supervisor)
     metrics_port: int | None = None
     """Base of fixed /metrics ports for `make up` (scheduler B, trainer B+1.., rollout B+10..)."""
@@ -48,6 +76,14 @@ class Settings(BaseSettings):
     rollout_args: str = ""
     reward_args: str = ""
     trainer_args: str = ""
+
+    @property
+    def secrets_dir(self) -> Path:
+        return self.secrets or self.var / "secrets"
+
+    @property
+    def tls_host_list(self) -> list[str]:
+        return [h.strip() for h in self.tls_hosts.split(",") if h.strip()]
 
     def service_args(self, service: str) -> str:
         """The extra flags for `service` (scheduler, rollout, reward, trainer)."""

@@ -28,6 +28,7 @@ class WorkerAgent:
         capacity: int = 1,
         scheduler: str | None = None,
         load=lambda: 0,
+        identity: str | None = None,
     ):
         self.kind = kind
         self.address = address
@@ -38,7 +39,7 @@ class WorkerAgent:
         self.worker_id: str | None = None
         self.interval = 1.0
         self._task: asyncio.Task | None = None
-        self._channel = channel(self.scheduler)
+        self._channel = channel(self.scheduler, identity)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     async def register(self) -> str:

@@ -70,7 +70,7 @@ class RewardClient:
 
     def _stub(self, address: str) -> reward_pb2_grpc.RewardStub:
         if address not in self._channels:
-            self._channels[address] = channel(address)
+            self._channels[address] = channel(address, "rollout")
         return reward_pb2_grpc.RewardStub(self._channels[address])
 
     async def score(

@@ -53,7 +53,7 @@ class ChannelPool:
 
     def get(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = channel(address)
+            self._channels[address] = channel(address, "scheduler")
         return self._channels[address]
 
     async def close(self, address: str) -> None:

@@ -93,7 +93,7 @@ async def create_trainer(
         nc = await runtime.connect_nats(nats_url)
         js = nc.jetstream()
         await ensure_stream(js)
-        sched_channel = channel(scheduler or settings().scheduler)
+        sched_channel = channel(scheduler or settings().scheduler, runtime.name)
         runtime.on_close(sched_channel.close)
         service = TrainerService(
             js,

@@ -31,6 +31,7 @@ from rich.table import Table
 
 from asyncrl.logging import configure_logging
 from asyncrl.proc import kill_tree, pid_alive
+from asyncrl.security import ensure_secrets
 from asyncrl.settings import Settings, settings
 from asyncrl.supervisor.daemon import (
     GRACE_S,
@@ -195,6 +196,10 @@ def _launch_daemon(launch: Launch) -> subprocess.Popen:
         d.mkdir(parents=True, exist_ok=True)
     paths.state.unlink(missing_ok=True)
     write_json(paths.replicas, {s: 1 for s in launch.services})
+    env = dict(os.environ)
+    if not settings().insecure:  # the CA, certificates, tokens and NATS users: made once
+        secrets = ensure_secrets(settings().secrets or launch.var / "secrets")
+        env["ASYNCRL_SECRETS"] = str(secrets.resolve())
     with open(paths.supervisor_log, "ab") as logf:
         return subprocess.Popen(
             launch.daemon_command(),
@@ -202,6 +207,7 @@ def _launch_daemon(launch: Launch) -> subprocess.Popen:
             stdout=logf,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=env,
         )
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import LocalNatsServer
+from asyncrl.security import WORKER_ROLES, write_token
 from asyncrl.net import free_port
 from asyncrl.proc import die_with_parent, kill_tree, pid_alive, signal_group
 from asyncrl.settings import settings
@@ -251,6 +252,9 @@ class Supervisor:
             ASYNCRL_REPLICA=str(index),
         )
         env.setdefault("ASYNCRL_WEIGHTS", str(var / "weights"))
+        if service in WORKER_ROLES and not settings().insecure:  # an identity per replica
+            name = f"{service}-{index}"
+            env["ASYNCRL_TOKEN_FILE"] = str(write_token(settings().secrets_dir, name, service))
         return env
 
     def spawn(self, r: Replica) -> None:

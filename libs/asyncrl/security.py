@@ -1,0 +1,558 @@
+"""Who may call what: TLS on every port, a signed token on every gRPC call, NATS users.
+
+The files live in one secrets directory (`ASYNCRL_SECRETS`, default `var/secrets/`; `make up`
+creates it once with `ensure_secrets` and reuses it; every file 0600):
+
+    ca.pem, ca.key              the local certificate authority (`cryptography`)
+    server.pem, server.key      this host's certificate (SAN: loopback + ASYNCRL_TLS_HOSTS),
+                                also valid as a client certificate for mutual TLS
+    token.key, token.pub        Ed25519 pair that signs / verifies the bearer tokens (JWT)
+    tokens/<name>.jwt           one token per identity: admin, viewer, scheduler, trainer,
+                                rollout, reward (the supervisor mints one per replica too)
+    nats/<user>.password        NATS passwords; the server config holds only bcrypt hashes
+
+A token's claims are `sub` (the identity, e.g. `rollout-1`) and `role`: `admin` (submit,
+cancel), `viewer` (read), `scheduler` (the scheduler's own calls to rollouts and trainers), or
+a worker kind `trainer` | `rollout` | `reward`. Verifying needs only `token.pub`, so a host that
+runs rollouts holds its own tokens and cannot mint others. `ASYNCRL_INSECURE=1` turns all of it
+off (plain gRPC, no tokens, anonymous NATS): for the benchmark's same-run comparison only.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import datetime as dt
+import ipaddress
+import os
+import secrets as pysecrets
+import ssl
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import grpc
+import jwt
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from asyncrl.logging import get_logger
+from asyncrl.settings import settings
+
+log = get_logger()
+
+ISSUER = "asyncrl"
+WORKER_ROLES = ("trainer", "rollout", "reward")
+ROLES = ("admin", "viewer", "scheduler", *WORKER_ROLES)
+IDENTITIES = {name: name for name in ROLES}
+"""The identities `ensure_secrets` makes a token for, each with the role of the same name."""
+NATS_USERS = ("scheduler", "trainer", "rollout", "reward", "admin", "viewer")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+CERT_DAYS = 3650
+
+
+class AuthError(Exception):
+    """A credential is missing, malformed, forged or of the wrong kind (UNAUTHENTICATED)."""
+
+
+# ---- the secrets directory -------------------------------------------------------------------
+
+
+def secrets_dir() -> Path:
+    return settings().secrets_dir
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` readable by its owner only (created 0600, never world-readable)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(path, 0o600)
+
+
+def _pem_key(key) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "asyncrl"),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]
+    )
+
+
+def _san(hosts: Iterable[str]) -> x509.SubjectAlternativeName:
+    names: list[x509.GeneralName] = []
+    for host in dict.fromkeys(hosts):
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    return x509.SubjectAlternativeName(names)
+
+
+def make_ca(directory: Path) -> None:
+    """A new local CA: ca.key + ca.pem (self-signed, ECDSA P-256)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name("asyncrl local CA"))
+        .issuer_name(_name("asyncrl local CA"))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=CERT_DAYS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    _write(directory / "ca.key", _pem_key(key))
+    _write(directory / "ca.pem", cert.public_bytes(serialization.Encoding.PEM))
+
+
+def issue_cert(
+    directory: Path, hosts: Iterable[str], out: Path | None = None, name: str = "server"
+) -> tuple[Path, Path]:
+    """Sign a certificate for `hosts` (IPs or DNS names) with the CA in `directory`; written to
+    `out`/<name>.pem and <name>.key (default: `directory`). Valid for TLS servers and clients."""
+    ca_key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), None)
+    ca_cert = x509.load_pem_x509_certificate((directory / "ca.pem").read_bytes())
+    hosts = list(hosts)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(hosts[0]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=CERT_DAYS))
+        .add_extension(_san(hosts), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    out = out or directory
+    cert_path, key_path = out / f"{name}.pem", out / f"{name}.key"
+    _write(key_path, _pem_key(key))
+    _write(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+    return cert_path, key_path
+
+
+def mint_token(directory: Path, subject: str, role: str) -> str:
+    """A bearer token for identity `subject` with `role`, signed with `directory`/token.key."""
+    if role not in ROLES:
+        raise ValueError(f"role: {role!r} is not one of {', '.join(ROLES)}")
+    key = serialization.load_pem_private_key((directory / "token.key").read_bytes(), None)
+    claims = {
+        "sub": subject,
+        "role": role,
+        "iss": ISSUER,
+        "iat": int(dt.datetime.now().timestamp()),
+    }
+    return jwt.encode(claims, key, algorithm="EdDSA")
+
+
+def write_token(directory: Path, subject: str, role: str) -> Path:
+    """Mint a token for `subject` and store it as tokens/<subject>.jwt (kept if it exists)."""
+    path = directory / "tokens" / f"{subject}.jwt"
+    if not path.exists():
+        _write(path, mint_token(directory, subject, role).encode())
+    return path
+
+
+def ensure_secrets(directory: Path | None = None, hosts: Iterable[str] = ()) -> Path:
+    """Create whatever of the secrets directory is missing (CA, this host's certificate, the
+    token key pair, a token per identity, NATS passwords); existing files are kept."""
+    directory = Path(directory or secrets_dir())
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(directory, 0o700)
+    if not (directory / "ca.pem").exists():
+        make_ca(directory)
+        log.info("secrets_created", what="ca", directory=str(directory))
+    if not (directory / "server.pem").exists():
+        issue_cert(directory, [*LOOPBACK, *settings().tls_host_list, *hosts])
+    if not (directory / "token.key").exists():
+        key = ed25519.Ed25519PrivateKey.generate()
+        _write(directory / "token.key", _pem_key(key))
+        pub = key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        _write(directory / "token.pub", pub)
+    for subject, role in IDENTITIES.items():
+        write_token(directory, subject, role)
+    for user in NATS_USERS:
+        path = directory / "nats" / f"{user}.password"
+        if not path.exists():
+            _write(path, pysecrets.token_urlsafe(24).encode())
+    return directory
+
+
+# ---- one process's view: who am I, whom do I trust ---------------------------------------------
+
+
+def insecure() -> bool:
+    return settings().insecure
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What one identity presents and trusts, read from the secrets directory (or the
+    ASYNCRL_TOKEN_FILE / ASYNCRL_TLS_* / ASYNCRL_NATS_* overrides).
+
+    `Credentials.load("rollout")` is the rollout's: its token, the CA it trusts, this host's
+    certificate (to serve and, under mutual TLS, to present) and its NATS user."""
+
+    identity: str
+    directory: Path
+
+    @classmethod
+    def load(cls, identity: str) -> Credentials:
+        return cls(identity, Path(secrets_dir()))
+
+    def _read(self, override: Path | None, default: Path, what: str) -> bytes:
+        path = override or default
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            raise AuthError(
+                f"no {what} for {self.identity!r} at {path}: run `make up` (it creates "
+                f"{self.directory}) or set ASYNCRL_SECRETS / the ASYNCRL_TOKEN_FILE, "
+                "ASYNCRL_TLS_* and ASYNCRL_NATS_* variables"
+            ) from None
+
+    @cached_property
+    def token(self) -> str:
+        s = settings()
+        if s.token:
+            return s.token.get_secret_value()
+        default = self.directory / "tokens" / f"{self.identity}.jwt"
+        return self._read(s.token_file, default, "token").decode().strip()
+
+    @cached_property
+    def ca(self) -> bytes:
+        return self._read(settings().tls_ca, self.directory / "ca.pem", "CA certificate")
+
+    @cached_property
+    def cert(self) -> bytes:
+        return self._read(settings().tls_cert, self.directory / "server.pem", "certificate")
+
+    @cached_property
+    def key(self) -> bytes:
+        return self._read(settings().tls_key, self.directory / "server.key", "private key")
+
+    @cached_property
+    def nats_user(self) -> str:
+        return settings().nats_user or self.identity.split("-")[0]
+
+    @cached_property
+    def nats_password(self) -> str:
+        s = settings()
+        if s.nats_password:
+            return s.nats_password.get_secret_value()
+        path = self.directory / "nats" / f"{self.nats_user}.password"
+        return self._read(None, path, "NATS password").decode().strip()
+
+    # -- gRPC
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        mtls = settings().mtls
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)],
+            root_certificates=self.ca if mtls else None,
+            require_client_auth=mtls,
+        )
+
+    def channel_credentials(self, with_token: bool = True) -> grpc.ChannelCredentials:
+        mtls = settings().mtls
+        tls = grpc.ssl_channel_credentials(
+            self.ca, self.key if mtls else None, self.cert if mtls else None
+        )
+        if not with_token:
+            return tls
+        return grpc.composite_channel_credentials(
+            tls, grpc.access_token_call_credentials(self.token)
+        )
+
+    # -- NATS and HTTPS
+
+    def client_ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=self.ca.decode())
+        if settings().mtls:
+            _load_chain(ctx, self.cert, self.key)
+        return ctx
+
+    def server_ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        _load_chain(ctx, self.cert, self.key)
+        return ctx
+
+    def nats_options(self) -> dict:
+        """Keyword arguments for `nats.connect`: user, password and TLS."""
+        return {
+            "user": self.nats_user,
+            "password": self.nats_password,
+            "tls": self.client_ssl_context(),
+        }
+
+
+def _load_chain(ctx: ssl.SSLContext, cert: bytes, key: bytes) -> None:
+    """`ssl` loads certificates from files only: write them to a private temp dir."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cert_path, key_path = Path(tmp) / "c.pem", Path(tmp) / "c.key"
+        _write(cert_path, cert)
+        _write(key_path, key)
+        ctx.load_cert_chain(cert_path, key_path)
+
+
+def credentials(identity: str) -> Credentials | None:
+    """`identity`'s credentials, or None when ASYNCRL_INSECURE is set."""
+    return None if insecure() else Credentials.load(identity)
+
+
+# ---- checking a call ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who made the call being served: the token's subject and role."""
+
+    subject: str
+    role: str
+
+
+_caller: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
+    "asyncrl_caller", default=None
+)
+
+
+def caller() -> Principal | None:
+    """The principal of the RPC being served (None when security is off)."""
+    return _caller.get()
+
+
+class TokenVerifier:
+    """Checks bearer tokens against token.pub; a verified token is remembered (bounded)."""
+
+    def __init__(self, public_key_pem: bytes, cache_size: int = 4096):
+        self._key = serialization.load_pem_public_key(public_key_pem)
+        self._cache: dict[str, Principal] = {}
+        self._cache_size = cache_size
+
+    @classmethod
+    def load(cls) -> TokenVerifier:
+        path = settings().token_pubkey or secrets_dir() / "token.pub"
+        try:
+            return cls(path.read_bytes())
+        except FileNotFoundError:
+            raise AuthError(f"no token verification key at {path}: run `make up`") from None
+
+    def verify(self, token: str) -> Principal:
+        principal = self._cache.get(token)
+        if principal is not None:
+            return principal
+        try:
+            claims = jwt.decode(
+                token,
+                self._key,
+                algorithms=["EdDSA"],
+                issuer=ISSUER,
+                options={"require": ["sub", "iss"]},
+            )
+        except jwt.PyJWTError as e:
+            raise AuthError(f"invalid token: {e}") from None
+        role = claims.get("role")
+        if role not in ROLES:
+            raise AuthError(f"invalid token: unknown role {role!r}")
+        principal = Principal(str(claims["sub"]), role)
+        if len(self._cache) >= self._cache_size:
+            self._cache.clear()
+        self._cache[token] = principal
+        return principal
+
+
+OPEN_METHODS = frozenset(["/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"])
+"""Health answers without a token (over TLS) so that probes (`make up`, Kubernetes) need no
+secret; it says SERVING or not and nothing else."""
+ANY_ROLE = frozenset(ROLES)
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """One check per call: a valid bearer token (else UNAUTHENTICATED) whose role the method's
+    `policy` entry allows (else PERMISSION_DENIED). Methods not in `policy` (reflection) need
+    any valid token. The caller is available to the handler as `caller()`."""
+
+    def __init__(self, policy: Mapping[str, Iterable[str]], verifier: TokenVerifier):
+        self.policy = {method: frozenset(roles) for method, roles in policy.items()}
+        self.verifier = verifier
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method in OPEN_METHODS:
+            return handler
+        try:
+            principal = self.verifier.verify(_bearer(details.invocation_metadata))
+        except AuthError as e:
+            return _denied(handler, grpc.StatusCode.UNAUTHENTICATED, str(e))
+        allowed = self.policy.get(details.method, ANY_ROLE)
+        if principal.role not in allowed:
+            log.warning(
+                "rpc_permission_denied",
+                method=details.method,
+                caller=principal.subject,
+                role=principal.role,
+            )
+            message = (
+                f"{principal.subject} (role {principal.role}) may not call {details.method}; "
+                f"allowed: {', '.join(sorted(allowed))}"
+            )
+            return _denied(handler, grpc.StatusCode.PERMISSION_DENIED, message)
+        return _as(principal, handler)
+
+
+def _bearer(metadata) -> str:
+    for key, value in metadata or ():
+        if key == "authorization":
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() == "bearer" and token:
+                return token.strip()
+            raise AuthError("authorization metadata must be 'Bearer <token>'")
+    raise AuthError("no credentials: send 'authorization: Bearer <token>'")
+
+
+def _denied(handler, code: grpc.StatusCode, message: str):
+    if handler.unary_unary is not None:
+
+        async def unary(request, context):
+            await context.abort(code, message)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary, handler.request_deserializer, handler.response_serializer
+        )
+
+    async def stream(request, context):
+        await context.abort(code, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    return grpc.unary_stream_rpc_method_handler(
+        stream, handler.request_deserializer, handler.response_serializer
+    )
+
+
+def _as(principal: Principal, handler):
+    if handler.unary_unary is not None:
+        inner = handler.unary_unary
+
+        async def unary(request, context):
+            _caller.set(principal)
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary, handler.request_deserializer, handler.response_serializer
+        )
+    if handler.unary_stream is not None:
+        inner_stream = handler.unary_stream
+
+        async def stream(request, context):
+            _caller.set(principal)
+            async for item in inner_stream(request, context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(
+            stream, handler.request_deserializer, handler.response_serializer
+        )
+    return handler
+
+
+# ---- the policy: which role may call which method ---------------------------------------------
+
+_VIEW = ("admin", "viewer")
+_WORKERS = WORKER_ROLES
+
+
+def _methods(service: str, table: Mapping[str, Iterable[str]]) -> dict[str, frozenset[str]]:
+    return {f"/asyncrl.v1.{service}/{m}": frozenset(roles) for m, roles in table.items()}
+
+
+POLICY: dict[str, frozenset[str]] = {
+    **_methods(
+        "Scheduler",
+        {
+            "SubmitExperiment": ["admin"],
+            "CancelExperiment": ["admin"],
+            "GetExperiment": _VIEW,
+            "ListExperiments": _VIEW,
+            "WatchExperiment": _VIEW,
+            "ListWorkers": _VIEW,
+            "RegisterWorker": _WORKERS,
+            "Heartbeat": _WORKERS,
+            "CommitWeights": ["trainer"],
+            "ReportDropped": ["trainer"],
+        },
+    ),
+    **_methods(
+        "Rollout",
+        {
+            "BindExperiment": ["scheduler"],
+            "GenerateGroup": ["scheduler"],
+            "UpdateWeights": ["scheduler"],
+            "GetStatus": ["scheduler", *_VIEW],
+        },
+    ),
+    **_methods(
+        "Reward",
+        {
+            "BindExperiment": ["rollout"],
+            "Score": ["rollout"],
+            "ListRewardFunctions": ["rollout", "scheduler", *_VIEW],
+        },
+    ),
+    **_methods(
+        "Trainer",
+        {
+            "StartExperiment": ["scheduler"],
+            "StopExperiment": ["scheduler"],
+            "CheckpointNow": ["scheduler", "admin"],
+            "GetStatus": ["scheduler", *_VIEW],
+        },
+    ),
+}
+"""Every asyncrl RPC and the roles that may call it. Beyond roles, the scheduler checks that a
+worker's calls come from the identity that registered it, and that `CommitWeights` /
+`ReportDropped` come from the trainer bound to that experiment."""
+
+
+def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
+    """The authentication interceptor for this process's servers (none when insecure)."""
+    return [] if insecure() else [AuthInterceptor(POLICY, TokenVerifier.load())]
