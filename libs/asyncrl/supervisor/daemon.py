@@ -33,9 +33,9 @@ from pathlib import Path
 
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import LocalNatsServer
-from asyncrl.security import WORKER_ROLES, write_token
 from asyncrl.net import free_port
 from asyncrl.proc import die_with_parent, kill_tree, pid_alive, signal_group
+from asyncrl.security import WORKER_ROLES, write_token
 from asyncrl.settings import settings
 
 SERVICES = ("scheduler", "reward", "rollout", "trainer")  # start order; stop is the reverse
