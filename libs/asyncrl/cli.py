@@ -34,6 +34,8 @@ from asyncrl.client import (
 )
 from asyncrl.ledger import fetch_report
 from asyncrl.natsutil import nats_url
+from asyncrl.security import AuthError
+from asyncrl.security_cli import app as secrets_app
 from asyncrl.spec import ExperimentSpec, SpecError, apply_overrides, validate_spec
 from asyncrl.v1 import common_pb2, scheduler_pb2
 
@@ -42,6 +44,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+app.add_typer(secrets_app, name="secrets")
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
@@ -106,6 +109,9 @@ def _run(coro):
         raise typer.Exit(2) from None
     except SpecError as e:
         err.print(f"[red]bad spec[/red]: {e}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    except AuthError as e:
+        err.print(f"[red]credentials[/red]: {e}", soft_wrap=True)
         raise typer.Exit(2) from None
     except (OSError, nats.errors.Error) as e:
         err.print(f"[red]error[/red]: {type(e).__name__}: {e}", soft_wrap=True)

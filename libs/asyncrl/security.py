@@ -48,7 +48,8 @@ WORKER_ROLES = ("trainer", "rollout", "reward")
 ROLES = ("admin", "viewer", "scheduler", *WORKER_ROLES)
 IDENTITIES = {name: name for name in ROLES}
 """The identities `ensure_secrets` makes a token for, each with the role of the same name."""
-NATS_USERS = ("scheduler", "trainer", "rollout", "reward", "admin", "viewer")
+NATS_USERS = ("scheduler", "trainer", "rollout", "admin", "viewer")
+"""NATS users (the reward service does not use NATS)."""
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 CERT_DAYS = 3650
 
@@ -64,7 +65,7 @@ def secrets_dir() -> Path:
     return settings().secrets_dir
 
 
-def _write(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes) -> None:
     """Write `data` to `path` readable by its owner only (created 0600, never world-readable)."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -129,8 +130,8 @@ def make_ca(directory: Path) -> None:
         )
         .sign(key, hashes.SHA256())
     )
-    _write(directory / "ca.key", _pem_key(key))
-    _write(directory / "ca.pem", cert.public_bytes(serialization.Encoding.PEM))
+    write_private(directory / "ca.key", _pem_key(key))
+    write_private(directory / "ca.pem", cert.public_bytes(serialization.Encoding.PEM))
 
 
 def issue_cert(
@@ -163,8 +164,8 @@ def issue_cert(
     )
     out = out or directory
     cert_path, key_path = out / f"{name}.pem", out / f"{name}.key"
-    _write(key_path, _pem_key(key))
-    _write(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+    write_private(key_path, _pem_key(key))
+    write_private(cert_path, cert.public_bytes(serialization.Encoding.PEM))
     return cert_path, key_path
 
 
@@ -186,14 +187,22 @@ def write_token(directory: Path, subject: str, role: str) -> Path:
     """Mint a token for `subject` and store it as tokens/<subject>.jwt (kept if it exists)."""
     path = directory / "tokens" / f"{subject}.jwt"
     if not path.exists():
-        _write(path, mint_token(directory, subject, role).encode())
+        write_private(path, mint_token(directory, subject, role).encode())
     return path
+
+
+def is_bundle(directory: Path) -> bool:
+    """A directory with a CA certificate but not its key: a host's bundle, which can verify
+    and present credentials but not issue them."""
+    return (directory / "ca.pem").exists() and not (directory / "ca.key").exists()
 
 
 def ensure_secrets(directory: Path | None = None, hosts: Iterable[str] = ()) -> Path:
     """Create whatever of the secrets directory is missing (CA, this host's certificate, the
     token key pair, a token per identity, NATS passwords); existing files are kept."""
     directory = Path(directory or secrets_dir())
+    if is_bundle(directory):
+        return directory  # another host's credentials (`asyncrl secrets bundle`): used as is
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(directory, 0o700)
     if not (directory / "ca.pem").exists():
@@ -203,17 +212,17 @@ def ensure_secrets(directory: Path | None = None, hosts: Iterable[str] = ()) -> 
         issue_cert(directory, [*LOOPBACK, *settings().tls_host_list, *hosts])
     if not (directory / "token.key").exists():
         key = ed25519.Ed25519PrivateKey.generate()
-        _write(directory / "token.key", _pem_key(key))
+        write_private(directory / "token.key", _pem_key(key))
         pub = key.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         )
-        _write(directory / "token.pub", pub)
+        write_private(directory / "token.pub", pub)
     for subject, role in IDENTITIES.items():
         write_token(directory, subject, role)
     for user in NATS_USERS:
         path = directory / "nats" / f"{user}.password"
         if not path.exists():
-            _write(path, pysecrets.token_urlsafe(24).encode())
+            write_private(path, pysecrets.token_urlsafe(24).encode())
     return directory
 
 
@@ -331,8 +340,8 @@ def _load_chain(ctx: ssl.SSLContext, cert: bytes, key: bytes) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         cert_path, key_path = Path(tmp) / "c.pem", Path(tmp) / "c.key"
-        _write(cert_path, cert)
-        _write(key_path, key)
+        write_private(cert_path, cert)
+        write_private(key_path, key)
         ctx.load_cert_chain(cert_path, key_path)
 
 

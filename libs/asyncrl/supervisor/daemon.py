@@ -35,7 +35,7 @@ from asyncrl.logging import get_logger
 from asyncrl.natsutil import LocalNatsServer
 from asyncrl.net import free_port
 from asyncrl.proc import die_with_parent, kill_tree, pid_alive, signal_group
-from asyncrl.security import WORKER_ROLES, write_token
+from asyncrl.security import WORKER_ROLES, is_bundle, write_token
 from asyncrl.settings import settings
 
 SERVICES = ("scheduler", "reward", "rollout", "trainer")  # start order; stop is the reverse
@@ -252,9 +252,10 @@ class Supervisor:
             ASYNCRL_REPLICA=str(index),
         )
         env.setdefault("ASYNCRL_WEIGHTS", str(var / "weights"))
-        if service in WORKER_ROLES and not settings().insecure:  # an identity per replica
+        secrets = settings().secrets_dir
+        if service in WORKER_ROLES and not settings().insecure and not is_bundle(secrets):
             name = f"{service}-{index}"
-            env["ASYNCRL_TOKEN_FILE"] = str(write_token(settings().secrets_dir, name, service))
+            env["ASYNCRL_TOKEN_FILE"] = str(write_token(secrets, name, service))  # own identity
         return env
 
     def spawn(self, r: Replica) -> None:

@@ -1,0 +1,101 @@
+"""`asyncrl secrets`: make the secrets directory, hand a host its credentials, mint a token.
+
+    asyncrl secrets init                          # what `make up` does: var/secrets, once
+    asyncrl secrets bundle 10.0.0.7 --services rollout,reward --out host-b/
+    asyncrl secrets token alice --role viewer --out alice.jwt
+
+A bundle is a secrets directory for another machine: the CA certificate, the token verification
+key, a certificate for that host, a token and the NATS password of each service it runs. It
+holds neither the CA key nor the token signing key, so that host can serve and call but can
+neither issue certificates nor mint tokens. Copy it there (e.g. `scp -r`) and point the
+services at it with `ASYNCRL_SECRETS=host-b/`. Nothing here prints a secret.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from asyncrl.security import (
+    LOOPBACK,
+    NATS_USERS,
+    ROLES,
+    ensure_secrets,
+    issue_cert,
+    mint_token,
+    secrets_dir,
+    write_private,
+)
+
+app = typer.Typer(help="Credentials: the local CA, certificates, tokens, NATS users.")
+out = Console(highlight=False)
+
+DirOpt = Annotated[
+    Path | None, typer.Option("--dir", help="Secrets directory (default ASYNCRL_SECRETS).")
+]
+
+
+def _source(directory: Path | None) -> Path:
+    directory = Path(directory or secrets_dir())
+    if not (directory / "ca.key").exists():
+        out.print(f"[red]no CA in {directory}[/red]: run `asyncrl secrets init` (or `make up`)")
+        raise typer.Exit(2)
+    return directory
+
+
+@app.command()
+def init(
+    directory: DirOpt = None,
+    host: Annotated[
+        list[str] | None, typer.Option(help="Extra name/IP for this host's certificate.")
+    ] = None,
+) -> None:
+    """Create the secrets directory (kept as it is where it exists)."""
+    made = ensure_secrets(directory, host or ())
+    out.print(f"secrets in {made} (files 0600); tokens: {', '.join(ROLES)}")
+
+
+@app.command()
+def bundle(
+    host: Annotated[list[str], typer.Argument(help="The host's names/IPs (certificate SAN).")],
+    services: Annotated[
+        str, typer.Option(help="Comma-separated services it runs (their tokens, NATS users).")
+    ],
+    out_dir: Annotated[Path, typer.Option("--out", help="Directory to write.")],
+    directory: DirOpt = None,
+) -> None:
+    """Write a secrets directory for another host: CA certificate, verification key, its own
+    certificate, and a token + NATS password per service (identity `<service>@<host>`)."""
+    source = _source(directory)
+    wanted = [s.strip() for s in services.split(",") if s.strip()]
+    unknown = sorted(set(wanted) - set(ROLES))
+    if unknown:
+        raise typer.BadParameter(f"unknown services {unknown}; choose from {list(ROLES)}")
+    out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for name in ("ca.pem", "token.pub"):
+        write_private(out_dir / name, (source / name).read_bytes())
+    issue_cert(source, [*host, *LOOPBACK], out=out_dir)
+    for service in wanted:
+        token = mint_token(source, f"{service}@{host[0]}", service)
+        write_private(out_dir / "tokens" / f"{service}.jwt", token.encode())
+        if service in NATS_USERS:
+            password = (source / "nats" / f"{service}.password").read_bytes()
+            write_private(out_dir / "nats" / f"{service}.password", password)
+    out.print(f"wrote {out_dir} for {', '.join(host)}: {', '.join(wanted)}")
+
+
+@app.command()
+def token(
+    name: Annotated[str, typer.Argument(help="The identity (token subject).")],
+    role: Annotated[str, typer.Option(help=f"One of {', '.join(ROLES)}.")],
+    out_file: Annotated[Path, typer.Option("--out", help="File to write (0600).")],
+    directory: DirOpt = None,
+) -> None:
+    """Mint a token for `name` with `role` into a file (hand it over as ASYNCRL_TOKEN_FILE)."""
+    if role not in ROLES:
+        raise typer.BadParameter(f"role: {role!r} is not one of {', '.join(ROLES)}")
+    write_private(out_file, mint_token(_source(directory), name, role).encode())
+    out.print(f"wrote a {role} token for {name} to {out_file}")
