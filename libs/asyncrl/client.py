@@ -18,8 +18,6 @@ import json
 from collections.abc import AsyncIterator
 
 import grpc
-import nats
-from nats.js.api import DeliverPolicy
 
 from asyncrl import natsutil
 from asyncrl.convert import group_from_bytes
@@ -180,8 +178,9 @@ async def read_groups(
 ) -> AsyncIterator[TrajectoryGroup]:
     """The experiment's trajectory groups from JetStream, oldest first, until caught up.
 
-    Uses an ephemeral ordered consumer (nothing is acked or left behind on the server). Eval
-    groups are skipped unless `include_eval`; `limit` caps how many groups are yielded.
+    Reads message by message (one STREAM.MSG.GET each, no consumer: readers may not create
+    consumers, see natsutil.NATS_PERMISSIONS). Eval groups are skipped unless `include_eval`;
+    `limit` caps how many groups are yielded.
     """
 
     async def quiet(exc: Exception) -> None:  # connection errors surface as the raised error
@@ -196,25 +195,14 @@ async def read_groups(
     try:
         js = nc.jetstream(timeout=timeout_s)
         subject = natsutil.experiment_subjects(experiment_id)
-        try:
-            info = await js.stream_info(natsutil.STREAM, subjects_filter=subject)
-        except nats.js.errors.NotFoundError:
-            return
-        if not sum((info.state.subjects or {}).values()):
-            return
-        sub = await js.subscribe(
-            subject, stream=natsutil.STREAM, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
-        )
         yielded = 0
-        while limit is None or yielded < limit:
-            msg = await sub.next_msg(timeout=timeout_s)
+        async for msg in natsutil.iter_stored(js, natsutil.STREAM, subject):
+            if limit is not None and yielded >= limit:
+                break
             group = group_from_bytes(msg.data)
             if include_eval or not group.eval:
                 yielded += 1
                 yield group
-            if msg.metadata.num_pending == 0:
-                break
-        await sub.unsubscribe()
     finally:
         await nc.close()
 

@@ -107,11 +107,16 @@ class ServiceRuntime:
         self.host = host
         self.grace_s = grace_s
         self.port = 0
-        self.worker_id = ""
+        self._agent: WorkerAgent | None = None
         self.metrics_port: int | None = None
         self.credentials = credentials(name)
         self._stack = AsyncExitStack()
         self._health: health.aio.HealthServicer | None = None
+
+    @property
+    def worker_id(self) -> str:
+        """This worker's id now (a new one after it re-registered with a restarted scheduler)."""
+        return (self._agent.worker_id or "") if self._agent else ""
 
     @property
     def address(self) -> str:
@@ -179,9 +184,10 @@ class ServiceRuntime:
             load=load,
             identity=self.name,
         )
-        self.worker_id = await agent.start()
+        self._agent = agent
+        worker_id = await agent.start()
         self.on_close(agent.stop)
-        return self.worker_id
+        return worker_id
 
     async def serve_metrics(self, port: int | None, *collectors: Collector) -> int | None:
         """Serve `collectors` at https://ASYNCRL_METRICS_HOST:port/metrics from this event loop

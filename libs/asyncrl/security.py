@@ -542,7 +542,7 @@ POLICY: dict[str, frozenset[str]] = {
     **_methods(
         "Reward",
         {
-            "BindExperiment": ["rollout"],
+            "BindExperiment": ["rollout", "scheduler"],
             "Score": ["rollout"],
             "ListRewardFunctions": ["rollout", "scheduler", *_VIEW],
         },
