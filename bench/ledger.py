@@ -22,7 +22,7 @@ NAME = "ledger"
 
 async def _publish(url: str, experiment_id: str, count: int, batch: int, ledger: bool) -> float:
     groups = make_groups(experiment_id, count, 8, 16)
-    nc = await connect(url)
+    nc = await connect(url, identity="scheduler")  # a trusted harness: creates the streams
     try:
         js = nc.jetstream()
         await ensure_stream(js)

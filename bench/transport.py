@@ -53,7 +53,7 @@ def make_groups(experiment_id: str, count: int, n: int, out_len: int) -> list[Tr
 
 async def _round_trip(url: str, experiment_id: str, groups, batch: int) -> float:
     """Publish every group, then pull them all back; the wall time of both."""
-    nc = await connect(url)
+    nc = await connect(url, identity="scheduler")  # creates the stream, publishes, consumes
     try:
         js = nc.jetstream()
         await ensure_stream(js)

@@ -11,17 +11,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats
-from nats.js.api import (
-    AckPolicy,
-    ConsumerConfig,
-    DeliverPolicy,
-    RetentionPolicy,
-    StorageType,
-    StreamConfig,
-)
+from nats.js.api import RawStreamMsg, RetentionPolicy, StorageType, StreamConfig
 
 from asyncrl.convert import group_to_bytes
 from asyncrl.net import free_port
@@ -67,55 +61,76 @@ def nats_server_binary() -> str:
     return found
 
 
-TRAJ_API = [f"$JS.API.STREAM.INFO.{STREAM}", f"$JS.API.STREAM.CREATE.{STREAM}"]
-LEDGER_API = ["$JS.API.STREAM.INFO.ASYNCRL_LEDGER", "$JS.API.STREAM.CREATE.ASYNCRL_LEDGER"]
+LEDGER_STREAM = "ASYNCRL_LEDGER"
+"""The ledger's stream (asyncrl.ledger appends to it; named here for the NATS permissions)."""
+INBOX_ROOT = "_INBOX"
 
 
-def _consume(stream: str) -> list[str]:
-    """Create, look up, pull from and ack consumers of `stream` (not delete the stream)."""
-    return [
-        f"$JS.API.CONSUMER.*.{stream}",
-        f"$JS.API.CONSUMER.*.{stream}.>",
-        f"$JS.API.CONSUMER.*.*.{stream}.>",
-        f"$JS.ACK.{stream}.>",
-    ]
+def inbox_prefix(user: str) -> str:
+    """Where `user`'s replies come: its own inboxes, so no other user can subscribe to them
+    (a reply to the scheduler's KV reads carries the bucket's content)."""
+    return f"{INBOX_ROOT}.{user}"
+
+
+def _create(stream: str) -> list[str]:
+    """Look up `stream` and create it when missing (a create never changes a stream that exists
+    with another configuration: the server refuses it)."""
+    return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}"]
 
 
 def _read(stream: str) -> list[str]:
-    """Look at `stream` through ephemeral consumers (no ack, no delete)."""
+    """Read `stream` message by message (STREAM.MSG.GET), through no consumer: creating one is
+    a write (a create with the name of an existing consumer rewrites its configuration)."""
+    return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}"]
+
+
+def _consume(stream: str) -> list[str]:
+    """Create, look up, pull from, ack and delete consumers of `stream`, durable and ephemeral
+    (ordered) ones; not the stream's messages or configuration."""
+    api = "$JS.API.CONSUMER"
     return [
-        f"$JS.API.STREAM.INFO.{stream}",
-        f"$JS.API.CONSUMER.CREATE.{stream}",
-        f"$JS.API.CONSUMER.CREATE.{stream}.>",
-        f"$JS.API.CONSUMER.INFO.{stream}.>",
-        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>",
-        "$JS.FC.>",
+        f"{api}.CREATE.{stream}",
+        f"{api}.CREATE.{stream}.>",
+        f"{api}.DELETE.{stream}.*",
+        f"{api}.INFO.{stream}.*",
+        f"{api}.MSG.NEXT.{stream}.*",
+        f"$JS.ACK.{stream}.>",
+        f"$JS.FC.{stream}.>",
     ]
 
 
-_READ_ONLY = [
-    "$JS.API.INFO",
-    *_read(STREAM),
-    *_read("ASYNCRL_LEDGER"),
-    *_read("ASYNCRL_SCHED_HISTORY"),
-]
-NATS_PERMISSIONS: dict[str, list[str]] = {
-    "scheduler": [">"],
-    "trainer": [
-        "$JS.API.INFO",
-        *TRAJ_API,
-        *LEDGER_API,
-        *_consume(STREAM),
-        f"{DEAD_ROOT}.>",
-        "asyncrl.ledger.>",
-    ],
-    "rollout": ["$JS.API.INFO", *TRAJ_API, f"{SUBJECT_ROOT}.>"],
-    "admin": _READ_ONLY,
-    "viewer": _READ_ONLY,
+NATS_PERMISSIONS: dict[str, dict[str, list[str]]] = {
+    "scheduler": {"publish": [">"], "subscribe": [f"{inbox_prefix('scheduler')}.>"]},
+    "trainer": {
+        "publish": [
+            *_create(STREAM),
+            *_consume(STREAM),
+            f"$JS.API.STREAM.INFO.{LEDGER_STREAM}",
+            f"{DEAD_ROOT}.>",
+            "asyncrl.ledger.>",
+        ],
+        # nats-py's pull subscriptions deliver to `_INBOX.<nuid>`, whatever the connection's
+        # inbox prefix: the trainer's durable consumer needs those too
+        "subscribe": [f"{inbox_prefix('trainer')}.>", f"{INBOX_ROOT}.*"],
+    },
+    "rollout": {
+        "publish": [*_create(STREAM), f"{SUBJECT_ROOT}.>"],
+        "subscribe": [f"{inbox_prefix('rollout')}.>"],
+    },
+    **{
+        user: {
+            "publish": [*_read(STREAM), *_read(LEDGER_STREAM)],
+            "subscribe": [f"{inbox_prefix(user)}.>"],
+        }
+        for user in ("admin", "viewer")
+    },
 }
-"""What each NATS user may publish (they all may subscribe to their own reply inboxes; the
-scheduler to everything). Only the scheduler may touch the KV bucket, the history stream or
-delete anything; only rollouts publish trajectories; only the trainer consumes and acks them."""
+"""What each NATS user may publish and subscribe to. The scheduler owns everything: the KV
+bucket, its history stream, creating the ledger stream, and it alone may update, purge or
+delete a stream. Rollouts publish trajectories (and create the trajectory stream if it is not
+there yet); the trainer consumes and acks them, manages its consumers, dead-letters and appends
+ledger events; admin and viewer (the CLI's `dump` and `ledger`) only read the trajectory and
+ledger streams. Everyone subscribes only to its own inboxes (`connect` sets the prefix)."""
 
 
 def nats_config(port: int, store_dir: Path, secrets: Path, host: str = "127.0.0.1") -> str:
@@ -124,17 +139,11 @@ def nats_config(port: int, store_dir: Path, secrets: Path, host: str = "127.0.0.
     import bcrypt
 
     users = []
-    for user, publish in NATS_PERMISSIONS.items():
+    for user, allowed in NATS_PERMISSIONS.items():
         password = (secrets / "nats" / f"{user}.password").read_bytes().strip()
         hashed = bcrypt.hashpw(password, bcrypt.gensalt(10, prefix=b"2a")).decode()
-        subscribe = [">"] if user == "scheduler" else ["_INBOX.>"]
-        users.append(
-            {
-                "user": user,
-                "password": hashed,
-                "permissions": {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}},
-            }
-        )
+        permissions = {verb: {"allow": subjects} for verb, subjects in allowed.items()}
+        users.append({"user": user, "password": hashed, "permissions": permissions})
     config = {
         "host": host,
         "port": port,
@@ -225,11 +234,14 @@ def nats_url() -> str:
 
 def connect_options(identity: str | None = None) -> dict:
     """`nats.connect` keyword arguments for `identity` (default ASYNCRL_IDENTITY): its NATS
-    user, password and TLS; nothing when ASYNCRL_INSECURE."""
+    user, password, TLS and inbox prefix (the user's own inboxes: NATS_PERMISSIONS lets it
+    subscribe to no others); nothing when ASYNCRL_INSECURE."""
     from asyncrl.security import credentials
 
     creds = credentials(identity or settings().identity)
-    return {} if creds is None else creds.nats_options()
+    if creds is None:
+        return {}
+    return {**creds.nats_options(), "inbox_prefix": inbox_prefix(creds.nats_user)}
 
 
 async def connect(url: str | None = None, identity: str | None = None, **options) -> nats.NATS:
@@ -293,21 +305,23 @@ async def ensure_file_stream(js, name: str, subjects: list[str]) -> None:
         )
 
 
-async def read_subject(js, stream: str, subject: str, batch: int = 1000) -> list[bytes]:
-    """Every message stored on `subject`, oldest first (an ephemeral pull consumer, no acks)."""
-    info = await js.stream_info(stream, subjects_filter=subject)
-    count = (info.state.subjects or {}).get(subject, 0)
-    if not count:
-        return []
-    config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE)
-    sub = await js.pull_subscribe(subject, stream=stream, config=config)
-    data: list[bytes] = []
-    try:
-        while len(data) < count:
-            msgs = await sub.fetch(min(batch, count - len(data)), timeout=5.0)
-            data.extend(m.data for m in msgs)
-            if msgs[-1].metadata.num_pending == 0:
-                break
-    finally:
-        await sub.unsubscribe()
-    return data
+async def iter_stored(
+    js, stream: str, subject: str, start_seq: int = 1
+) -> AsyncIterator[RawStreamMsg]:
+    """The messages stored on `subject` (wildcards allowed) from stream sequence `start_seq`,
+    oldest first, until the last one stored: one STREAM.MSG.GET request each, so reading needs
+    no consumer (the read-only users may create none; see NATS_PERMISSIONS)."""
+    seq = start_seq
+    while True:
+        try:
+            msg = await js.get_msg(stream, seq=seq, subject=subject, next=True)
+        except nats.js.errors.NotFoundError:  # nothing stored past `seq`, or no such stream
+            return
+        yield msg
+        seq = msg.seq + 1
+
+
+async def read_subject(js, stream: str, subject: str, batch: int = 0) -> list[bytes]:
+    """Every message stored on `subject`, oldest first (`iter_stored`; `batch` is unused, a
+    read goes message by message)."""
+    return [msg.data async for msg in iter_stored(js, stream, subject)]

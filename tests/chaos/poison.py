@@ -1,4 +1,6 @@
-"""Poison on an experiment's trajectory stream, published with a plain NATS client.
+"""Poison on an experiment's trajectory stream, published with a plain NATS client that holds
+the scheduler's credentials: the harness plays an attacker who has credentials, and the
+scheduler's may both read a stored group back and publish on the train subject.
 
 Four kinds, each built from a real group the rollout published (read back from the stream):
 garbage bytes, a group of a foreign experiment, a group whose arrays do not line up (logprobs
@@ -10,9 +12,7 @@ from __future__ import annotations
 
 import random
 
-import nats
-
-from asyncrl.natsutil import STREAM, train_subject
+from asyncrl.natsutil import STREAM, connect, train_subject
 from asyncrl.v1 import trajectory_pb2
 
 KINDS = ("garbage", "foreign", "misaligned", "replay")
@@ -48,7 +48,7 @@ def misaligned(group: trajectory_pb2.TrajectoryGroup) -> bytes:
 async def publish(nats_url: str, experiment_id: str, kind: str, rng: random.Random) -> str:
     """Publish one poison message of `kind` on the experiment's train subject; returns what was
     sent (for the run's record)."""
-    nc = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=5)
+    nc = await connect(nats_url, identity="scheduler", connect_timeout=5, max_reconnect_attempts=5)
     try:
         js = nc.jetstream(timeout=10)
         subject = train_subject(experiment_id)

@@ -7,7 +7,8 @@ next GenerateGroup is forwarded, the rollout generates and publishes the group, 
 is thrown away; the caller gets UNAVAILABLE, as if the connection died on the way back. The
 rollout binds the upstream address and advertises the listen one (its `--host`/`--port` with
 ASYNCRL_ADVERTISE_HOST), so the scheduler reaches it only through here. Each loss is printed
-as a JSON line {"event": "reply_dropped", "method", "t"}.
+as a JSON line {"event": "reply_dropped", "method", "t"}. Both legs are TLS with the run's
+certificate (plain under ASYNCRL_INSECURE); the caller's token goes on with the other metadata.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 import grpc
 
 from asyncrl.grpcutil import CHANNEL_OPTIONS
+from asyncrl.security import credentials
 
 LOSSY_METHOD = "/asyncrl.v1.Rollout/GenerateGroup"
 
@@ -63,11 +65,18 @@ class Forwarder(grpc.GenericRpcHandler):
 
 
 async def serve(listen: str, upstream: str) -> None:
-    channel = grpc.aio.insecure_channel(upstream, options=CHANNEL_OPTIONS)
-    forwarder = Forwarder(channel)
+    creds = credentials("scheduler")  # its files: the CA and this host's certificate
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    if creds is None:
+        channel = grpc.aio.insecure_channel(upstream, options=CHANNEL_OPTIONS)
+        server.add_insecure_port(listen)
+    else:  # TLS both ways; the caller's token travels on in the forwarded metadata
+        # the rollout's certificate names loopback, not the upstream's 127.0.0.2
+        options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", "localhost")]
+        channel = grpc.aio.secure_channel(upstream, creds.channel_credentials(False), options)
+        server.add_secure_port(listen, creds.server_credentials())
+    forwarder = Forwarder(channel)
     server.add_generic_rpc_handlers((forwarder,))
-    server.add_insecure_port(listen)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

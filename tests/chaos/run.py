@@ -79,6 +79,10 @@ class Run:
             k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_") and k != "NATS_URL"
         } | {"COLUMNS": "10000", "NATS_URL": NATS_URL, "ASYNCRL_SCHEDULER": SCHEDULER}
         self.env |= scenario.env
+        # the run's `make up` makes <var>/secrets; the CLI it runs and this process's own
+        # clients (the tracker, the poison) present the credentials found there
+        secrets = str((cfg.var / "secrets").resolve())
+        self.env["ASYNCRL_SECRETS"] = os.environ["ASYNCRL_SECRETS"] = secrets
         self.experiment_id = ""
         self.t0 = 0.0
         self.version = 0

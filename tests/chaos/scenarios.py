@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
+from asyncrl.security import ensure_secrets
+from asyncrl.settings import settings
 from tests.chaos import poison
 
 if TYPE_CHECKING:
@@ -84,6 +86,10 @@ async def stop_trainer(run: Run, rng: random.Random) -> None:
 
 
 def start_proxy(run: Run) -> None:
+    """The proxy serves TLS with the run's certificate: the secrets are made now (before `make
+    up`, which keeps them)."""
+    if not settings().insecure:
+        ensure_secrets()
     run.proxy = run.spawn_helper(
         "-m",
         "tests.chaos.proxy",

@@ -41,7 +41,7 @@ def group(exp: str, i: int, eval_: bool = False) -> TrajectoryGroup:
 
 
 async def publish(url: str, groups: list[TrajectoryGroup]) -> None:
-    nc = await connect(url)
+    nc = await connect(url, identity="rollout")  # the CLI reads as admin, read-only
     js = nc.jetstream()
     await ensure_stream(js)
     for g in groups:

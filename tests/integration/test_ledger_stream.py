@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-import nats
 from typer.testing import CliRunner
 
 from asyncrl.cli import app
 from asyncrl.ledger import Ledger, ensure_ledger, fetch_report, read_events
+from asyncrl.natsutil import connect
 
 
 async def _write_run(js) -> None:
@@ -38,7 +38,7 @@ async def test_ledger_round_trip_summarized(nats_server, js):
 
 def test_cli_ledger_json_prints_totals_and_rows(nats_server):
     async def write():
-        nc = await nats.connect(nats_server.url)
+        nc = await connect(nats_server.url, identity="scheduler")
         await _write_run(nc.jetstream())
         await nc.close()
 

@@ -9,6 +9,7 @@ the last one stops it. The module fixture stops it again and kills leftovers wha
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ import urllib.request
 from pathlib import Path
 from subprocess import PIPE
 
+import jwt
 import psutil
 import pytest
 from typer.testing import CliRunner
@@ -25,8 +27,10 @@ from typer.testing import CliRunner
 from asyncrl.cli import app as cli_app
 from asyncrl.net import free_port
 from asyncrl.proc import kill_tree
+from asyncrl.security import Credentials
 from asyncrl.supervisor import Paths, pid_alive, port_in_use
 from asyncrl.supervisor.commands import app as sup_app
+from asyncrl.supervisor.commands import use_secrets
 from tests.cluster import Cluster, wait_for
 
 SERVICES = "scheduler,reward"
@@ -78,8 +82,9 @@ def test_ps_metrics_base_scheduler_gets_base_port_and_serves_it(cluster):
     assert ports == {"nats": None, "scheduler": cluster.metrics_port, "reward": None}
     table = cluster.sup("ps").stdout
     assert "metrics" in table and str(cluster.metrics_port) in table
-    url = f"http://127.0.0.1:{cluster.metrics_port}/metrics"
-    text = wait_for(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+    url = f"https://127.0.0.1:{cluster.metrics_port}/metrics"  # TLS, with the cluster's CA
+    tls = Credentials.load("viewer").client_ssl_context()
+    text = wait_for(lambda: urllib.request.urlopen(url, timeout=5, context=tls).read().decode())
     assert 'asyncrl_scheduler_workers{kind="reward"}' in text
 
 
@@ -134,6 +139,39 @@ def test_scale_reward_2_then_1_workers_follow(cluster):
     assert [p["pid"] for p in cluster.procs("reward")] == [survivor["pid"]]
     wait_for(lambda: not pid_alive(newest["pid"]), timeout=20)
     wait_for(lambda: len(cluster.reward_workers()) == 1)
+
+
+def _secret_values(secrets: Path) -> list[str]:
+    """Every secret in the directory: NATS passwords, tokens, and the private keys' PEM bodies."""
+    values = [f.read_text().strip() for f in (secrets / "nats").glob("*.password")]
+    values += [f.read_text().strip() for f in (secrets / "tokens").glob("*.jwt")]
+    for key in secrets.glob("*.key"):
+        values += [line for line in key.read_text().splitlines() if "-----" not in line]
+    return values
+
+
+def test_ps_logs_state_and_process_args_show_no_secret_replica_has_own_token(cluster):
+    secrets = Path(os.environ["ASYNCRL_SECRETS"])
+    state = cluster.state()
+    shown = {
+        "ps": cluster.sup("ps").stdout,
+        "ps --json": cluster.sup("ps", "--json").stdout,
+        "logs": cluster.sup("logs", "--lines", "1000").stdout,
+        "state.json": (cluster.var / "run" / "state.json").read_text(),
+    }
+    for p in state["processes"]:
+        proc = psutil.Process(p["pid"])
+        shown[f"{p['service']} argv"] = " ".join(proc.cmdline())
+        shown[f"{p['service']} environment"] = json.dumps(proc.environ())
+    values = _secret_values(secrets)
+    assert len(values) >= 10
+    leaks = [(where, v[:6]) for where, text in shown.items() for v in values if v in text]
+    assert leaks == []
+    reward = psutil.Process(cluster.procs("reward")[0]["pid"]).environ()
+    token_file = Path(reward["ASYNCRL_TOKEN_FILE"])
+    assert token_file == secrets / "tokens" / "reward-0.jwt"
+    claims = jwt.decode(token_file.read_text(), options={"verify_signature": False})
+    assert (claims["sub"], claims["role"]) == ("reward-0", "reward")
 
 
 def test_scale_scheduler_refused(cluster):
@@ -248,3 +286,16 @@ def test_start_env_sets_port_defaults_flag_wins(tmp_path, monkeypatch):
     assert result.exit_code == 1, result.output
     assert f"port {port} (scheduler) is already in use" in result.output
     assert not (tmp_path / "run").exists()  # refused before anything was started
+
+
+def test_start_without_asyncrl_secrets_uses_var_secrets_for_itself_and_daemon(
+    tmp_path, monkeypatch
+):
+    """`start --var X` makes X/secrets and points ASYNCRL_SECRETS there, so its own readiness
+    checks and the daemon's services present the credentials of this cluster."""
+    monkeypatch.delenv("ASYNCRL_SECRETS")
+    use_secrets(tmp_path / "var")
+    secrets = tmp_path / "var" / "secrets"
+    assert os.environ["ASYNCRL_SECRETS"] == str(secrets.resolve())
+    assert (secrets / "ca.pem").exists() and (secrets / "tokens" / "admin.jwt").exists()
+    assert oct(secrets.stat().st_mode & 0o777) == "0o700"

@@ -1,7 +1,9 @@
 """`python -m asyncrl.supervisor start|stop|ps|logs|scale` (behind make up/down/ps/logs/scale).
 
-`start` launches the daemon (`run`) in its own session and returns once nats answers, the
-scheduler is healthy and ListWorkers shows a worker of every started kind. The daemon starts
+`start` makes the secrets once (`<var>/secrets`, or ASYNCRL_SECRETS: the CA, certificates,
+tokens, NATS users; see asyncrl.security), launches the daemon (`run`) in its own session and
+returns once nats answers, the scheduler is healthy and ListWorkers shows a worker of every
+started kind. The daemon starts
 nats-server (`-js -sd var/nats`), then the scheduler, reward, rollout and trainer, each with
 stdout+stderr in var/log/<service>-<replica>.log; restarts what crashes (with backoff); follows
 var/run/replicas.json (written by `scale`); records var/run/state.json (for `ps`); and on
@@ -196,10 +198,6 @@ def _launch_daemon(launch: Launch) -> subprocess.Popen:
         d.mkdir(parents=True, exist_ok=True)
     paths.state.unlink(missing_ok=True)
     write_json(paths.replicas, {s: 1 for s in launch.services})
-    env = dict(os.environ)
-    if not settings().insecure:  # the CA, certificates, tokens and NATS users: made once
-        secrets = ensure_secrets(settings().secrets or launch.var / "secrets")
-        env["ASYNCRL_SECRETS"] = str(secrets.resolve())
     with open(paths.supervisor_log, "ab") as logf:
         return subprocess.Popen(
             launch.daemon_command(),
@@ -207,8 +205,16 @@ def _launch_daemon(launch: Launch) -> subprocess.Popen:
             stdout=logf,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env=env,
         )
+
+
+def use_secrets(var: Path) -> None:
+    """Make whatever is missing of the secrets (the CA, certificates, tokens and NATS users:
+    made once, reused) and point this process and the daemon it starts at them through
+    ASYNCRL_SECRETS: `<var>/secrets` unless ASYNCRL_SECRETS names another directory."""
+    if not settings().insecure:
+        secrets = ensure_secrets(settings().secrets or var / "secrets")
+        os.environ["ASYNCRL_SECRETS"] = str(secrets.resolve())
 
 
 def _wait_healthy(daemon: subprocess.Popen, launch: Launch, timeout: float) -> list[str]:
@@ -295,6 +301,7 @@ def start(
         )
         return
     _check_ports_free(launch)
+    use_secrets(var)  # the readiness checks below present the admin's credentials too
     daemon = _launch_daemon(launch)
     missing = _wait_healthy(daemon, launch, timeout)
     if missing:
