@@ -449,16 +449,19 @@ class TrainerService:
         return path
 
     async def _commit(self, uri: str, m: StepMetrics) -> scheduler_pb2.CommitWeightsResponse:
-        """CommitWeights is idempotent per (experiment, version): safe to retry."""
-        req = scheduler_pb2.CommitWeightsRequest(
-            experiment_id=self.experiment_id,
-            version=m.version,
-            uri=uri,
-            metrics=m.to_proto(),
-            trainer_id=self.worker_id,
-        )
+        """CommitWeights is idempotent per (experiment, version): safe to retry. Each attempt
+        carries this trainer's worker id as of then (a new one once it re-registered with a
+        restarted scheduler, which answers UNAVAILABLE to an id it no longer knows)."""
+        metrics = m.to_proto()
         async for attempt in idempotent_rpc(attempts=30, max_delay_s=SCHEDULER_RETRY_S):
             with attempt:
+                req = scheduler_pb2.CommitWeightsRequest(
+                    experiment_id=self.experiment_id,
+                    version=m.version,
+                    uri=uri,
+                    metrics=metrics,
+                    trainer_id=self.worker_id,
+                )
                 return await self.scheduler.CommitWeights(req, timeout=COMMIT_TIMEOUT_S)
 
     async def _commit_and_send(
