@@ -1,5 +1,5 @@
 """Prometheus metrics: a real scheduler (nats-server + gRPC on port 0) with its metrics served
-over HTTP on port 0, scraped with a plain HTTP GET."""
+over HTTPS on port 0, scraped with an HTTPS GET that trusts the session's CA (as a viewer)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.grpcutil import channel
 from asyncrl.metrics import MetricsServer
+from asyncrl.security import Credentials
 from asyncrl.types import EvalResult, StepMetrics
 from asyncrl.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.rollout.server import RolloutCollector
@@ -46,7 +47,9 @@ def spec_json(tmp_path):
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
     """GET /metrics -> {(sample name, sorted labels): value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+    tls = Credentials.load("viewer").client_ssl_context()
+    url = f"https://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=5, context=tls) as resp:
         text = resp.read().decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -58,11 +61,12 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 async def test_scheduler_metrics_scrape_shows_experiment_and_workers(nats_server, spec_json):
     runtime, scheduler = await create_scheduler(nats_server.url, metrics_port=0)
     metrics_port = runtime.metrics_port
-    ch = channel(f"127.0.0.1:{runtime.port}")
+    ch = channel(f"127.0.0.1:{runtime.port}")  # the CLI's admin
+    worker_ch = channel(f"127.0.0.1:{runtime.port}", "reward")
     try:
         assert metrics_port > 0
         stub = scheduler_pb2_grpc.SchedulerStub(ch)
-        await stub.RegisterWorker(
+        await scheduler_pb2_grpc.SchedulerStub(worker_ch).RegisterWorker(
             scheduler_pb2.RegisterWorkerRequest(
                 kind=common_pb2.WORKER_KIND_REWARD, address="127.0.0.1:1", capacity=4
             ),
@@ -89,6 +93,7 @@ async def test_scheduler_metrics_scrape_shows_experiment_and_workers(nats_server
         assert ("asyncrl_scheduler_rollout_tokens_per_s", e) in got
     finally:
         await ch.close()
+        await worker_ch.close()
         await runtime.close()
 
 
@@ -109,7 +114,8 @@ async def test_worker_collectors_one_registry_each_report_live_state_without_con
         MetricsServer(TrainerCollector(trainer)),
         MetricsServer(RolloutCollector(RolloutService(TorchEngine(seed=0), js=None))),
     ]
-    port, port2, _ = [await server.start(0) for server in servers]
+    tls = Credentials.load("rollout").server_ssl_context()
+    port, port2, _ = [await server.start(0, ssl_context=tls) for server in servers]
     try:
         e = (("experiment", "exp-1"),)
         got = await asyncio.to_thread(scrape, port)

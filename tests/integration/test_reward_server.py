@@ -21,7 +21,7 @@ FAILED = common_pb2.REWARD_STATUS_FAILED
 async def reward():
     runtime, _ = await create_reward(port=0, workers=2, register=False)
     address = f"127.0.0.1:{runtime.port}"
-    async with channel(address) as ch:
+    async with channel(address, "rollout") as ch:
         yield address, reward_pb2_grpc.RewardStub(ch)
     await runtime.close()
 

@@ -57,7 +57,7 @@ async def rollout(nats_server, models):
     runtime, service = await create_rollout(
         nats_server.url, TorchEngine(seed=0), port=0, register=False
     )
-    async with channel(f"127.0.0.1:{runtime.port}") as ch:
+    async with channel(f"127.0.0.1:{runtime.port}", "scheduler") as ch:
         stub = rollout_pb2_grpc.RolloutStub(ch)
         await _serve(stub, models, EXP)
         yield stub, service

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.convert import group_to_bytes
 from asyncrl.grpcutil import channel
+from asyncrl.ledger import ensure_ledger
 from asyncrl.natsutil import (
     STREAM,
     dead_subject,
@@ -83,7 +84,10 @@ class RecordingScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
 
 @pytest.fixture
-async def scheduler():
+async def scheduler(js):
+    """The recording scheduler, serving; like the real one it creates the ledger stream (the
+    trainer's NATS user may append to it but not create it)."""
+    await ensure_ledger(js)
     servicer = RecordingScheduler()
     runtime = ServiceRuntime("fake-scheduler", grace_s=0)
     port = await runtime.serve(
@@ -106,7 +110,7 @@ async def start_trainer(nats_server, scheduler, tmp_path):
             var_dir=tmp_path / "var",
             weights_dir=tmp_path / "weights",
         )
-        ch = channel(f"127.0.0.1:{runtime.port}")
+        ch = channel(f"127.0.0.1:{runtime.port}", "scheduler")
         started.append((runtime, service, ch))
         return service, trainer_pb2_grpc.TrainerStub(ch)
 
@@ -557,7 +561,7 @@ async def test_trainer_service_under_torchrun_tp2_trains_commits_and_stops_clean
         await wait_until(lambda: scheduler.workers or proc.poll() is not None, timeout=120)
         assert proc.poll() is None, log_path.read_text()[-3000:]
         spec = _spec(tiny[0], backend="megatron", tp_size=2)
-        async with channel(f"127.0.0.1:{port}") as ch:
+        async with channel(f"127.0.0.1:{port}", "scheduler") as ch:
             stub = trainer_pb2_grpc.TrainerStub(ch)
             await stub.StartExperiment(
                 trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=spec), timeout=120

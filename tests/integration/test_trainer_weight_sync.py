@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import aiohttp
 
+from asyncrl.ledger import ensure_ledger
 from asyncrl.natsutil import publish_group, wait_until
 from asyncrl.net import free_port
 from asyncrl.runtime import ServiceRuntime
@@ -60,6 +61,7 @@ async def test_trainer_weight_sync_nccl_over_gloo_engine_serves_committed_weight
             )
         )
         await engine.start()
+        await ensure_ledger(js)  # as the real scheduler does (the trainer may not create it)
         scheduler = UpdatingScheduler(engine)
         sched_rt = ServiceRuntime("fake-scheduler", grace_s=0)
         sched_port = await sched_rt.serve(
