@@ -474,9 +474,12 @@ def _denied(handler, code: grpc.StatusCode, message: str):
         await context.abort(code, message)
         yield  # pragma: no cover - makes this an async generator
 
-    return grpc.unary_stream_rpc_method_handler(
-        stream, handler.request_deserializer, handler.response_serializer
+    make = (  # reflection is the one bidirectional stream
+        grpc.stream_stream_rpc_method_handler
+        if handler.stream_stream is not None
+        else grpc.unary_stream_rpc_method_handler
     )
+    return make(stream, handler.request_deserializer, handler.response_serializer)
 
 
 def _as(principal: Principal, handler):
