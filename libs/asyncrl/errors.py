@@ -1,7 +1,8 @@
 """The domain exceptions every service raises, and the one mapping from them to gRPC status
 codes (applied by `asyncrl.runtime.ErrorInterceptor`, once per process).
 
-Only `BadRequest` (and its kin `SpecError`) blames the caller with INVALID_ARGUMENT. Any other
+Only `BadRequest` (and its kin `SpecError`) blames the caller with INVALID_ARGUMENT, and
+`PermissionDenied` refuses an authenticated caller the entity it asked about. Any other
 exception is a bug or an outage on our side: INTERNAL, with an id that the service's log
 carries next to the traceback.
 """
@@ -32,10 +33,21 @@ class Conflict(RuntimeError):
     """The request contradicts the current state (e.g. wrong experiment bound)."""
 
 
+class PermissionDenied(Exception):
+    """The caller is authenticated and its role may make this call, but not for this entity
+    (e.g. a trainer committing weights for an experiment it is not bound to)."""
+
+
+class Unavailable(Exception):
+    """Not now, maybe soon: the caller retries (UNAVAILABLE is what `asyncrl.retry` retries)."""
+
+
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (Conflict, grpc.StatusCode.FAILED_PRECONDITION),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 

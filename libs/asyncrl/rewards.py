@@ -23,6 +23,8 @@ from asyncrl.errors import SpecError
 RewardFn = Callable[..., float]
 
 PLUGIN_PREFIX = "plugin:"
+MODULE_ATTR = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+"""`dotted.module.path:attribute`, identifiers only: how a plugin is named."""
 
 
 def parse_bool(name: str, value: str) -> bool:
@@ -200,9 +202,26 @@ def resolve(name: str) -> RewardFn:
 
 
 def validate_reward_function(name: str, kwargs: dict[str, str] | None = None) -> None:
-    """Raise SpecError unless `name` resolves; with `kwargs`, also check the built-ins' kwargs
-    (regex needs a valid `pattern`; booleans and numbers must parse)."""
+    """Raise SpecError unless `name` resolves (a plugin is imported); with `kwargs`, also check
+    the built-ins' kwargs (regex needs a valid `pattern`; booleans and numbers must parse).
+    For the worker that runs the function; the control plane uses `check_reward_function`."""
     resolve(name)
+    _check_kwargs_or_raise(name, kwargs)
+
+
+def check_reward_function(name: str, kwargs: dict[str, str] | None = None) -> None:
+    """Check `name` without importing anything: a built-in (and its `kwargs`), or
+    `plugin:<module.path>:<fn>` by syntax only; SpecError naming the field otherwise. The
+    reward worker imports a plugin when the experiment binds there, and refuses it then."""
+    if name in REWARD_FUNCTIONS:
+        _check_kwargs_or_raise(name, kwargs)
+        return
+    plugin = name.removeprefix(PLUGIN_PREFIX)
+    if plugin == name or not MODULE_ATTR.fullmatch(plugin):
+        raise _unknown(name, "a plugin is named plugin:<module.path>:<fn>")
+
+
+def _check_kwargs_or_raise(name: str, kwargs: dict[str, str] | None) -> None:
     if kwargs is None:
         return
     try:

@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+from asyncrl.rewards import MODULE_ATTR
 from asyncrl.spec import SamplingParams
 from asyncrl.types import Completion, RewardStatus, Sample, Score
 
@@ -282,6 +283,18 @@ def resolve_workflow(name: str) -> type[Workflow]:
     if not (isinstance(cls, type) and issubclass(cls, Workflow)):
         raise ValueError(f"workflow {name!r} is not a subclass of asyncrl.workflow.Workflow")
     return cls
+
+
+def check_workflow(name: str, args: dict[str, Any]) -> None:
+    """Check a workflow without importing user code: a built-in is constructed with `args`; a
+    plugin is checked by name only (`module.path:Class`), the rollout loads it when the
+    experiment binds there. ValueError saying what is wrong."""
+    if name in BUILTIN:
+        make_workflow(name, args)
+    elif not MODULE_ATTR.fullmatch(name):
+        raise ValueError(
+            f"unknown workflow {name!r}: use one of {sorted(BUILTIN)} or 'module.path:Class'"
+        )
 
 
 def make_workflow(name: str, args: dict[str, Any]) -> Workflow:

@@ -1,6 +1,7 @@
 """The calls an experiment runner makes to its workers, each with a deadline: BindExperiment
-(the spec, once per binding), GenerateGroup requests, UpdateWeights (and the set of rollouts
-that serve the fleet version), and the trainer's StartExperiment / StopExperiment."""
+(the spec, once per binding, to rollouts and reward workers), GenerateGroup requests,
+UpdateWeights (and the set of rollouts that serve the fleet version), and the trainer's
+StartExperiment / StopExperiment."""
 
 from __future__ import annotations
 
@@ -11,11 +12,37 @@ from dataclasses import dataclass
 import grpc
 
 from asyncrl.spec import ExperimentSpec, spec_to_json
-from asyncrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from asyncrl.v1 import (
+    common_pb2,
+    reward_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
 from services.scheduler.context import ChannelPool
 from services.scheduler.dataset import Prompt, Ticket
 from services.scheduler.evaluation import EvalRound
 from services.scheduler.registry import Worker
+
+
+class BindRefused(Exception):
+    """A worker refused the experiment itself: INVALID_ARGUMENT to BindExperiment (it cannot
+    load a plugin the spec names, say). `details` is the worker's message."""
+
+    def __init__(self, details: str):
+        super().__init__(f"refused the experiment: {details}")
+        self.details = details
+
+
+async def _bind(call, request: common_pb2.BindExperimentRequest, timeout: float) -> None:
+    """BindExperiment; INVALID_ARGUMENT becomes BindRefused, other errors stay AioRpcError."""
+    try:
+        await call(request, timeout=timeout)
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            raise BindRefused(e.details() or "invalid argument") from e
+        raise
 
 
 @dataclass
@@ -69,13 +96,22 @@ class WorkerCalls:
     def eval_group_id(self, eval_round: EvalRound, prompt: Prompt, attempt: int) -> str:
         return f"{self.experiment_id}-eval-v{eval_round.version}-p{prompt.index}-a{attempt}"
 
-    async def bind(self, worker: Worker, timeout: float) -> None:
-        """Send a rollout the experiment's spec: once per binding, before its weights."""
-        stub = rollout_pb2_grpc.RolloutStub(self.channels.get(worker.address))
-        request = common_pb2.BindExperimentRequest(
+    def _bind_request(self) -> common_pb2.BindExperimentRequest:
+        return common_pb2.BindExperimentRequest(
             experiment_id=self.experiment_id, spec_json=self.spec_json
         )
-        await stub.BindExperiment(request, timeout=timeout)
+
+    async def bind(self, worker: Worker, timeout: float) -> None:
+        """Send a rollout the experiment's spec: once per binding, before its weights.
+        Raises BindRefused if the rollout refuses it (e.g. cannot load the workflow)."""
+        stub = rollout_pb2_grpc.RolloutStub(self.channels.get(worker.address))
+        await _bind(stub.BindExperiment, self._bind_request(), timeout)
+
+    async def bind_reward(self, address: str, timeout: float) -> None:
+        """Send a reward worker the experiment's spec: it loads the reward function now.
+        Raises BindRefused if it cannot."""
+        stub = reward_pb2_grpc.RewardStub(self.channels.get(address))
+        await _bind(stub.BindExperiment, self._bind_request(), timeout)
 
     async def generate_group(
         self, worker: Worker, request: rollout_pb2.GenerateGroupRequest
@@ -123,7 +159,8 @@ class FleetWeights:
         self, worker: Worker, still_bound: Callable[[], bool], timeout: float
     ) -> int | None:
         """Load the fleet's weights into `worker` (again if a commit lands meanwhile); returns
-        the version, or None if it was unbound meanwhile. Raises AioRpcError on failure."""
+        the version, or None if it was unbound meanwhile. Raises BindRefused if the worker
+        refuses the experiment, AioRpcError on any other failure."""
         await self.calls.bind(worker, timeout)
         while True:
             version, uri = self.fleet()

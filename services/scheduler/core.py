@@ -17,14 +17,15 @@ import time
 
 import grpc
 
-from asyncrl.errors import BadRequest, NotFound
+from asyncrl.errors import BadRequest, NotFound, PermissionDenied
 from asyncrl.ledger import ensure_ledger
 from asyncrl.logging import get_logger
-from asyncrl.rewards import validate_reward_function
+from asyncrl.rewards import check_reward_function
+from asyncrl.security import Principal
 from asyncrl.spec import ExperimentSpec, SpecError, check_files, spec_from_json, validate_spec
 from asyncrl.types import StepMetrics, TrainerState
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
-from asyncrl.workflow import make_workflow
+from asyncrl.workflow import check_workflow
 from services.scheduler.context import ChannelPool, RunnerContext, SchedulerConfig
 from services.scheduler.dataset import Prompt, load_prompts
 from services.scheduler.experiments import ExperimentRunner
@@ -135,14 +136,17 @@ class Scheduler:
     # ---- experiments -------------------------------------------------------------------------
 
     async def submit(self, spec_json: str) -> ExperimentRunner:
-        """Validate (SpecError names the field), persist, and start waiting for workers."""
+        """Validate (SpecError names the field), persist, and start waiting for workers.
+
+        No user code runs here: a plugin (workflow, reward function) is checked by name only;
+        the workers that run it load it when the experiment binds, and a refusal fails it."""
         spec = spec_from_json(spec_json)  # first: a too long field is named
         if len(spec_json) > MAX_SPEC_BYTES:
             raise BadRequest("spec_json", f"{len(spec_json)} bytes, at most {MAX_SPEC_BYTES}")
         check_files(spec)
-        validate_reward_function(spec.reward.function, spec.reward.kwargs)
+        check_reward_function(spec.reward.function, spec.reward.kwargs)
         try:
-            make_workflow(spec.rollout.workflow.name, spec.rollout.workflow.args)
+            check_workflow(spec.rollout.workflow.name, spec.rollout.workflow.args)
         except ValueError as e:
             raise SpecError("rollout.workflow", str(e)) from None
         prompts, eval_prompts = await asyncio.to_thread(load_datasets, spec)
@@ -191,27 +195,65 @@ class Scheduler:
         return runner
 
     async def commit(
-        self, experiment_id: str, version: int, uri: str, metrics: StepMetrics, trainer_id: str = ""
+        self,
+        experiment_id: str,
+        version: int,
+        uri: str,
+        metrics: StepMetrics,
+        trainer_id: str = "",
+        caller: Principal | None = None,
     ) -> CommitResult:
+        """Only the experiment's trainer may commit (PermissionDenied otherwise)."""
+        runner = self.get(experiment_id)
+        await runner.authorize_trainer(caller, trainer_id)
         if not uri:
             raise BadRequest("uri", "required")
-        return await self.get(experiment_id).commit(version, uri, metrics, trainer_id)
+        return await runner.commit(version, uri, metrics)
 
-    def report_dropped(self, experiment_id: str, group_ids: list[str]) -> int:
-        return self.get(experiment_id).report_dropped(group_ids)
+    async def report_dropped(
+        self, experiment_id: str, group_ids: list[str], caller: Principal | None = None
+    ) -> int:
+        """Only the experiment's trainer may report (PermissionDenied otherwise), and only
+        groups the scheduler dispatched for it (BadRequest naming `groups` otherwise)."""
+        runner = self.get(experiment_id)
+        await runner.authorize_trainer(caller, "")
+        return runner.report_dropped(group_ids)
 
     # ---- workers -----------------------------------------------------------------------------
 
-    def register(self, kind: WorkerKind, address: str, name: str, capacity: int) -> Worker:
+    def register(
+        self,
+        kind: WorkerKind,
+        address: str,
+        name: str,
+        capacity: int,
+        caller: Principal | None = None,
+    ) -> Worker:
+        """A worker registers itself: the caller's role must be the kind it registers, and an
+        address a live worker holds is taken again only by the identity that registered it."""
         if not address:
             raise BadRequest("address", "required (host:port of the worker's gRPC server)")
-        worker, is_new = self.registry.register(kind, address, name, capacity)
+        if caller is not None:
+            if caller.role != kind.value:
+                raise PermissionDenied(
+                    f"kind: {caller.subject} (role {caller.role}) may not register a"
+                    f" {kind.value} worker"
+                )
+            held = self.registry.at(kind, address)
+            if held is not None and held.principal != caller.subject:
+                raise PermissionDenied(
+                    f"address: {address} is held by {held.worker_id}, registered by"
+                    f" {held.principal}, not {caller.subject}"
+                )
+        principal = caller.subject if caller is not None else ""
+        worker, is_new = self.registry.register(kind, address, name, capacity, principal)
         log.info(
             "worker_registered",
             worker=worker.worker_id,
             kind=kind.value,
             address=address,
             capacity=capacity,
+            principal=principal,
             again=not is_new,
         )
         runner = self.runners.get(worker.experiment_id or "")
@@ -225,7 +267,14 @@ class Scheduler:
         self._reconcile()
         return worker
 
-    def heartbeat(self, worker_id: str, load: int = 0) -> bool:
+    def heartbeat(self, worker_id: str, load: int = 0, caller: Principal | None = None) -> bool:
+        """Renew a lease; False for an unknown id. Only the identity that registered the
+        worker may renew it (PermissionDenied otherwise)."""
+        worker = self.registry.get(worker_id)
+        if caller is not None and worker is not None and worker.principal != caller.subject:
+            raise PermissionDenied(
+                f"worker_id: {worker_id} was registered by {worker.principal}, not {caller.subject}"
+            )
         return self.registry.heartbeat(worker_id, load)
 
     def workers(self) -> list[Worker]:

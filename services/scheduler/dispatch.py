@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from asyncrl.errors import BadRequest
 from asyncrl.ledger import Ledger
 from asyncrl.spec import ExperimentSpec
 from asyncrl.throughput import Throughput
@@ -95,7 +96,14 @@ class Dispatcher:
             {e.version for e in record.evals},
         )
         self.inflight: dict[str, InFlight] = {}
+        self.awaiting: dict[str, Ticket] = {
+            t.group_id(record.id): t for t in (Ticket(*t) for t in record.awaiting)
+        }
+        """Accepted training groups the trainer may still report dropped, oldest first: the
+        newest `awaiting_max`."""
         self._aborted: set[str] = set()
+        """Training groups the scheduler ended itself (aborted as too stale, cancelled at the
+        end of the run): a drop report for one changes nothing."""
         self._drops_seen: set[str] = set()
         self.throughput = Throughput(THROUGHPUT_WINDOW_S)
         """Tokens the fleet generated for this experiment."""
@@ -112,6 +120,14 @@ class Dispatcher:
             for i in self.inflight.values()
             if i.ticket
         ]
+        record.awaiting = [[t.epoch, t.index, t.attempt] for t in self.awaiting.values()]
+
+    @property
+    def awaiting_max(self) -> int:
+        """Twice the most groups that can be accepted and not yet trained ((eta + 1) * B),
+        plus those that may settle out of order (max_concurrent_rollouts)."""
+        spec = self.spec
+        return 2 * ((self.eta + 1) * spec.trainer.batch_size + spec.rollout.max_concurrent_rollouts)
 
     def dataset_done(self) -> bool:
         """No prompt left, none in flight, and fewer untrained accepted groups than a batch."""
@@ -237,6 +253,9 @@ class Dispatcher:
             if summary.duplicate:
                 self.log.info("group_duplicate", group=item.group_id, worker=item.worker.worker_id)
             self.staleness.on_accept()
+            self.awaiting[item.group_id] = item.ticket
+            while len(self.awaiting) > self.awaiting_max:
+                del self.awaiting[next(iter(self.awaiting))]
         elif summary.status == rollout_pb2.GROUP_STATUS_REJECTED:
             self.staleness.on_reject()
         else:
@@ -295,6 +314,7 @@ class Dispatcher:
                 self.ledger.emit("dropped", group=item.group_id, reason="aborted: too stale")
             elif item.ticket is not None:
                 self.staleness.on_cancel()
+                self._aborted.add(item.group_id)
             item.task.cancel()
         cancelled = [i.group_id for i in items if how == "cancel" and i.ticket is not None]
         if cancelled:
@@ -321,19 +341,44 @@ class Dispatcher:
         return self._end(lambda i: i.ticket is not None or not training_only, "cancel")
 
     def report_dropped(self, group_ids: list[str]) -> int:
-        """The trainer dropped accepted groups as too stale: free capacity, re-queue prompts."""
-        requeued = 0
-        for group_id in group_ids:
+        """The trainer dropped accepted groups as too stale: free capacity, re-queue prompts.
+
+        Only groups this experiment dispatched and may still see trained count: accepted ones,
+        and ones in flight or waiting to be dispatched again (the trainer may read a group
+        whose answer is still on its way, or was lost); one reported twice, or ended by the
+        scheduler already, is ignored. Any other id is a BadRequest naming `groups`, and
+        nothing is changed."""
+        tickets = {}
+        for group_id in dict.fromkeys(group_ids):
             if group_id in self._drops_seen or group_id in self._aborted:
                 continue  # reported twice, or already re-queued when the scheduler aborted it
+            ticket = self._droppable(group_id)
+            if ticket is None:
+                raise BadRequest(
+                    "groups",
+                    f"{group_id!r} is no training group of {self.record.id} that was"
+                    " accepted or is in flight",
+                )
+            tickets[group_id] = ticket
+        for group_id, ticket in tickets.items():
             self._drops_seen.add(group_id)
+            self.awaiting.pop(group_id, None)
             self.staleness.on_trainer_drop()
             self.ledger.emit("dropped", group=group_id, reason="the trainer found it too stale")
-            ticket = Ticket.parse(group_id)
-            if ticket is not None:
-                self.cursor.requeue(ticket, new_attempt=True)
-                requeued += 1
-        return requeued
+            self.cursor.requeue(ticket, new_attempt=True)
+        return len(tickets)
+
+    def _droppable(self, group_id: str) -> Ticket | None:
+        """The ticket of a training group the trainer may report dropped, else None."""
+        if group_id in self.awaiting:
+            return self.awaiting[group_id]
+        item = self.inflight.get(group_id)
+        if item is not None:
+            return item.ticket
+        experiment_id = self.record.id
+        return next(
+            (t for t in self.cursor.requeued if t.group_id(experiment_id) == group_id), None
+        )
 
     def tasks(self) -> list[asyncio.Task]:
         return [i.task for i in self.inflight.values() if i.task is not None]

@@ -18,12 +18,14 @@ import time
 
 import grpc
 
+from asyncrl.errors import PermissionDenied, Unavailable
 from asyncrl.ledger import Ledger
 from asyncrl.logging import get_logger
+from asyncrl.security import Principal
 from asyncrl.spec import ExperimentSpec
 from asyncrl.types import EvalResult, StepMetrics, TrainerState
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
-from services.scheduler.calls import FleetWeights, WorkerCalls
+from services.scheduler.calls import BindRefused, FleetWeights, WorkerCalls
 from services.scheduler.context import RunnerContext
 from services.scheduler.dataset import Prompt
 from services.scheduler.dispatch import Dispatcher, DispatchHooks
@@ -35,6 +37,10 @@ from services.scheduler.records import (
     ExperimentState,
 )
 from services.scheduler.registry import Worker, WorkerKind
+
+TRAINER_WAIT_S = 10.0
+"""How long a trainer's call waits for the experiment to know its trainer (after a scheduler
+restart, until the trainer registered again and was started) before it is refused."""
 
 
 class ExperimentRunner:
@@ -79,6 +85,9 @@ class ExperimentRunner:
         self._start_failures = 0
         self._trainer_id: str | None = None
         """The trainer StartExperiment last succeeded on (any other bound trainer is started)."""
+        self._started_trainer: Worker | None = None
+        """That trainer: it may still commit (to be told to stop) once it is no longer bound."""
+        self._trainer_known = asyncio.Event()
         self._redrive = ""
         """Why the bound trainer must be started again (set by the watchdog)."""
         self._fail = ""
@@ -155,6 +164,9 @@ class ExperimentRunner:
                     await self._end(ExperimentState.FAILED, self._fail)
                     return
                 await self._wait_for_workers()
+                await self._bind_rewards()
+                if self.terminal:
+                    return
                 if await self._start_trainer():
                     watchdog = asyncio.create_task(self._watch(), name=f"watchdog-{self.id}")
                     try:
@@ -207,7 +219,8 @@ class ExperimentRunner:
         if self.trainer() is not trainer:
             return False  # its lease lapsed while it was starting
         self._start_failures = 0
-        self._trainer_id = trainer.worker_id
+        self._trainer_id, self._started_trainer = trainer.worker_id, trainer
+        self._trainer_known.set()
         self._progress_at = time.monotonic()
         k = resp.version
         async with self.fleet.lock:
@@ -228,6 +241,29 @@ class ExperimentRunner:
         if k >= self.spec.trainer.total_steps:
             self._begin_finish(f"trainer is at version {k} >= total_steps")
         return True
+
+    async def _bind_rewards(self) -> None:
+        """Send the spec to every reward worker before the trainer starts: a worker that cannot
+        load the reward function refuses it (INVALID_ARGUMENT) and the experiment fails with
+        its message. Any other error is left to the rollouts, which bind it again anyway."""
+        addresses = self.registry.reward_addresses()
+        timeout = self.config.bind_timeout_s
+        results = await asyncio.gather(
+            *(self.calls.bind_reward(a, timeout) for a in addresses), return_exceptions=True
+        )
+        for address, result in zip(addresses, results, strict=True):
+            if isinstance(result, BindRefused):
+                await self._end(ExperimentState.FAILED, f"reward worker {address} {result}")
+                return
+            if isinstance(result, grpc.aio.AioRpcError):
+                self.log.warning(
+                    "reward_bind_failed",
+                    address=address,
+                    code=result.code().name,
+                    details=result.details(),
+                )
+            elif isinstance(result, BaseException):
+                raise result
 
     async def _trainer_start_failed(self, trainer: Worker, e: grpc.aio.AioRpcError) -> None:
         """INVALID_ARGUMENT fails the experiment; a busy trainer (FAILED_PRECONDITION) is only
@@ -405,6 +441,9 @@ class ExperimentRunner:
             version = await self.fleet.sync(
                 worker, lambda: worker.experiment_id == self.id, self.config.bind_timeout_s
             )
+        except BindRefused as e:
+            await self._end(ExperimentState.FAILED, f"rollout {worker.worker_id} {e}")
+            return
         except grpc.aio.AioRpcError as e:
             self._fence(worker, f"UpdateWeights failed: {e.code().name}")
             return
@@ -438,14 +477,49 @@ class ExperimentRunner:
 
     # ---- trainer calls -----------------------------------------------------------------------
 
-    async def commit(
-        self, version: int, uri: str, metrics: StepMetrics, trainer_id: str = ""
-    ) -> CommitResult:
+    async def authorize_trainer(self, caller: Principal | None, trainer_id: str) -> None:
+        """Only this experiment's trainer may commit or report drops: the bound one, or once
+        none is bound (the run ended, its lease lapsed) the one last started. The caller must
+        be the identity that registered it, and a `trainer_id` must be its worker id; else
+        PermissionDenied. Right after a scheduler restart no trainer is known yet: the call
+        waits up to TRAINER_WAIT_S for one to be started. A `trainer_id` registered nowhere
+        is Unavailable: the trainer's registration is older than this scheduler (or lapsed),
+        and it retries under the id it registers again with."""
+        if caller is None and not trainer_id:
+            return  # security is off and the call does not say who it is
+        trainer = self.trainer() or self._started_trainer
+        if trainer is None and not self.terminal:
+            try:
+                await asyncio.wait_for(self._trainer_known.wait(), TRAINER_WAIT_S)
+            except TimeoutError:
+                pass
+            trainer = self.trainer() or self._started_trainer
+        who = caller.subject if caller is not None else trainer_id
+        if trainer is None:
+            reason = f"experiment_id: {self.id} has no trainer; {who} may not act for it"
+        elif caller is not None and caller.subject != trainer.principal:
+            reason = (
+                f"experiment_id: {self.id} belongs to trainer {trainer.worker_id} of"
+                f" {trainer.principal}, not to {who}"
+            )
+        elif trainer_id and self.registry.get(trainer_id) is None:
+            raise Unavailable(
+                f"trainer_id: {trainer_id} is not registered (the scheduler restarted or its"
+                " lease lapsed): register again and retry with the new id"
+            )
+        elif trainer_id and trainer_id != trainer.worker_id:
+            reason = (
+                f"trainer_id: {trainer_id} is not {trainer.worker_id}, the trainer of {self.id}"
+            )
+        else:
+            return
+        self.log.warning("trainer_call_refused", caller=who, trainer_id=trainer_id, reason=reason)
+        raise PermissionDenied(reason)
+
+    async def commit(self, version: int, uri: str, metrics: StepMetrics) -> CommitResult:
         """Broadcast `version` to the bound rollouts (fencing laggards), move the fleet to it,
-        abort groups that can no longer be trained within eta, and finish at total_steps."""
-        trainer = self.trainer()
-        if trainer is not None and trainer_id and trainer_id != trainer.worker_id:
-            self.log.warning("commit_from_unbound_trainer", worker=trainer_id, version=version)
+        abort groups that can no longer be trained within eta, and finish at total_steps.
+        The caller was authorized first (`authorize_trainer`)."""
         async with self.fleet.lock:
             if self.terminal or self._finishing or version <= self.version:  # a retry, or late
                 return CommitResult(self.version, 0, 0, self.terminal or self._finishing)
@@ -501,7 +575,9 @@ class ExperimentRunner:
         self._emit(Event("step", step=metrics))
 
     def report_dropped(self, group_ids: list[str]) -> int:
-        """The trainer dropped accepted groups as too stale: free capacity, re-queue prompts."""
+        """The trainer dropped accepted groups as too stale: free capacity, re-queue prompts.
+        A group id the scheduler did not dispatch and accept for this experiment is a
+        BadRequest naming `groups` (nothing is changed, the run goes on)."""
         requeued = self.dispatcher.report_dropped(group_ids)
         if requeued:
             self.log.info("groups_dropped_by_trainer", requeued=requeued, version=self.version)

@@ -77,6 +77,9 @@ class ExperimentRecord:
     """DatasetCursor.state()."""
     inflight: list[list[int]] = field(default_factory=list)
     """Tickets [epoch, index, attempt] in flight when saved: re-dispatched on resume."""
+    awaiting: list[list[int]] = field(default_factory=list)
+    """Tickets of the newest accepted training groups, which the trainer may still report
+    dropped (`Dispatcher.report_dropped` accepts no other id)."""
     fleet_uri: str = ""
     weight_uris: dict[int, str] = field(default_factory=dict)
     """Weights URI per committed version (to roll the fleet back to a trainer's checkpoint)."""

@@ -43,6 +43,9 @@ class Worker:
     """False until the scheduler asked a new trainer what it is running."""
     affinity: str | None = None
     """The experiment a trainer said it is already running (bound back to it first)."""
+    principal: str = ""
+    """The identity (token subject) that registered it: only it may heartbeat for it, register
+    it again, or (a trainer) commit for its experiment. "" when security is off."""
 
 
 class Registry:
@@ -58,22 +61,34 @@ class Registry:
         self._workers: dict[str, Worker] = {}
 
     def register(
-        self, kind: WorkerKind, address: str, name: str, capacity: int
+        self, kind: WorkerKind, address: str, name: str, capacity: int, principal: str = ""
     ) -> tuple[Worker, bool]:
-        """Add a worker; returns (worker, is_new).
+        """Add a worker registered by `principal`; returns (worker, is_new).
 
         A live worker registering again from the same address (its heartbeat failed for a
-        moment) keeps its id and binding, so its in-flight work is not reassigned twice."""
-        for w in self._workers.values():
-            if w.kind == kind and w.address == address:
-                w.name, w.capacity = name or w.name, capacity
-                self._touch(w)
-                return w, False
+        moment) keeps its id and binding, so its in-flight work is not reassigned twice. The
+        caller checks first (`at`) that it is the same principal."""
+        w = self.at(kind, address)
+        if w is not None:
+            w.name, w.capacity = name or w.name, capacity
+            self._touch(w)
+            return w, False
         worker_id = f"{kind.value}-{uuid.uuid4().hex[:8]}"
-        w = Worker(worker_id, kind, address, name or worker_id, capacity, 0.0, 0.0)
+        w = Worker(
+            worker_id, kind, address, name or worker_id, capacity, 0.0, 0.0, principal=principal
+        )
         self._touch(w)
         self._workers[worker_id] = w
         return w, True
+
+    def at(self, kind: WorkerKind, address: str) -> Worker | None:
+        """The live worker of `kind` registered at `address`, if any."""
+        return next(
+            (w for w in self._workers.values() if w.kind == kind and w.address == address), None
+        )
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self._workers.get(worker_id)
 
     def heartbeat(self, worker_id: str, load: int = 0) -> bool:
         """Renew the lease; False for an unknown id (the worker must register again)."""

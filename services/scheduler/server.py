@@ -11,6 +11,7 @@ from asyncrl.errors import NotFound
 from asyncrl.logging import get_logger
 from asyncrl.metrics import gauge
 from asyncrl.runtime import ServiceRuntime
+from asyncrl.security import caller
 from asyncrl.types import StepMetrics
 from asyncrl.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.context import SchedulerConfig
@@ -86,7 +87,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def RegisterWorker(self, request, context):
         worker = self.scheduler.register(
-            kind_from_proto(request.kind), request.address, request.name, request.capacity
+            kind_from_proto(request.kind),
+            request.address,
+            request.name,
+            request.capacity,
+            caller(),
         )
         config = self.scheduler.config
         return scheduler_pb2.RegisterWorkerResponse(
@@ -97,7 +102,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Heartbeat(self, request, context):
         return scheduler_pb2.HeartbeatResponse(
-            known=self.scheduler.heartbeat(request.worker_id, request.load)
+            known=self.scheduler.heartbeat(request.worker_id, request.load, caller())
         )
 
     async def ListWorkers(self, request, context):
@@ -114,6 +119,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             request.uri,
             StepMetrics.from_proto(request.metrics),
             request.trainer_id,
+            caller(),
         )
         return scheduler_pb2.CommitWeightsResponse(
             fleet_version=result.fleet_version,
@@ -123,7 +129,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         )
 
     async def ReportDropped(self, request, context):
-        self.scheduler.report_dropped(request.experiment_id, [g.group_id for g in request.groups])
+        await self.scheduler.report_dropped(
+            request.experiment_id, [g.group_id for g in request.groups], caller()
+        )
         return scheduler_pb2.ReportDroppedResponse()
 
 

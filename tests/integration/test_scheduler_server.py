@@ -37,6 +37,8 @@ ROLLOUT, REWARD, TRAINER = (
     common_pb2.WORKER_KIND_TRAINER,
 )
 RUNNING = scheduler_pb2.EXPERIMENT_STATE_RUNNING
+IDENTITY = {ROLLOUT: "rollout", REWARD: "reward", TRAINER: "trainer"}
+"""The identity (token) each kind of worker calls the scheduler with."""
 
 
 class FakeRollout(rollout_pb2_grpc.RolloutServicer):
@@ -148,10 +150,15 @@ class Cluster:
         self.runtime, self.scheduler = await create_scheduler(self.nats_url, grace_s=0, **kw)
         self.port = self.runtime.port
         self.address = f"127.0.0.1:{self.port}"
-        ch = channel(self.address)
-        self._closers.append(ch.close)
-        self.stub = scheduler_pb2_grpc.SchedulerStub(ch)
+        self.stub = self.stub_as("admin")
+        self.trainer_stub = self.stub_as("trainer")  # the fake trainers' identity
         return self.scheduler
+
+    def stub_as(self, identity: str) -> scheduler_pb2_grpc.SchedulerStub:
+        """A stub calling the scheduler with `identity`'s token."""
+        ch = channel(self.address, identity)
+        self._closers.append(ch.close)
+        return scheduler_pb2_grpc.SchedulerStub(ch)
 
     async def stop_scheduler(self):
         await self.runtime.close()
@@ -179,6 +186,7 @@ class Cluster:
             f"127.0.0.1:{port}" if server else f"127.0.0.1:{kind}0",
             capacity=capacity,
             scheduler=self.address,
+            identity=IDENTITY[kind],
         )
         await agent.start()
 
@@ -202,7 +210,8 @@ class Cluster:
         )
 
     async def commit(self, exp_id, version, groups=2):
-        return await self.stub.CommitWeights(
+        """CommitWeights as the fake trainers' identity."""
+        return await self.trainer_stub.CommitWeights(
             scheduler_pb2.CommitWeightsRequest(
                 experiment_id=exp_id,
                 version=version,
@@ -286,7 +295,8 @@ async def started_experiment(
         ({"reward": {"function": "no_such_reward"}}, "reward.function"),
         ({"dataset": {"path": "/nonexistent/train.jsonl"}}, "dataset.path"),
         ({"rollout": {"workflow": {"name": "no_such_flow"}}}, "rollout.workflow.name"),
-        ({"rollout": {"workflow": {"name": "pkg_missing:Flow"}}}, "rollout.workflow"),
+        ({"rollout": {"workflow": {"name": "pkg..missing:Flow"}}}, "rollout.workflow"),
+        ({"reward": {"function": "plugin:pkg..missing:fn"}}, "reward.function"),
         (
             {"rollout": {"workflow": {"name": "multi_turn", "args": {"turns": 2}}}},
             "rollout.workflow",
@@ -342,7 +352,7 @@ async def test_get_unknown_experiment_not_found(cluster):
 
 async def test_register_heartbeat_list_and_lease_expiry(cluster):
     await cluster.start_scheduler(lease_ttl_s=0.6, heartbeat_interval_s=0.1)
-    stub = cluster.stub
+    stub = cluster.stub_as("reward")
     resp = await stub.RegisterWorker(
         scheduler_pb2.RegisterWorkerRequest(
             kind=REWARD, address="127.0.0.1:7001", name="r1", capacity=4
@@ -352,12 +362,12 @@ async def test_register_heartbeat_list_and_lease_expiry(cluster):
     assert resp.worker_id.startswith("reward-")
     assert (resp.lease_ttl_s, resp.heartbeat_interval_s) == (0.6, 0.1)
     assert (await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id=resp.worker_id))).known
-    listed = (await stub.ListWorkers(scheduler_pb2.ListWorkersRequest())).workers
+    listed = (await cluster.stub.ListWorkers(scheduler_pb2.ListWorkersRequest())).workers
     assert [(w.worker_id, w.kind, w.address, w.name, w.capacity) for w in listed] == [
         (resp.worker_id, REWARD, "127.0.0.1:7001", "r1", 4)
     ]
     await wait_until(lambda: not cluster.scheduler.registry.workers(), timeout=5)  # no beats
-    assert not (await stub.ListWorkers(scheduler_pb2.ListWorkersRequest())).workers
+    assert not (await cluster.stub.ListWorkers(scheduler_pb2.ListWorkersRequest())).workers
     beat = await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id=resp.worker_id))
     assert beat.known is False
 
@@ -365,7 +375,7 @@ async def test_register_heartbeat_list_and_lease_expiry(cluster):
 async def test_register_unspecified_kind_invalid_argument(cluster):
     await cluster.start_scheduler()
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await cluster.stub.RegisterWorker(
+        await cluster.stub_as("rollout").RegisterWorker(
             scheduler_pb2.RegisterWorkerRequest(address="h:1"), timeout=5
         )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -455,8 +465,8 @@ async def test_report_dropped_frees_capacity_and_requeues(cluster, files):
     req = scheduler_pb2.ReportDroppedRequest(
         experiment_id=exp_id, groups=[scheduler_pb2.DroppedGroup(group_id=dropped)]
     )
-    await cluster.stub.ReportDropped(req, timeout=5)
-    await cluster.stub.ReportDropped(req, timeout=5)  # a retry is not counted twice
+    await cluster.trainer_stub.ReportDropped(req, timeout=5)
+    await cluster.trainer_stub.ReportDropped(req, timeout=5)  # a retry is not counted twice
     await wait_until(lambda: len(rollout.group_ids()) == 3)
     assert rollout.group_ids()[2] == dropped.replace("-a0", "-a1")
     runner = cluster.scheduler.get(exp_id)
