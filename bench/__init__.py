@@ -17,4 +17,5 @@ BENCHMARKS: dict[str, str] = {
     "agent": "bench.agent",
     "ledger": "bench.ledger",
     "security": "bench.security",
+    "system": "bench.system",
 }

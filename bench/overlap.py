@@ -1,0 +1,459 @@
+"""The ideal speedup of asynchronous over synchronous RL for one workload: a zero-overhead
+model, as an analytic bound and a discrete-event simulation (pure functions, numpy only).
+
+The model is the one `../shared/tools/overlap_bound/README.md` states; this is the
+benchmark's own implementation of it, checked against that tool in
+tests/unit/test_overlap_model.py.
+
+- Fleet: `slots` (C) continuous-batching slots, one sample each. While `a` slots are active,
+  every active sample gains one token per `t_tok(a) = t0 * (1 + alpha * a / C)` seconds.
+  Samples waiting for a slot queue FIFO. One shared token clock (tokens per active stream)
+  makes this exact for any alpha: a sample admitted to a slot at clock s ends at s + L.
+- Lengths: group g has n output lengths (a table, cycled, or a seeded lognormal:
+  clip(round(median * exp(sigma * Z)), 1, max_len)). Sync and async see the same groups in
+  the same order.
+- Training: a step takes B groups and lasts `train_a + train_b * tokens`, tokens = the sum of
+  (L + prompt_len) over its B*n samples, or with `padded` (a trainer that pads every sample
+  to the batch's longest) B*n * (max L + prompt_len).
+- Weight update: after each step, `t_sync` seconds in which the trainer is busy and no token
+  is generated and no group admitted; in-flight samples keep their progress. The version v
+  rises by one at its end; a run of N steps ends with the N-th update.
+- Sync: generate B groups, wait for all, train, update; repeat.
+- Async (AReaL's admission): a group is admitted at version v while
+  `running < max_groups and accepted + running < (eta + v + 1) * B`; the trainer starts a
+  step once it is idle and B finished groups are buffered, taking the oldest. After each
+  update every group admitted before version v - eta is dropped (buffered ones) or aborted
+  (running ones, freeing their slots) and counts as rejected: it leaves `accepted`, which gives
+  back admission capacity. So no trained group is staler than eta.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One workload and the system's measured costs (seconds)."""
+
+    slots: int
+    """C: concurrent generation slots (samples)."""
+    n: int
+    """Samples per group."""
+    batch: int
+    """B: groups per training step."""
+    eta: int = 0
+    """Max staleness (async only)."""
+    max_groups: int = 0
+    """Cap on running groups; 0 means max(1, C // n), -1 no cap."""
+    len_median: float = 32.0
+    len_sigma: float = 1.5
+    max_len: int = 1024
+    prompt_len: int = 0
+    """Tokens per sample the trainer processes besides the output."""
+    t0: float = 0.001
+    """Seconds per token of a stream when it is alone (a -> 0)."""
+    alpha: float = 0.0
+    """Slow-down of a full fleet: t_tok(C) = t0 * (1 + alpha)."""
+    train_a: float = 0.0
+    train_b: float = 0.0
+    padded: bool = False
+    """Training cost counts every sample at the batch's longest length."""
+    t_sync: float = 0.0
+    steps: int = 20
+    seed: int = 0
+
+    @property
+    def m(self) -> int:
+        """Samples per training step, B * n."""
+        return self.batch * self.n
+
+    @property
+    def group_cap(self) -> float:
+        if self.max_groups < 0:
+            return INF
+        return self.max_groups or max(1, self.slots // self.n)
+
+    def t_tok(self, active: int) -> float:
+        return self.t0 * (1.0 + self.alpha * active / self.slots)
+
+    def train_time(self, lengths: Sequence[int]) -> float:
+        """Duration of a step that trains samples of these output lengths."""
+        if self.padded:
+            tokens = len(lengths) * (max(lengths) + self.prompt_len)
+        else:
+            tokens = sum(lengths) + len(lengths) * self.prompt_len
+        return self.train_a + self.train_b * tokens
+
+
+class GroupLengths:
+    """Group g -> its n output lengths: `table[g % len(table)]`, or row g of one seeded
+    lognormal stream (drawn in fixed chunks, so a row never depends on who asks first)."""
+
+    CHUNK = 512
+
+    def __init__(self, w: Workload, table: Sequence[Sequence[int]] | None = None):
+        self.w = w
+        self.table = [tuple(int(x) for x in row) for row in table] if table else None
+        if self.table and any(len(row) != w.n for row in self.table):
+            raise ValueError(f"every row of the length table needs n={w.n} lengths")
+        self._rng = np.random.default_rng(w.seed)
+        self._rows: list[tuple[int, ...]] = []
+
+    def __call__(self, g: int) -> tuple[int, ...]:
+        if self.table:
+            return self.table[g % len(self.table)]
+        while g >= len(self._rows):
+            w = self.w
+            draw = w.len_median * np.exp(w.len_sigma * self._rng.standard_normal((self.CHUNK, w.n)))
+            rows = np.clip(np.rint(draw), 1, w.max_len).astype(int)
+            self._rows.extend(tuple(int(x) for x in row) for row in rows)
+        return self._rows[g]
+
+
+# ---------------------------------------------------------------------------- analytic
+
+
+def lognormal_cdf(median: float, sigma: float, max_len: int) -> np.ndarray:
+    """F[x] = P(L <= x), x = 0..max_len, for L = clip(round(median * e^(sigma Z)), 1, max_len)."""
+    xs = np.arange(max_len + 1, dtype=float)
+    if sigma == 0:
+        return (xs >= min(max(round(median), 1), max_len)).astype(float)
+    z = (np.log(np.maximum(xs, 1.0) + 0.5) - math.log(median)) / sigma
+    cdf = 0.5 * (1.0 + np.array([math.erf(v / math.sqrt(2.0)) for v in z]))
+    cdf[0], cdf[max_len] = 0.0, 1.0
+    return cdf
+
+
+def empirical_cdf(lengths: Sequence[int], max_len: int) -> np.ndarray:
+    """F[x] = share of `lengths` (clipped to [1, max_len]) that are <= x, x = 0..max_len."""
+    values = np.sort(np.clip(np.asarray(lengths, dtype=int), 1, max_len))
+    return np.searchsorted(values, np.arange(max_len + 1), side="right") / len(values)
+
+
+def expected_length(cdf: np.ndarray) -> float:
+    """E[L] = sum over x >= 0 of P(L > x)."""
+    return float(np.sum(1.0 - cdf[:-1]))
+
+
+def expected_max(cdf: np.ndarray, m: int) -> float:
+    """E[max of m independent lengths] = sum over x >= 0 of (1 - F(x)^m)."""
+    return float(np.sum(1.0 - cdf[:-1] ** m))
+
+
+def t_gen_sync(w: Workload, e_len: float, e_max: float) -> float:
+    """Expected generation time of one synchronous step. With C >= m, exact: over token
+    interval x the A(x) samples longer than x are active, E[A(x)] = m P(L > x). With C < m, a
+    lower bound: the longest sample, or the fleet's time for all the tokens."""
+    if w.slots >= w.m:
+        return w.t0 * (e_max + w.alpha * w.m * e_len / w.slots)
+    return max(w.t0 * e_max, t_gen_throughput(w, e_len))
+
+
+def t_gen_throughput(w: Workload, e_len: float) -> float:
+    """A full fleet's time to generate one step's tokens: m E[L] t_tok(C) / C."""
+    return w.m * e_len * w.t_tok(w.slots) / w.slots
+
+
+def expected_train_time(w: Workload, e_len: float, e_max: float) -> float:
+    per_sample = (e_max if w.padded else e_len) + w.prompt_len
+    return w.train_a + w.train_b * w.m * per_sample
+
+
+def speedup_bound(gen_sync: float, gen_tp: float, train: float, t_sync: float) -> float:
+    """Sync step over the shortest async step. Generation also pauses during every update, so
+    an async step lasts at least t_sync + max(generation at full throughput, training)."""
+    return (gen_sync + train + t_sync) / (t_sync + max(gen_tp, train))
+
+
+@dataclass(frozen=True)
+class Bound:
+    e_len: float
+    e_max: float
+    t_gen_sync: float
+    t_gen_throughput: float
+    t_train: float
+    t_sync: float
+    speedup: float
+    """`speedup_bound`: the ceiling for any eta."""
+    exact: bool
+    """T_gen_sync is exact in expectation (C >= m), else a lower bound."""
+
+
+def analytic(w: Workload, lengths: Sequence[int] | None = None) -> Bound:
+    """The bound for the lognormal of `w`, or for the empirical distribution of `lengths`."""
+    cdf = (
+        empirical_cdf(lengths, w.max_len)
+        if lengths
+        else lognormal_cdf(w.len_median, w.len_sigma, w.max_len)
+    )
+    e_len, e_max = expected_length(cdf), expected_max(cdf, w.m)
+    gen_sync, gen_tp = t_gen_sync(w, e_len, e_max), t_gen_throughput(w, e_len)
+    train = expected_train_time(w, e_len, e_max)
+    return Bound(
+        e_len=e_len,
+        e_max=e_max,
+        t_gen_sync=gen_sync,
+        t_gen_throughput=gen_tp,
+        t_train=train,
+        t_sync=w.t_sync,
+        speedup=speedup_bound(gen_sync, gen_tp, train, w.t_sync),
+        exact=w.slots >= w.m,
+    )
+
+
+# ---------------------------------------------------------------------------- simulation
+
+
+@dataclass
+class SimResult:
+    mode: str  # sync | async
+    eta: int
+    wall_s: float
+    step_end: list[float]
+    throughput: float
+    """Trained samples per second: N B n / wall."""
+    train_busy_s: float
+    slot_util: float
+    """Integral of active slots over C * wall."""
+    staleness: Counter = field(default_factory=Counter)
+    """Trained groups by staleness."""
+    dropped: int = 0
+    gen_tokens: float = 0.0
+
+    @property
+    def max_staleness(self) -> int:
+        return max(self.staleness, default=0)
+
+    def steady_throughput(self, m: int) -> float:
+        """Samples per second over the second half of the steps (no warm-up)."""
+        half = len(self.step_end) // 2
+        if not half:
+            return self.throughput
+        return (len(self.step_end) - half) * m / (self.step_end[-1] - self.step_end[half - 1])
+
+
+class _Fleet:
+    """C slots on one token clock `tau`; each active entry is (tau at its end, seq, group,
+    tau at its start)."""
+
+    def __init__(self, w: Workload):
+        self.w = w
+        self.tau = 0.0
+        self.active: list[tuple[float, int, int, float]] = []
+        self.waiting: deque[tuple[int, int]] = deque()
+        self._seq = 0
+        self.slot_time = 0.0
+        self.tokens = 0.0
+
+    def submit(self, group: int, length: int) -> None:
+        self.waiting.append((group, length))
+
+    def fill(self) -> None:
+        while self.waiting and len(self.active) < self.w.slots:
+            group, length = self.waiting.popleft()
+            heapq.heappush(self.active, (self.tau + length, self._seq, group, self.tau))
+            self._seq += 1
+
+    def time_to_next_end(self) -> float:
+        if not self.active:
+            return INF
+        return (self.active[0][0] - self.tau) * self.w.t_tok(len(self.active))
+
+    def run_to_next_end(self) -> tuple[float, list[int]]:
+        """Generate until the next sample(s) end: (seconds taken, their groups)."""
+        dt = self.time_to_next_end()
+        self._account(dt, self.active[0][0] - self.tau)
+        self.tau = self.active[0][0]
+        ended = []
+        while self.active and self.active[0][0] <= self.tau:
+            ended.append(heapq.heappop(self.active)[2])
+        return dt, ended
+
+    def run_for(self, seconds: float) -> None:
+        """Generate for `seconds` without reaching the next end."""
+        if self.active and seconds > 0:
+            dtau = seconds / self.w.t_tok(len(self.active))
+            self._account(seconds, dtau)
+            self.tau += dtau
+
+    def abort(self, groups: set[int]) -> None:
+        self.active = [e for e in self.active if e[2] not in groups]
+        heapq.heapify(self.active)
+        self.waiting = deque(e for e in self.waiting if e[0] not in groups)
+
+    def _account(self, seconds: float, dtau: float) -> None:
+        self.slot_time += len(self.active) * seconds
+        self.tokens += len(self.active) * dtau
+
+
+def simulate_sync(w: Workload, lengths: GroupLengths | None = None) -> SimResult:
+    """Generate B groups, wait for all, train, update: N times."""
+    lengths = lengths or GroupLengths(w)
+    fleet, t, busy, step_end = _Fleet(w), 0.0, 0.0, []
+    for k in range(w.steps):
+        batch = [L for g in range(k * w.batch, (k + 1) * w.batch) for L in lengths(g)]
+        for L in batch:
+            fleet.submit(k, L)
+        fleet.fill()
+        while fleet.active:
+            dt, _ = fleet.run_to_next_end()
+            t += dt
+            fleet.fill()
+        train = w.train_time(batch)
+        busy += train
+        t += train + w.t_sync
+        step_end.append(t)
+    return SimResult(
+        mode="sync",
+        eta=0,
+        wall_s=t,
+        step_end=step_end,
+        throughput=w.steps * w.m / t,
+        train_busy_s=busy,
+        slot_util=fleet.slot_time / (w.slots * t),
+        staleness=Counter({0: w.steps * w.batch}),
+        gen_tokens=fleet.tokens,
+    )
+
+
+class _AsyncRun:
+    """The state of one asynchronous simulation; `run` is the event loop."""
+
+    def __init__(self, w: Workload, lengths: GroupLengths):
+        self.w, self.lengths, self.fleet = w, lengths, _Fleet(w)
+        self.t = 0.0
+        self.version = self.accepted = self.running = self.admitted = 0
+        self.group_version: list[int] = []
+        self.left: list[int] = []  # samples of each group still generating
+        self.live: set[int] = set()  # admitted, not finished, not aborted
+        self.buffer: list[int] = []  # finished, untrained (heap: oldest first)
+        self.trainer_until, self.training, self.paused = INF, False, False
+        self.step_end: list[float] = []
+        self.staleness: Counter = Counter()
+        self.busy = 0.0
+        self.dropped = 0
+
+    def run(self) -> SimResult:
+        w = self.w
+        while len(self.step_end) < w.steps:
+            if not self.paused:
+                self._admit()
+            self._start_step()
+            gen = INF if self.paused else self.t + self.fleet.time_to_next_end()
+            if gen == INF and self.trainer_until == INF:
+                raise RuntimeError(f"deadlock at t={self.t}: v={self.version}")
+            if gen <= self.trainer_until:  # ties: the sample ends first
+                dt, ended = self.fleet.run_to_next_end()
+                self.t += dt
+                self._ended(ended)
+                continue
+            if not self.paused:
+                self.fleet.run_for(self.trainer_until - self.t)
+            self.t = self.trainer_until
+            self._trainer_event()
+        return SimResult(
+            mode="async",
+            eta=w.eta,
+            wall_s=self.t,
+            step_end=self.step_end,
+            throughput=w.steps * w.m / self.t,
+            train_busy_s=self.busy,
+            slot_util=self.fleet.slot_time / (w.slots * self.t),
+            staleness=self.staleness,
+            dropped=self.dropped,
+            gen_tokens=self.fleet.tokens,
+        )
+
+    def _admit(self) -> None:
+        w = self.w
+        while (
+            self.running < w.group_cap
+            and self.accepted + self.running < (w.eta + self.version + 1) * w.batch
+        ):
+            g = self.admitted
+            self.admitted += 1
+            self.running += 1
+            self.group_version.append(self.version)
+            self.left.append(w.n)
+            self.live.add(g)
+            for L in self.lengths(g):
+                self.fleet.submit(g, L)
+        self.fleet.fill()
+
+    def _start_step(self) -> None:
+        if self.trainer_until != INF or len(self.buffer) < self.w.batch:  # busy, or too few
+            return
+        batch = [heapq.heappop(self.buffer) for _ in range(self.w.batch)]
+        for g in batch:
+            self.staleness[self.version - self.group_version[g]] += 1
+        dur = self.w.train_time([L for g in batch for L in self.lengths(g)])
+        self.busy += dur
+        self.training, self.trainer_until = True, self.t + dur
+
+    def _ended(self, groups: list[int]) -> None:
+        for g in groups:
+            self.left[g] -= 1
+            if self.left[g] == 0 and g in self.live:
+                self.live.discard(g)
+                self.running -= 1
+                self.accepted += 1
+                heapq.heappush(self.buffer, g)
+        self.fleet.fill()
+
+    def _trainer_event(self) -> None:
+        if self.training:  # the step ends: the weight update starts, generation pauses
+            self.training, self.paused = False, True
+            self.trainer_until = self.t + self.w.t_sync
+            return
+        self.trainer_until, self.paused = INF, False
+        self.version += 1
+        self.step_end.append(self.t)
+        self._drop_stale()
+
+    def _drop_stale(self) -> None:
+        oldest_ok = self.version - self.w.eta  # admitted before it: can never be trained
+        while self.buffer and self.group_version[self.buffer[0]] < oldest_ok:
+            heapq.heappop(self.buffer)
+            self.accepted -= 1  # reported as rejected: frees admission capacity
+            self.dropped += 1
+        doomed = {g for g in self.live if self.group_version[g] < oldest_ok}
+        if doomed:
+            self.live -= doomed
+            self.running -= len(doomed)
+            self.dropped += len(doomed)
+            self.fleet.abort(doomed)
+
+
+def simulate_async(w: Workload, lengths: GroupLengths | None = None) -> SimResult:
+    """AReaL's admission with bounded staleness eta (see the module docstring)."""
+    return _AsyncRun(w, lengths or GroupLengths(w)).run()
+
+
+@dataclass(frozen=True)
+class Ideal:
+    """The model's answer for one workload at several eta."""
+
+    bound: Bound
+    sync: SimResult
+    runs: dict[int, SimResult]
+    sync_workload: Workload
+
+    def speedup(self, eta: int) -> float:
+        """Simulated async / sync wall time over the same N steps (eta 0: async at eta 0)."""
+        return self.sync.wall_s / self.runs[eta].wall_s
+
+
+def ideal(w: Workload, etas: Sequence[int], table: Sequence[Sequence[int]] | None = None) -> Ideal:
+    """Sync and async at each eta on the same groups, and the analytic bound."""
+    flat = [L for row in table for L in row] if table else None
+    runs = {eta: simulate_async(replace(w, eta=eta), GroupLengths(w, table)) for eta in etas}
+    return Ideal(analytic(w, flat), simulate_sync(w, GroupLengths(w, table)), runs, w)

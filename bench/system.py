@@ -1,0 +1,656 @@
+"""Async against sync on the whole system, and against the ideal for the same workload.
+
+The workload is long-tailed and generation-dominated: the workflow `bench.longtail:LongTail`
+gives every sample a target length from a lognormal (capped) and generates exactly that many
+tokens (EOS ignored), on the tiny model with the torch engine and the torch trainer. All
+services run as their own processes, as `make up` starts them (a temporary var dir, TLS and
+tokens, one replica each, one torch thread each), and the same cluster runs the experiment at
+eta = 0 (synchronous), 1, 2 and 4 on the same prompts in the same order.
+
+Measured in the run:
+- wall time of each experiment: first dispatch to the N-th committed step (the ledger's
+  `dispatched` and `trained` events); speedup(eta) = wall(0) / wall(eta);
+- decode time per step against active streams: the same engine class on the same model and
+  thread count replays the workload's lengths at the fleet's concurrency; a least-squares line
+  t(a) = t0 + c1 a gives t0 and alpha = c1 C / t0;
+- train time per step against tokens, from the eta=0 run's StepMetrics (`step_time_s`) and
+  the groups each step trained (the ledger): the torch backend pads every sample to the
+  batch's longest, so tokens are B n (max L + prompt);
+- weight-update time: from the end of `train_step` (trainer log) to the step's `trained`
+  ledger event, which the trainer writes once CommitWeights has returned (the fleet loaded it).
+
+Those parameters go into `bench.overlap` (the zero-overhead model: analytic bound and a
+discrete-event simulation of sync and async with AReaL's admission, the trainer dropping
+groups staler than eta) with the very lengths the workflow generated, in dispatch order. One
+Result per eta: measured speedup against the simulated ideal speedup (ratio = measured ÷
+ideal). A PNG plots throughput against eta beside the ideal (var/bench/system_throughput.png;
+the work dir when --quick). Each eta runs `repeats` times and reports its fastest run.
+
+Settings carry what explains the gap: each service's CPU share (a rollout near 1.0 is
+engine-bound), the fleet's tokens/s (finished groups only) against the model's, the train step
+measured against the fitted cost of the same batches (CPU contention), the replayed full-fleet
+step against t(C) (the engine's cost grows with the batch's longest context, which the model's
+t(a) cannot see) and the re-prefill stall after each weight update (interrupted requests
+recompute their KV cache; the model keeps their progress for free) times the steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+from asyncrl.client import AsyncrlClient, is_terminal, state_name
+from asyncrl.ledger import prompt_of, read_events
+from asyncrl.natsutil import connect
+from asyncrl.net import free_port
+from asyncrl.proc import kill_tree, pid_alive
+from asyncrl.settings import settings
+from asyncrl.spec import SamplingParams
+from asyncrl.tiny import build_tiny_model
+from bench import overlap
+from bench.longtail import target_lengths
+from bench.report import Context, Result
+from services.rollout.engine import GenRequest
+from services.rollout.torch_engine import TorchEngine
+
+NAME = "system"
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOW = "bench.longtail:LongTail"
+DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The workload and run sizes."""
+
+    n: int
+    batch: int
+    steps: int
+    max_groups: int
+    """max_concurrent_rollouts; the fleet has C = max_groups * n slots."""
+    median: float
+    sigma: float
+    max_len: int
+    etas: tuple[int, ...] = (0, 1, 2, 4)
+    repeats: int = 1
+    """Runs of every eta; each eta reports its fastest (the least disturbed)."""
+    seed: int = 0
+    timeout_s: float = 600.0
+
+    @property
+    def slots(self) -> int:
+        return self.max_groups * self.n
+
+    @property
+    def prompts(self) -> int:
+        """Enough prompts that no run wraps around (dropped groups come back as new attempts)."""
+        return self.steps * self.batch * 3 + self.max_groups
+
+
+def plan_for(ctx: Context) -> Plan:
+    if ctx.quick:
+        return Plan(n=2, batch=2, steps=3, max_groups=8, median=8, sigma=1.5, max_len=64,
+                    timeout_s=60)  # fmt: skip
+    return Plan(n=4, batch=2, steps=30, max_groups=12, median=32, sigma=1.5, max_len=1024,
+                repeats=2)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the task
+
+
+@dataclass(frozen=True)
+class Task:
+    model: Path
+    tokenizer: Path
+    """The model's tokenizer without an EOS token: the engine then never stops early."""
+    dataset: Path
+    prompts: list[str]
+    prompt_len: int
+
+    def lengths(self, plan: Plan) -> list[list[int]]:
+        """Each prompt's n target lengths, in dataset order (= dispatch order)."""
+        return [
+            target_lengths(plan.seed, p, plan.n, plan.median, plan.sigma, plan.max_len)
+            for p in self.prompts
+        ]
+
+
+def build_task(root: Path, plan: Plan) -> Task:
+    from transformers import AutoTokenizer
+
+    prompts = [f"p{i:05d}:" for i in range(plan.prompts)]
+    model = root / "model"
+    build_tiny_model(model, max_position_embeddings=plan.max_len + 64)
+    tok = AutoTokenizer.from_pretrained(str(model))
+    prompt_len = len(tok(prompts[0], add_special_tokens=False).input_ids)
+    tok.eos_token = None
+    tok.save_pretrained(str(root / "tokenizer"))
+    dataset = root / "train.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in prompts))
+    return Task(model, root / "tokenizer", dataset, prompts, prompt_len)
+
+
+def experiment_spec(task: Task, plan: Plan, eta: int) -> dict:
+    args = {"median": plan.median, "sigma": plan.sigma, "max_len": plan.max_len, "seed": plan.seed}
+    return {
+        "name": f"system-eta{eta}",
+        "model": {"path": str(task.model), "tokenizer_path": str(task.tokenizer)},
+        "dataset": {"path": str(task.dataset), "shuffle": False, "epochs": 1},
+        "rollout": {
+            "engine": "torch",
+            "n_samples": plan.n,
+            "max_head_offpolicyness": eta,
+            "max_concurrent_rollouts": plan.max_groups,
+            "filter": "none",  # exact_match never pays on these prompts: keep every group
+            "gconfig": {"temperature": 1.0, "max_new_tokens": plan.max_len},
+            "workflow": {"name": WORKFLOW, "args": args},
+        },
+        "reward": {"function": "exact_match"},
+        "trainer": {
+            "backend": "torch",
+            "batch_size": plan.batch,
+            "total_steps": plan.steps,
+            "lr": 1e-4,
+            "checkpoint_every": 1_000_000,  # only the final one, after the measured window
+        },
+    }
+
+
+# ---------------------------------------------------------------------------- the cluster
+
+
+class LocalCluster:
+    """nats + the four services under the supervisor on a temporary var dir (`make up`)."""
+
+    def __init__(self, var: Path):
+        self.var = var
+        self.scheduler_port, nats_port = free_port(), free_port()
+        self.nats_url = f"nats://127.0.0.1:{nats_port}"
+        inherited = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+        self.env = {
+            **inherited,
+            "ASYNCRL_NATS_PORT": str(nats_port),
+            "ASYNCRL_SCHEDULER_PORT": str(self.scheduler_port),
+            "OMP_NUM_THREADS": "1",  # one core each: rollout and trainer overlap on two cores
+            "ASYNCRL_TRAINER_ARGS": "--threads 1",
+        }
+        if not settings().insecure:
+            from asyncrl.security import ensure_secrets
+
+            self.env["ASYNCRL_SECRETS"] = str(ensure_secrets().resolve())
+
+    @property
+    def scheduler(self) -> str:
+        return f"127.0.0.1:{self.scheduler_port}"
+
+    def _sup(self, *args: str, timeout: float) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "asyncrl.supervisor", *args, "--var", str(self.var)],
+            env=self.env,
+            cwd=ROOT,  # the rollout imports the workflow plugin (bench.longtail) from here
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def __enter__(self) -> LocalCluster:
+        done = self._sup("start", "--timeout", "120", timeout=180)
+        if done.returncode != 0:
+            self.__exit__()
+            raise RuntimeError(f"cluster did not start: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pids = self._pids()
+        try:
+            self._sup("stop", "--timeout", "60", timeout=90)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in pids:  # whatever the supervisor could not stop
+            if pid_alive(pid):
+                kill_tree(pid)
+
+    def _state(self) -> dict:
+        try:
+            return json.loads((self.var / "run" / "state.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _pids(self) -> list[int]:
+        state = self._state()
+        if not state:
+            return []
+        return [state["supervisor_pid"], *(p["pid"] for p in state["processes"] if p["pid"])]
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """User + system CPU seconds each service's process has used so far."""
+        used = {}
+        for p in self._state().get("processes", []):
+            try:
+                times = psutil.Process(p["pid"]).cpu_times()
+            except (psutil.Error, TypeError):
+                continue
+            used[p["service"]] = times.user + times.system
+        return used
+
+    def log_events(self, service: str, event: str, experiment: str) -> list[dict]:
+        """The JSON log records of `event` for `experiment` in the service's first replica."""
+        found = []
+        for line in (self.var / "log" / f"{service}-0.log").read_text().splitlines():
+            if f'"{event}"' not in line:
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("event") == event and record.get("experiment") == experiment:
+                found.append(record)
+        return found
+
+
+# ---------------------------------------------------------------------------- one experiment
+
+
+@dataclass
+class RunRecord:
+    """What one experiment measured (times are Unix seconds)."""
+
+    eta: int
+    experiment: str
+    start_t: float
+    """First group dispatched."""
+    trained_t: dict[int, float]
+    """Version -> when its `trained` ledger event was written (after CommitWeights)."""
+    train_end_t: dict[int, float]
+    """Version -> end of its train_step (trainer log)."""
+    step_time_s: dict[int, float]
+    step_prompts: dict[int, list[int]]
+    """Version -> the dataset indices of the groups it trained."""
+    staleness_max: int
+    dropped: int
+    cpu_share: dict[str, float] = field(default_factory=dict)
+    """CPU seconds of each service over the experiment's duration (1.0 = one core busy)."""
+    finished_prompts: list[int] = field(default_factory=list)
+    """Dataset indices of the groups that finished generating before the N-th commit."""
+
+    @property
+    def steps(self) -> int:
+        return max(self.trained_t)
+
+    @property
+    def wall_s(self) -> float:
+        return self.trained_t[self.steps] - self.start_t
+
+    def update_s(self) -> list[float]:
+        return [self.trained_t[v] - self.train_end_t[v] for v in sorted(self.trained_t)]
+
+
+def _iso(ts: str) -> float:
+    return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+
+
+async def _run_to_end(scheduler: str, spec: dict, timeout_s: float):
+    async with AsyncrlClient(scheduler) as client:
+        exp = await client.submit(spec)
+        deadline = time.monotonic() + timeout_s
+        while not is_terminal(exp):
+            if time.monotonic() > deadline:
+                await client.cancel(exp.id)
+                raise TimeoutError(f"{spec['name']} did not finish in {timeout_s:.0f}s")
+            await asyncio.sleep(0.25)
+            exp = await client.get(exp.id, with_history=True)
+        if state_name(exp.state) != "COMPLETED":
+            raise RuntimeError(f"{spec['name']} ended {state_name(exp.state)}: {exp.message}")
+        return exp
+
+
+async def _ledger(nats_url: str, experiment: str) -> list[dict]:
+    nc = await connect(nats_url, identity="admin", max_reconnect_attempts=2)
+    try:
+        return await read_events(nc.jetstream(timeout=10), experiment)
+    finally:
+        await nc.close()
+
+
+def run_experiment(cluster: LocalCluster, spec: dict, eta: int, timeout_s: float) -> RunRecord:
+    cpu0, t0 = cluster.cpu_seconds(), time.monotonic()
+    exp = asyncio.run(_run_to_end(cluster.scheduler, spec, timeout_s))
+    duration, cpu1 = time.monotonic() - t0, cluster.cpu_seconds()
+    cpu_share = {k: round((cpu1[k] - cpu0[k]) / duration, 3) for k in cpu1 if k in cpu0}
+    events = asyncio.run(_ledger(cluster.nats_url, exp.id))
+    trained = [e for e in events if e["event"] == "trained"]
+    steps = cluster.log_events("trainer", "train_step", exp.id)
+    return RunRecord(
+        eta=eta,
+        experiment=exp.id,
+        start_t=min(e["t"] for e in events if e["event"] == "dispatched"),
+        trained_t={e["version"]: e["t"] for e in trained},
+        train_end_t={r["version"]: _iso(r["timestamp"]) for r in steps},
+        step_time_s={h.version: h.step_time_s for h in exp.history},
+        step_prompts={e["version"]: [prompt_of(g)[1] for g in e["groups"]] for e in trained},
+        staleness_max=max(h.staleness_max for h in exp.history),
+        dropped=exp.progress.stale_dropped,
+        cpu_share=cpu_share,
+        finished_prompts=_finished(events, max(e["t"] for e in trained)),
+    )
+
+
+def _finished(events: list[dict], until: float) -> list[int]:
+    """Dataset indices of the groups accepted (fully generated) up to `until`."""
+    return [
+        prompt_of(e["group"])[1]
+        for e in events
+        if e["event"] == "settled" and e["status"] == "accepted" and e["t"] <= until
+    ]
+
+
+# ---------------------------------------------------------------------------- the parameters
+
+
+class _TimedEngine(TorchEngine):
+    """The torch engine, recording every step: (active streams, seconds, whether it is the
+    first step after a weight update, i.e. re-prefills every interrupted request)."""
+
+    def __init__(self):
+        super().__init__(seed=0)
+        self.step_log: list[tuple[int, float, bool]] = []
+        self._resumed = False
+
+    async def _apply(self, op) -> None:
+        await super()._apply(op)
+        self._resumed = op.kind == "update"
+
+    def _step(self, batch, version):
+        resumed, self._resumed = self._resumed, False
+        t0 = time.perf_counter()
+        finished = super()._step(batch, version)
+        self.step_log.append((len(batch), time.perf_counter() - t0, resumed))
+        return finished
+
+
+async def _replay(model: Path, prompt_ids: list[int], lengths: list[int], slots: int, updates: int):
+    """Generate `lengths` with at most `slots` in flight; `updates` weight updates (the same
+    weights, a new version) at even shares of the tokens, as the fleet gets them mid-run."""
+    engine = _TimedEngine()
+    await engine.start()
+    try:
+        await engine.load(str(model), 0)
+        gate = asyncio.Semaphore(slots)
+
+        async def one(i: int, length: int):
+            async with gate:
+                params = SamplingParams(max_new_tokens=length)
+                await engine.generate(GenRequest(f"cal-{i}", prompt_ids, params))
+
+        job = asyncio.gather(*(one(i, L) for i, L in enumerate(lengths)))
+        for v in range(1, updates + 1):
+            share = sum(lengths) * v // (updates + 1)
+            while engine.tokens_generated < share and not job.done():
+                await asyncio.sleep(0.005)
+            if not job.done():
+                await engine.update_weights(str(model), v)
+        await job
+    finally:
+        await engine.stop()
+    return engine.step_log
+
+
+@dataclass(frozen=True)
+class Decode:
+    """The engine's decode cost, t(a) = t0 + c1 a seconds per step at a active streams, and
+    what re-prefilling interrupted requests after a weight update adds (not in the model)."""
+
+    t0: float
+    c1: float
+    steps: int
+    resume_stall_s: float
+    """Mean extra seconds of the first step after an update, over t(a)."""
+    resume_streams: float
+    """Mean requests in flight at those updates."""
+    full_fleet_step_s: float
+    """Mean step with at least 90 % of the slots active, as replayed (model: t(C))."""
+
+
+def measure_decode(task: Task, plan: Plan, table: list[list[int]], updates: int) -> Decode:
+    """Fit t(a) on the engine replaying 4 C of the workload's lengths at the fleet's
+    concurrency C (full fleet, then the drain down to one stream)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(task.tokenizer))
+    prompt_ids = tok(task.prompts[0], add_special_tokens=False).input_ids
+    lengths = [L for row in table for L in row][: 4 * plan.slots]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the rollout service runs here (OMP_NUM_THREADS=1)
+    try:
+        log = asyncio.run(_replay(task.model, prompt_ids, lengths, plan.slots, updates))
+    finally:
+        torch.set_num_threads(threads)
+    plain = [(a, dt) for a, dt, resumed in log if not resumed]
+    t0, c1 = fit_line(*per_level_medians(plain))
+    t0 = max(t0, 1e-6)  # the model needs t0 > 0 (alpha = c1 C / t0)
+    resumed = [(a, dt) for a, dt, r in log if r]
+    stall = float(np.mean([dt - (t0 + c1 * a) for a, dt in resumed])) if resumed else 0.0
+    streams = float(np.mean([a for a, _ in resumed])) if resumed else 0.0
+    full = [dt for a, dt in plain if a >= 0.9 * plan.slots] or [t0 + c1 * plan.slots]
+    return Decode(t0, c1, len(plain), stall, streams, float(np.mean(full)))
+
+
+def fit_line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """Theil-Sen (intercept, slope): the median of the pairwise slopes, robust to the outliers
+    a shared machine adds (a preempted step). Both kept >= 0: a negative intercept gives the
+    median of y/x through the origin instead."""
+    xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    i, j = np.triu_indices(len(xs), 1)
+    dx = xs[j] - xs[i]
+    if not np.any(dx != 0):
+        return float(np.median(ys)), 0.0
+    slope = max(0.0, float(np.median((ys[j] - ys[i])[dx != 0] / dx[dx != 0])))
+    intercept = float(np.median(ys - slope * xs))
+    if intercept < 0:
+        return 0.0, float(np.median(ys[xs > 0] / xs[xs > 0]))
+    return intercept, slope
+
+
+def per_level_medians(points: Sequence[tuple[int, float]]) -> tuple[list[int], list[float]]:
+    """The median y at each distinct x (each occupancy level counts once in the fit)."""
+    levels: dict[int, list[float]] = {}
+    for a, dt in points:
+        levels.setdefault(a, []).append(dt)
+    xs = sorted(levels)
+    return xs, [float(np.median(levels[a])) for a in xs]
+
+
+@dataclass(frozen=True)
+class Measured:
+    decode: Decode
+    train_a: float
+    train_b: float
+    t_sync: float
+
+
+def measure_train(syncs: list[RunRecord], table: list[list[int]], task: Task, plan: Plan):
+    """(train_a, train_b) over padded tokens, from the synchronous runs' steps."""
+    padded, seconds = [], []
+    for sync in syncs:
+        for v, prompts in sorted(sync.step_prompts.items()):
+            longest = max(L for i in prompts for L in table[i])
+            padded.append(len(prompts) * plan.n * (longest + task.prompt_len))
+            seconds.append(sync.step_time_s[v])
+    return fit_line(padded, seconds)
+
+
+def workload(plan: Plan, task: Task, m: Measured) -> overlap.Workload:
+    return overlap.Workload(
+        slots=plan.slots,
+        n=plan.n,
+        batch=plan.batch,
+        max_groups=plan.max_groups,
+        len_median=plan.median,
+        len_sigma=plan.sigma,
+        max_len=plan.max_len,
+        prompt_len=task.prompt_len,
+        t0=m.decode.t0,
+        alpha=m.decode.c1 * plan.slots / m.decode.t0 if m.decode.t0 > 0 else 0.0,
+        train_a=m.train_a,
+        train_b=m.train_b,
+        padded=True,
+        t_sync=m.t_sync,
+        steps=plan.steps,
+        seed=plan.seed,
+    )
+
+
+# ---------------------------------------------------------------------------- report
+
+
+@dataclass
+class EtaFigures:
+    eta: int
+    measured_speedup: float
+    ideal_speedup: float
+    measured_throughput: float
+    ideal_throughput: float
+    settings: dict = field(default_factory=dict)
+
+
+def predicted_train_s(w: overlap.Workload, r: RunRecord, table: list[list[int]]) -> float:
+    """Mean train step the fitted cost predicts for the batches this run actually trained."""
+    return float(
+        np.mean([w.train_time([L for i in ps for L in table[i]]) for ps in r.step_prompts.values()])
+    )
+
+
+def figures(
+    plan: Plan, runs: dict[int, RunRecord], ideal: overlap.Ideal, table: list[list[int]]
+) -> list[EtaFigures]:
+    m = plan.steps * plan.batch * plan.n
+    w = ideal.sync_workload
+    out = []
+    for eta, r in runs.items():
+        sim = ideal.runs[eta]
+        out.append(
+            EtaFigures(
+                eta=eta,
+                measured_speedup=runs[0].wall_s / r.wall_s,
+                ideal_speedup=ideal.speedup(eta),
+                measured_throughput=m / r.wall_s,
+                ideal_throughput=sim.throughput,
+                settings={
+                    "wall_s": round(r.wall_s, 3),
+                    "ideal_wall_s": round(sim.wall_s, 3),
+                    "sync_wall_s": round(runs[0].wall_s, 3),
+                    "ideal_sync_wall_s": round(ideal.sync.wall_s, 3),
+                    "staleness_max": r.staleness_max,
+                    "ideal_staleness_max": sim.max_staleness,
+                    "dropped": r.dropped,
+                    "ideal_dropped": sim.dropped,
+                    "train_step_s_mean": round(float(np.mean(list(r.step_time_s.values()))), 4),
+                    "train_step_s_predicted": round(predicted_train_s(w, r, table), 4),
+                    "ideal_train_step_s_mean": round(sim.train_busy_s / plan.steps, 4),
+                    "update_s_median": round(float(np.median(r.update_s())), 4),
+                    "cpu_share": r.cpu_share,
+                    "fleet_tokens_per_s_finished": round(
+                        sum(L for i in r.finished_prompts for L in table[i]) / r.wall_s, 1
+                    ),
+                    "ideal_fleet_tokens_per_s": round(sim.gen_tokens / sim.wall_s, 1),
+                },
+            )
+        )
+    return out
+
+
+def plot(figs: list[EtaFigures], bound_throughput: float, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    etas = [f.eta for f in figs]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(etas, [f.measured_throughput for f in figs], "o-", label="measured (asyncrl)")
+    ax.plot(etas, [f.ideal_throughput for f in figs], "s--", label="ideal (zero-overhead sim)")
+    ax.axhline(bound_throughput, color="grey", linestyle=":", label="analytic ceiling")
+    ax.set_xlabel("eta (max staleness; 0 = synchronous)")
+    ax.set_ylabel("trained samples / s")
+    ax.set_xticks(etas)
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.set_title("long-tail workload: throughput against eta")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _rounded(d: dict) -> dict:
+    return {k: _rounded(v) if isinstance(v, dict) else round(v, 6) if isinstance(v, float) else v
+            for k, v in d.items()}  # fmt: skip
+
+
+def run(ctx: Context) -> list[Result]:
+    plan = plan_for(ctx)
+    task = build_task(ctx.work_dir / "system", plan)
+    table = task.lengths(plan)
+    decode = measure_decode(task, plan, table, updates=ctx.size(6, 1))
+    records: dict[int, list[RunRecord]] = {eta: [] for eta in plan.etas}
+    with LocalCluster(ctx.work_dir / "system" / "var") as cluster:
+        for _ in range(plan.repeats):
+            for eta in plan.etas:
+                spec = experiment_spec(task, plan, eta)
+                records[eta].append(run_experiment(cluster, spec, eta, plan.timeout_s))
+    runs = {eta: min(rs, key=lambda r: r.wall_s) for eta, rs in records.items()}  # best of
+    train_a, train_b = measure_train(records[0], table, task, plan)
+    t_sync = float(np.median([u for r in records[0] for u in r.update_s()]))
+    measured = Measured(decode, train_a, train_b, t_sync)
+    w = workload(plan, task, measured)
+    ideal = overlap.ideal(w, plan.etas, table)
+    figs = figures(plan, runs, ideal, table)
+    bound = ideal.bound
+    ceiling = w.m / (bound.t_sync + max(bound.t_gen_throughput, bound.t_train))
+    out_dir = ctx.work_dir if ctx.quick else Path("var/bench")
+    png = plot(figs, ceiling, out_dir / "system_throughput.png")
+    common = {
+        "workload": {"n": plan.n, "batch": plan.batch, "steps": plan.steps,
+                     "max_groups": plan.max_groups, "slots": plan.slots,
+                     "lengths": f"lognormal median {plan.median:g} sigma {plan.sigma:g} "
+                                f"cap {plan.max_len}", "prompt_len": task.prompt_len},
+        "measured_parameters": _rounded(asdict(measured)),
+        "model": {"alpha": round(w.alpha, 4), "E_len": round(bound.e_len, 2),
+                  "E_max_len": round(bound.e_max, 2), "T_gen_sync": round(bound.t_gen_sync, 4),
+                  "T_gen_throughput": round(bound.t_gen_throughput, 4),
+                  "T_train": round(bound.t_train, 4), "T_sync": round(bound.t_sync, 4),
+                  "speedup_bound": round(bound.speedup, 3)},
+        "plot": str(png),
+    }  # fmt: skip
+    peer = "ideal speedup (zero-overhead model on the measured parameters)"
+    return [
+        Result(NAME, "system_speedup", f.measured_speedup, "x", peer, f.ideal_speedup,
+               {"eta": f.eta, "measured_throughput": round(f.measured_throughput, 3),
+                "ideal_throughput": round(f.ideal_throughput, 3),
+                "walls_s": [round(r.wall_s, 3) for r in records[f.eta]],
+                # every update interrupts the requests in flight (none in sync): re-prefill
+                "resume_stall_s_est": round(plan.steps * decode.resume_stall_s, 3) if f.eta else 0,
+                **f.settings, **common})
+        for f in figs
+    ]  # fmt: skip
+
+
+if __name__ == "__main__":  # python -m bench.system [--quick]: this benchmark alone, as JSON
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="asyncrl-system-") as tmp:
+        results = run(Context(work_dir=Path(tmp), quick="--quick" in sys.argv))
+    print(json.dumps([r.to_json() for r in results], indent=1))
