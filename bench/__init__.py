@@ -18,4 +18,5 @@ BENCHMARKS: dict[str, str] = {
     "ledger": "bench.ledger",
     "security": "bench.security",
     "system": "bench.system",
+    "control_plane": "bench.control_plane",
 }

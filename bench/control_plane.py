@@ -1,0 +1,514 @@
+"""What the control plane costs per group: the whole deployment with nothing else to do.
+
+Every service runs as its own process on a temporary var dir, as `make up` runs them: a secure
+nats-server (JetStream, TLS, users), the scheduler, one reward worker, one rollout and one
+trainer (TLS + tokens on every RPC). Only the compute is taken out, by the benchmark's own
+stand-ins (`bench.zero`): the rollout's engine answers each request at once with a fixed-length
+sample, and the trainer's step consumes its batch and does nothing. Everything else is real:
+dispatch under the staleness rule, GenerateGroup, scoring (exact_match in the reward pool),
+publishing to JetStream, the trainer's consumer and triage, weight publishing, CommitWeights
+and the fleet's UpdateWeights, checkpoints, the ledger, state persistence and logging.
+
+After a warm-up, a steady window runs from one trainer step to a later one; over it:
+- groups/s: groups trained ÷ wall time;
+- CPU-µs per group: user + system CPU time of every process (children included, nats-server
+  too) ÷ groups trained.
+The peer is AReaL's in-process `WorkflowExecutor` with a zero-latency fake engine (groups of n,
+the same B), measured by `../shared/tools/peer_areal/bench_areal_control_plane.py` in the same
+run when its venv exists; otherwise the benchmark is skipped with this side's figures in the
+reason. `python -m bench.control_plane --profile DIR` runs each service under cProfile and
+prints what dominates per group in each process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+
+from asyncrl.client import AsyncrlClient
+from asyncrl.natsutil import LocalNatsServer
+from asyncrl.net import free_port
+from asyncrl.v1 import common_pb2
+from bench.report import Context, Result, Skip
+from bench.zero import PROFILE_ENV
+
+NAME = "control_plane"
+ROOT = Path(__file__).resolve().parents[1]
+AREAL_TOOL = ROOT.parent / "shared" / "tools" / "peer_areal" / "bench_areal_control_plane.py"
+AREAL_PYTHON = Path(os.environ.get("ASYNCRL_BENCH_AREAL_PYTHON", "/tmp/peer_areal/venv/bin/python"))
+SERVICES = ("scheduler", "reward", "rollout", "trainer")
+DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+STEP_TIMEOUT_S = 120.0  # start-up included: four Python services on a shared 2-core machine
+
+
+@dataclass
+class Sizes:
+    n: int = 8
+    batch: int = 32
+    eta: int = 1
+    max_concurrent: int = 64
+    output_len: int = 16
+    warmup_steps: int = 5
+    min_seconds: float = 15.0
+    min_steps: int = 10
+
+    @classmethod
+    def for_context(cls, ctx: Context) -> Sizes:
+        return cls(
+            warmup_steps=ctx.size(5, 2),
+            min_seconds=ctx.size(15.0, 2.0),
+            min_steps=ctx.size(10, 2),
+        )
+
+
+@dataclass
+class Window:
+    """One steady window: groups trained, wall seconds and CPU seconds per process."""
+
+    groups: int
+    seconds: float
+    cpu_s: dict[str, float]
+    main_thread_s: dict[str, float] = field(default_factory=dict)
+    """CPU of each Python service's main thread (its event loop); the rest is gRPC's C
+    threads, the asyncio executor and child processes."""
+
+    @property
+    def groups_per_s(self) -> float:
+        return self.groups / self.seconds
+
+    @property
+    def cpu_us_per_group(self) -> float:
+        return 1e6 * sum(self.cpu_s.values()) / self.groups
+
+    def per_group(self, cpu: dict[str, float]) -> dict[str, float]:
+        return {k: round(1e6 * v / self.groups, 1) for k, v in cpu.items()}
+
+
+# ---- the deployment ------------------------------------------------------------------------
+
+
+def write_dataset(path: Path, prompts: int = 256) -> Path:
+    rng = random.Random(0)
+    rows = []
+    for _ in range(prompts):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        rows.append(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}))
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def experiment_spec(model: Path, dataset: Path, s: Sizes) -> dict:
+    return {
+        "name": "control-plane",
+        "model": {"path": str(model)},
+        "dataset": {"path": str(dataset), "epochs": 10_000},
+        "rollout": {
+            "engine": "torch",  # the zero engine in bench.zero's rollout process
+            "n_samples": s.n,
+            "max_head_offpolicyness": s.eta,
+            "max_concurrent_rollouts": s.max_concurrent,
+            "filter": "none",  # the zero engine's answers are all wrong: keep every group
+            "gconfig": {"max_new_tokens": s.output_len},
+        },
+        "reward": {"function": "exact_match"},
+        "trainer": {"backend": "torch", "batch_size": s.batch, "total_steps": 1_000_000},
+    }
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class Deployment:
+    """nats-server and the four services, each its own process, on `var`."""
+
+    def __init__(self, var: Path, profile: Path | None = None):
+        self.var = var
+        self.profile = profile
+        self.scheduler = f"127.0.0.1:{free_port()}"
+        self.nats = LocalNatsServer(var / "nats", log_file=var / "nats.log")
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def env(self, service: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+        env.update(
+            NATS_URL=self.nats.url,
+            ASYNCRL_SCHEDULER=self.scheduler,
+            ASYNCRL_VAR=str(self.var),
+            ASYNCRL_WEIGHTS=str(self.var / "weights"),
+            ASYNCRL_SECRETS=str(self.var / "secrets"),
+            ASYNCRL_INSECURE="0",
+            ASYNCRL_SERVICE=service,
+            PYTHONUNBUFFERED="1",
+        )
+        if self.profile is not None:
+            env[PROFILE_ENV] = str(self.profile)
+        return env
+
+    def start(self) -> None:
+        self.nats.start()
+        (self.var / "logs").mkdir(parents=True, exist_ok=True)
+        for service in SERVICES:
+            cmd = [sys.executable, "-m", "bench.zero", service]
+            if service == "scheduler":
+                cmd += ["--port", self.scheduler.rpartition(":")[2]]
+            if service == "rollout":
+                cmd += ["--engine", "torch"]
+            with open(self.log(service), "wb") as log:
+                self.procs[service] = subprocess.Popen(
+                    cmd,
+                    cwd=ROOT,
+                    env=self.env(service),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+
+    def log(self, service: str) -> Path:
+        return self.var / "logs" / f"{service}.log"
+
+    def pids(self) -> dict[str, int]:
+        pids = {s: p.pid for s, p in self.procs.items()}
+        if self.nats.proc is not None:
+            pids["nats-server"] = self.nats.proc.pid
+        return pids
+
+    def signal_services(self, signum: int) -> None:
+        """Start (SIGUSR1) or stop and write (SIGUSR2) the services' profiles; only when they
+        run under the profiler (which handles these signals)."""
+        if self.profile is None:
+            return
+        for proc in self.procs.values():
+            proc.send_signal(signum)
+        if signum == signal.SIGUSR2:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not all(
+                (self.profile / f"{s}.prof").exists() for s in self.procs
+            ):
+                time.sleep(0.1)
+
+    def check_alive(self) -> None:
+        for service, proc in self.procs.items():
+            if proc.poll() is not None:
+                tail = self.log(service).read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{service} exited with {proc.returncode}:\n{tail}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM to the trainer first (it ends its step while the others still answer), then
+        to the other services (they close cleanly: profiles are written); SIGKILL to the process
+        group of one that outlives `timeout`; then nats-server."""
+        trainer = self.procs.get("trainer")
+        order = [[trainer] if trainer else [], [p for p in self.procs.values() if p is not trainer]]
+        for procs in order:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        self.nats.stop()
+
+
+def cpu_seconds(pids: dict[str, int]) -> tuple[dict[str, float], dict[str, float]]:
+    """Per process (children included): user + system CPU seconds; and its main thread's."""
+    total, main = {}, {}
+    for name, pid in pids.items():
+        root = psutil.Process(pid)
+        total[name] = 0.0
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                t = p.cpu_times()
+                total[name] += t.user + t.system
+        main[name] = sum(t.user_time + t.system_time for t in root.threads() if t.id == pid)
+    return total, main
+
+
+class StepWatch:
+    """Trainer steps as the trainer logs them (`train_step` lines), read from its log file:
+    nothing is asked of the services, so watching costs them nothing."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+        self.step = 0
+
+    def poll(self) -> int:
+        if self.path.exists():
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self.offset += end
+            for line in data[:end].splitlines():
+                if b'"train_step"' in line:
+                    with contextlib.suppress(ValueError):
+                        self.step = max(self.step, int(json.loads(line).get("step", 0)))
+        return self.step
+
+    def wait_for(self, step: int, dep: Deployment, timeout: float = STEP_TIMEOUT_S) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() < step:
+            dep.check_alive()
+            if time.monotonic() > deadline:
+                tail = self.path.read_text(errors="replace")[-3000:]
+                raise TimeoutError(f"trainer at step {self.step}, not {step}:\n{tail}")
+            time.sleep(0.01)
+        return self.step
+
+
+async def _submit(dep: Deployment, spec: dict, timeout: float = STEP_TIMEOUT_S) -> str:
+    """Wait until a trainer, a rollout and a reward worker registered; submit `spec`."""
+    kinds = {
+        common_pb2.WORKER_KIND_TRAINER,
+        common_pb2.WORKER_KIND_ROLLOUT,
+        common_pb2.WORKER_KIND_REWARD,
+    }
+    deadline = time.monotonic() + timeout
+    async with AsyncrlClient(dep.scheduler) as client:
+        while True:
+            dep.check_alive()
+            with contextlib.suppress(Exception):
+                if kinds <= {w.kind for w in await client.workers()}:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError("the workers did not register")
+            await asyncio.sleep(0.2)
+        return (await client.submit(spec)).id
+
+
+def measure(work_dir: Path, model: Path, s: Sizes, profile: Path | None = None) -> Window:
+    """Run the deployment on a fresh var dir under `work_dir`; the steady window."""
+    from asyncrl.security import ensure_secrets
+
+    var = work_dir / f"control-plane-{os.getpid()}-{time.monotonic_ns()}"
+    var.mkdir(parents=True)
+    dataset = write_dataset(var / "train.jsonl")
+    with _environ(ASYNCRL_SECRETS=str(var / "secrets"), ASYNCRL_INSECURE="0"):
+        ensure_secrets(var / "secrets")
+        dep = Deployment(var, profile)
+        try:
+            dep.start()
+            asyncio.run(_submit(dep, experiment_spec(model, dataset, s)))
+            watch = StepWatch(dep.log("trainer"))
+            first = watch.wait_for(s.warmup_steps, dep)
+            dep.signal_services(signal.SIGUSR1)  # profiling (if on) covers the window only
+            cpu0, main0 = cpu_seconds(dep.pids())
+            t0 = time.perf_counter()
+            last = first
+            while last < first + s.min_steps or time.perf_counter() - t0 < s.min_seconds:
+                last = watch.wait_for(last + 1, dep)
+            seconds = time.perf_counter() - t0
+            cpu1, main1 = cpu_seconds(dep.pids())
+            dep.signal_services(signal.SIGUSR2)
+        finally:
+            dep.stop()
+    return Window(
+        groups=(last - first) * s.batch,
+        seconds=seconds,
+        cpu_s={k: cpu1[k] - cpu0[k] for k in cpu1},
+        main_thread_s={k: main1[k] - main0[k] for k in SERVICES},
+    )
+
+
+# ---- the peer ------------------------------------------------------------------------------
+
+
+def areal_peer(s: Sizes, quick: bool) -> dict | None:
+    """AReaL's WorkflowExecutor, zero-latency engine, groups of n, batch B (one child process
+    of the peer tool); None when its venv is not there."""
+    if not (AREAL_PYTHON.exists() and AREAL_TOOL.exists()):
+        return None
+    cmd = [
+        str(AREAL_PYTHON), str(AREAL_TOOL), "--child", "throughput", "--layer", "executor",
+        "--mode", "prepare_batch", "--batch-size", str(s.batch), "--eta", str(s.eta),
+        "--group-size", str(s.n), "--gen-latency", "0", "--output-len", str(s.output_len),
+        "--min-seconds", "1" if quick else "5", "--min-batches", "2" if quick else "5",
+        "--max-seconds", "10" if quick else "60",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line.removeprefix("RESULT "))
+    raise RuntimeError(f"AReaL peer failed ({proc.returncode}): {proc.stderr[-2000:]}")
+
+
+# ---- the benchmark -------------------------------------------------------------------------
+
+
+def _settings(s: Sizes, w: Window, peer: dict) -> dict:
+    return {
+        **asdict(s),
+        "window_s": round(w.seconds, 2),
+        "groups": w.groups,
+        "cpu_us_per_group_by_process": w.per_group(w.cpu_s),
+        "main_thread_cpu_us_per_group": w.per_group(w.main_thread_s),
+        "cpu_per_wall": round(sum(w.cpu_s.values()) / w.seconds, 2),
+        "security": "TLS + tokens on every RPC, NATS over TLS with users",
+        "peer": {
+            "mode": peer["mode"],
+            "groups": peer["timed_rollouts"],
+            "cpu_per_wall": round(peer["cpu_s_per_wall_s"], 2),
+        },
+    }
+
+
+def run(ctx: Context) -> list[Result]:
+    s = Sizes.for_context(ctx)
+    w = measure(ctx.work_dir, ctx.tiny_model(seed=0), s)
+    here = (
+        f"measured here: {w.groups_per_s:.0f} groups/s, {w.cpu_us_per_group:.0f} CPU-µs/group"
+        f" (n={s.n}, B={s.batch})"
+    )
+    try:
+        peer = areal_peer(s, ctx.quick)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:  # an optional peer: say why
+        raise Skip(f"AReaL peer failed ({str(e)[-300:]}); {here}") from None
+    if peer is None:
+        raise Skip(
+            f"AReaL peer not run: no venv at {AREAL_PYTHON} (bash {AREAL_TOOL.parent}/"
+            f"setup_venv.sh); {here}"
+        )
+    who = f"AReaL 1.0.4 WorkflowExecutor in one process, zero-latency engine (n={s.n}, B={s.batch})"
+    settings = _settings(s, w, peer)
+    return [
+        Result(
+            NAME,
+            "CPU-µs per group, all processes (scheduler, rollout, reward, trainer, nats)",
+            w.cpu_us_per_group,
+            "µs",
+            who,
+            peer["cpu_us_per_rollout"],
+            settings,
+        ),
+        Result(
+            NAME,
+            "groups/s trained, zero-cost engine and trainer step",
+            w.groups_per_s,
+            "1/s",
+            who,
+            peer["rollouts_per_s"],
+            settings,
+        ),
+    ]
+
+
+# ---- profile ------------------------------------------------------------------------------
+
+
+IDLE = "<method 'poll' of 'select.epoll' objects>"
+"""Where an event loop waits for work: excluded (the profiler's clock is the wall clock)."""
+
+
+def print_profiles(directory: Path, w: Window, unprofiled: Window, top: int) -> None:
+    """The functions with the most own time in each service's main thread over the window,
+    the loop's idle wait excluded. µs/group are scaled to the unprofiled run (share of the
+    profiled busy time × that thread's CPU-µs/group measured without the profiler, which
+    inflates call-heavy code): estimates for ranking, not measurements."""
+    import pstats
+
+    base = unprofiled.per_group(unprofiled.main_thread_s)
+    for service in SERVICES:
+        path = directory / f"{service}.prof"
+        if not path.exists():
+            continue
+        stats = pstats.Stats(str(path))
+        busy = sum(v[2] for (_, _, fn), v in stats.stats.items() if fn != IDLE) or 1.0
+        scale = base[service] / busy  # profiled seconds -> unprofiled µs/group
+        print(
+            f"\n## {service}: main thread {base[service]:.0f} CPU-µs/group unprofiled "
+            f"({1e6 * busy / w.groups:.0f} µs/group busy under the profiler)"
+        )
+        gc_file = directory / f"{service}.gc.json"
+        if gc_file.exists():
+            g = json.loads(gc_file.read_text())
+            per = [f"{1e6 * t / w.groups:.1f}" for t in g["seconds"]]
+            print(
+                f"garbage collector, gen 0/1/2: {'/'.join(per)} µs/group under the profiler,"
+                f" {g['collections']} collections"
+            )
+        print("| own µs/group | cum µs/group | calls/group | function |")
+        print("|---:|---:|---:|---|")
+        rows = [kv for kv in stats.stats.items() if kv[0][2] != IDLE]
+        rows.sort(key=lambda kv: -kv[1][2])
+        for (file, line, fn), (_, calls, tt, ct, _) in rows[:top]:
+            where = f"{'/'.join(Path(file).parts[-2:])}:{line}:{fn}" if line else fn
+            print(f"| {tt * scale:.1f} | {ct * scale:.1f} | {calls / w.groups:.2f} | {where} |")
+
+
+def _window_json(w: Window) -> dict:
+    return {
+        "groups_per_s": round(w.groups_per_s, 1),
+        "cpu_us_per_group": round(w.cpu_us_per_group, 1),
+        "window_s": round(w.seconds, 2),
+        "groups": w.groups,
+        "cpu_us_per_group_by_process": w.per_group(w.cpu_s),
+        "main_thread_cpu_us_per_group": w.per_group(w.main_thread_s),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.control_plane", description=__doc__)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--profile", type=Path, help="then run again under cProfile into DIR")
+    p.add_argument("--top", type=int, default=25, help="functions shown per profile")
+    p.add_argument("--seconds", type=float, help="steady window (default 15, quick 2)")
+    p.add_argument("--eta", type=int, default=1)
+    p.add_argument("--no-peer", action="store_true", help="measure this side only")
+    args = p.parse_args(argv)
+    import tempfile
+
+    from asyncrl.logging import configure_logging
+
+    configure_logging("bench", json=False, level="WARNING")  # stdout is the JSON
+
+    with tempfile.TemporaryDirectory(prefix="asyncrl-cp-") as tmp:
+        ctx = Context(work_dir=Path(tmp), quick=args.quick)
+        s = Sizes.for_context(ctx)
+        s.eta = args.eta
+        if args.seconds:
+            s.min_seconds = args.seconds
+        model = ctx.tiny_model(seed=0)
+        w = measure(ctx.work_dir, model, s)
+        out = {**_window_json(w), "sizes": asdict(s)}
+        if not args.no_peer:
+            peer = areal_peer(s, args.quick)
+            keys = ("rollouts_per_s", "cpu_us_per_rollout", "cpu_s_per_wall_s")
+            out["areal"] = peer and {k: peer[k] for k in keys}
+        print(json.dumps(out, indent=1), flush=True)
+        if args.profile:
+            profile = args.profile.resolve()
+            pw = measure(ctx.work_dir, model, s, profile)
+            print(json.dumps({"profiled": _window_json(pw)}, indent=1))
+            print_profiles(profile, pw, w, args.top)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""The control-plane benchmark's own pieces: the zero engine, the no-op trainer backend, the step
+watch over the trainer's log, the window arithmetic and the spec it submits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from asyncrl.spec import SamplingParams, validate_spec
+from asyncrl.types import Sample, TrajectoryGroup
+from bench.control_plane import Sizes, StepWatch, Window, experiment_spec, write_dataset
+from bench.zero import NoopBackend, ZeroEngine
+from services.rollout.engine import GenRequest
+
+
+def test_zero_engine_generate_answers_fixed_length_at_served_version():
+    engine = ZeroEngine(output_len=16)
+
+    async def go():
+        await engine.load("/m", 3)
+        short = await engine.generate(GenRequest("a", [1, 2], SamplingParams(max_new_tokens=4)))
+        await engine.update_weights("/m", 4)
+        full = await engine.generate(GenRequest("b", [1, 2], SamplingParams(max_new_tokens=64)))
+        return short, full
+
+    short, full = asyncio.run(go())
+    assert len(short.output_ids) == len(short.logprobs) == len(short.versions) == 4
+    assert short.versions == [3] * 4
+    assert len(full.output_ids) == 16 and full.versions == [4] * 16
+    assert full.finish_reason == "length"
+
+
+def test_noop_backend_step_counts_tokens_and_saves_the_config(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"vocab_size": 99}')
+    backend = NoopBackend(validate_spec({"model": {"path": str(model)}, "dataset": {"path": "x"}}))
+    backend.load(str(model))
+    sample = Sample(output_ids=[4, 5, 6], logprobs=[-1.0] * 3, versions=[0] * 3)
+    group = TrajectoryGroup("e", "g", "p", "1+1=", "2", [7, 8], [sample, sample])
+    assert backend.train_step([group])["tokens"] == 6.0
+    out = tmp_path / "v1"
+    out.mkdir()
+    backend.save_hf(out)
+    assert json.loads((out / "config.json").read_text()) == {"vocab_size": 99}
+    assert backend.logprobs([group]) == [[[-1.0] * 3, [-1.0] * 3]]
+
+
+def test_step_watch_reads_train_step_lines_and_waits_for_a_partial_line(tmp_path):
+    log = tmp_path / "trainer.log"
+    watch = StepWatch(log)
+    assert watch.poll() == 0  # no file yet
+    lines = [
+        json.dumps({"event": "train_step", "step": 1}),
+        "not json at all",
+        "train_step, but not json",
+        json.dumps({"event": "checkpoint_saved", "step": 9}),
+        json.dumps({"event": "train_step", "step": 2}),
+    ]
+    log.write_text("\n".join(lines) + "\n" + '{"event": "train_step", "st')
+    assert watch.poll() == 2
+    with open(log, "a") as f:
+        f.write('ep": 3}\n')
+    assert watch.poll() == 3
+
+
+def test_window_per_group_figures():
+    w = Window(groups=64, seconds=2.0, cpu_s={"a": 0.064, "b": 0.032}, main_thread_s={"a": 0.032})
+    assert w.groups_per_s == 32.0
+    assert w.cpu_us_per_group == pytest.approx(1500.0)
+    assert w.per_group(w.main_thread_s) == {"a": 500.0}
+
+
+def test_experiment_spec_is_valid_with_the_benchmark_sizes(tmp_path):
+    dataset = write_dataset(tmp_path / "train.jsonl", prompts=8)
+    assert len(dataset.read_text().splitlines()) == 8
+    spec = validate_spec(experiment_spec(tmp_path / "model", dataset, Sizes()))
+    assert spec.rollout.n_samples == 8 and spec.trainer.batch_size == 32
+    assert spec.rollout.filter == "none"  # the zero engine's answers are all wrong
+    assert spec.rollout.engine == "torch" and spec.trainer.backend == "torch"
