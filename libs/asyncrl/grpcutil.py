@@ -16,14 +16,39 @@ CHANNEL_OPTIONS = [
 ]
 
 
+class BearerToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call's metadata. (grpc's own
+    `access_token_call_credentials` runs a Python plugin on a new thread per call: twice the
+    client CPU and ~1 ms more latency per call, measured by bench/control_plane.py's profile.)"""
+
+    def __init__(self, token: str):
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._header)
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+
 def channel(address: str, identity: str | None = None, token: bool = True) -> grpc.aio.Channel:
     """A channel to `address` over TLS that presents `identity`'s token on every call (default
     ASYNCRL_IDENTITY, i.e. the CLI's admin). Plain when ASYNCRL_INSECURE."""
     creds = credentials(identity or settings().identity)
     if creds is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    interceptors = [BearerToken(creds.token)] if token else None
     return grpc.aio.secure_channel(
-        address, creds.channel_credentials(token), options=CHANNEL_OPTIONS
+        address,
+        creds.channel_credentials(with_token=False),
+        options=CHANNEL_OPTIONS,
+        interceptors=interceptors,
     )
 
 

@@ -19,7 +19,7 @@ import asyncio
 import signal
 from collections.abc import Awaitable
 
-from asyncrl.runtime import ServiceRuntime
+from asyncrl.runtime import ServiceRuntime, freeze_heap
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 PORT_HELP = "port to bind (0: any free port)"
@@ -59,5 +59,6 @@ async def run_until_signal(startup: Awaitable[ServiceRuntime]) -> None:
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     runtime = await startup
+    freeze_heap()
     await stop.wait()
     await runtime.close()
