@@ -24,6 +24,22 @@ class GenRequest:
     decode: Callable[[list[int]], str] | None = None  # for `params.stop` strings (torch engine)
 
 
+@dataclass(frozen=True)
+class UpdatePhases:
+    """Where one `update_weights` call's time went, in seconds (0 for a phase an engine does
+    not have)."""
+
+    read_s: float = 0.0
+    """Reading the version from the weight store while generation goes on."""
+    pause_s: float = 0.0
+    """Until generation stopped at a token boundary (SGLang: pause, then the aborted requests'
+    partial answers)."""
+    load_s: float = 0.0
+    """The weights into the model while generation is stopped."""
+    resume_s: float = 0.0
+    """Until generation runs again."""
+
+
 @dataclass
 class GenOutput:
     output_ids: list[int]
@@ -35,6 +51,8 @@ class GenOutput:
 
 class Engine(ABC):
     name: str = "engine"
+    last_update: UpdatePhases = UpdatePhases()
+    """The phases of the last `update_weights` (an engine sets a new one per update)."""
 
     @property
     @abstractmethod

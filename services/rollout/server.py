@@ -85,7 +85,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def UpdateWeights(self, request, context):
         r = await self.service.update_weights(request.experiment_id, request.version, request.uri)
         return rollout_pb2.UpdateWeightsResponse(
-            version=r.version, seconds=r.seconds, interrupted=r.interrupted
+            version=r.version,
+            seconds=r.seconds,
+            interrupted=r.interrupted,
+            read_s=r.phases.read_s,
+            pause_s=r.phases.pause_s,
+            load_s=r.phases.load_s,
+            resume_s=r.phases.resume_s,
         )
 
     async def GetStatus(self, request, context):
@@ -103,7 +109,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
 
 class RolloutCollector(Collector):
-    """Running groups/samples, tokens generated and the version the engine serves."""
+    """Running groups/samples, tokens generated, the version the engine serves, and the
+    weight updates' phases (a histogram)."""
 
     def __init__(self, service: RolloutService):
         self.service = service
@@ -121,6 +128,7 @@ class RolloutCollector(Collector):
             family = gauge(f"asyncrl_rollout_{key}", doc, ["experiment"])
             family.add_metric([s.experiment_id], float(value))
             yield family
+        yield from s.update_seconds.collect()
 
 
 async def create_rollout(

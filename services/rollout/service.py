@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from prometheus_client import Histogram
 
 from asyncrl.errors import BadRequest, Conflict
 from asyncrl.logging import get_logger
@@ -25,7 +27,7 @@ from asyncrl.throughput import Throughput
 from asyncrl.types import Completion, RewardStatus, Sample, Score, TrajectoryGroup
 from asyncrl.weights import uri_to_path
 from asyncrl.workflow import Workflow, WorkflowContext, make_workflow, resolve_workflow
-from services.rollout.engine import Engine, GenRequest
+from services.rollout.engine import Engine, GenRequest, UpdatePhases
 from services.rollout.filters import GroupStatus, decide, failed_samples
 from services.rollout.openai_api import OpenAIEndpoint
 from services.rollout.reward_client import (
@@ -110,11 +112,16 @@ class GroupSummary:
     worker: str = ""
 
 
+UPDATE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
 @dataclass
 class WeightsResult:
     version: int
     seconds: float
     interrupted: int
+    phases: UpdatePhases = field(default_factory=UpdatePhases)
+    """Where an interrupting update's time went (zeros for a first load or a retry)."""
 
 
 @dataclass
@@ -158,6 +165,13 @@ class RolloutService:
         self._groups: dict[str, _Running] = {}
         self._weights_lock = asyncio.Lock()
         self.openai = OpenAIEndpoint(port=openai_port)
+        self.update_seconds = Histogram(
+            "asyncrl_rollout_weight_update_seconds",
+            "UpdateWeights by phase: read, pause, load, resume, and the whole call (total)",
+            ["experiment", "phase"],
+            buckets=UPDATE_BUCKETS,
+            registry=None,  # rendered by this service's collector, never the global registry
+        )
 
     @property
     def worker(self) -> str:
@@ -197,6 +211,7 @@ class RolloutService:
         if not (path / "config.json").is_file():
             raise BadRequest("uri", f"no HuggingFace config.json in {path}")
         start = time.perf_counter()
+        phases = UpdatePhases()
         async with self._weights_lock:
             if self.tokenizer is None or experiment_id != self.experiment_id:
                 await self._load(self.binding, path, version)
@@ -205,15 +220,23 @@ class RolloutService:
                 interrupted = 0  # a retried UpdateWeights: already served
             else:
                 interrupted = await self.engine.update_weights(str(path), version)
+                phases = self.engine.last_update
+                self._observe(experiment_id, phases)
         seconds = time.perf_counter() - start
+        self.update_seconds.labels(experiment_id, "total").observe(seconds)
         log.info(
             "weights_updated",
             experiment=experiment_id,
             version=version,
             interrupted=interrupted,
             seconds=round(seconds, 3),
+            **{k: round(v, 4) for k, v in asdict(phases).items()},
         )
-        return WeightsResult(self.engine.version, seconds, interrupted)
+        return WeightsResult(self.engine.version, seconds, interrupted, phases)
+
+    def _observe(self, experiment_id: str, phases: UpdatePhases) -> None:
+        for name, seconds in asdict(phases).items():
+            self.update_seconds.labels(experiment_id, name.removesuffix("_s")).observe(seconds)
 
     async def _load(self, binding: Binding, path: Path, version: int) -> None:
         from transformers import AutoTokenizer

@@ -33,13 +33,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
 
 from asyncrl.logging import get_logger
-from services.rollout.engine import Engine, GenOutput, GenRequest
+from services.rollout.engine import Engine, GenOutput, GenRequest, UpdatePhases
 from services.rollout.sglang_config import SGLangConfig
 from services.rollout.sglang_process import (
     SGLangNotInstalled,
@@ -277,20 +278,7 @@ class SGLangEngine(Engine):
                 self._updates += 1
                 pending = list(self._inflight.values())
                 try:
-                    await self._pause()
-                    try:
-                        if pending:  # the aborted requests answer with their partial output
-                            _, late = await asyncio.wait(
-                                pending, timeout=self.config.drain_timeout_s
-                            )
-                            if late:
-                                log.warning("abort_drain_timeout", late=len(late))
-                        if self.config.weight_sync == "nccl":
-                            await self._apply_distributed(model_dir, version)
-                        else:
-                            await self._apply_from_disk(model_dir, version)
-                    finally:
-                        await self._continue()
+                    self.last_update = await self._pause_apply_continue(model_dir, version, pending)
                 except aiohttp.ClientConnectionError:
                     self._down = True
                     if self.process is None:
@@ -304,6 +292,30 @@ class SGLangEngine(Engine):
                     self._serving.set()
                 log.info("weights_updated", version=version, interrupted=len(pending))
                 return len(pending)
+
+    async def _pause_apply_continue(
+        self, model_dir: str, version: int, pending: list[asyncio.Future]
+    ) -> UpdatePhases:
+        """One update attempt, timed: pause and wait for the aborted requests' partial answers,
+        load the weights (from disk, or received over the weight-update group), continue."""
+        t0 = time.perf_counter()
+        await self._pause()
+        try:
+            if pending:  # the aborted requests answer with their partial output
+                _, late = await asyncio.wait(pending, timeout=self.config.drain_timeout_s)
+                if late:
+                    log.warning("abort_drain_timeout", late=len(late))
+            paused = time.perf_counter()
+            if self.config.weight_sync == "nccl":
+                await self._apply_distributed(model_dir, version)
+            else:
+                await self._apply_from_disk(model_dir, version)
+            loaded = time.perf_counter()
+        finally:
+            await self._continue()
+        return UpdatePhases(
+            pause_s=paused - t0, load_s=loaded - paused, resume_s=time.perf_counter() - loaded
+        )
 
     async def generate(self, req: GenRequest) -> GenOutput:
         p = req.params

@@ -14,6 +14,9 @@ Interruption: `update_weights` is applied by the loop between two steps (a token
 The new weights are copied into the live model (a state-dict load, no re-instantiation), the
 version is bumped, every in-flight request's KV cache is dropped, and the next step recomputes
 prompt + partial output under the new weights. Per-token `versions` record the switch.
+`last_update` times it: reading the files (generation goes on), the pause until the loop reaches
+the boundary (the step in progress ends), the copy, and the resume (dropping the caches; their
+recomputation is part of the next step).
 
 Stop strings (`params.stop`) are matched on the decoded tail of the output after every token,
 with the tokenizer's decode that the service passes in the request.
@@ -25,6 +28,7 @@ and the request id, so a request's samples do not depend on what else is in the 
 from __future__ import annotations
 
 import asyncio
+import time
 import zlib
 from dataclasses import dataclass, field
 
@@ -33,7 +37,7 @@ import torch
 from asyncrl.logging import get_logger
 from asyncrl.spec import SamplingParams
 from asyncrl.weights import load_state_dict_files
-from services.rollout.engine import Engine, GenOutput, GenRequest
+from services.rollout.engine import Engine, GenOutput, GenRequest, UpdatePhases
 
 log = get_logger(component="torch_engine")
 
@@ -69,6 +73,8 @@ class _Op:
     version: int
     future: asyncio.Future
     state: dict[str, torch.Tensor] | None = None
+    read_s: float = 0.0
+    submitted: float = field(default_factory=time.perf_counter)
 
 
 def sample_token(
@@ -164,9 +170,11 @@ class TorchEngine(Engine):
         continue under `version`. Returns how many were interrupted."""
         if self.model is None:
             raise RuntimeError("update_weights before load")
+        t0 = time.perf_counter()
         state = await asyncio.to_thread(load_state_dict_files, model_dir)
+        read_s = time.perf_counter() - t0
         return await self._submit_op(
-            _Op("update", str(model_dir), version, self._new_future(), state)
+            _Op("update", str(model_dir), version, self._new_future(), state, read_s)
         )
 
     async def generate(self, req: GenRequest) -> GenOutput:
@@ -264,11 +272,19 @@ class TorchEngine(Engine):
                 await asyncio.to_thread(self._load_model, op.model_dir)
                 result = 0
             else:
+                paused = time.perf_counter()
                 await asyncio.to_thread(self._swap_weights, op.state)
+                loaded = time.perf_counter()
                 result = len(self._slots)
                 for slot in self._slots.values():
                     slot.cache = None  # recompute the prefix under the new weights
                     slot.interruptions += 1
+                self.last_update = UpdatePhases(
+                    read_s=op.read_s,
+                    pause_s=paused - op.submitted,
+                    load_s=loaded - paused,
+                    resume_s=time.perf_counter() - loaded,
+                )
             self._version = op.version
             self.model_dir = op.model_dir
             log.info("weights_applied", kind=op.kind, version=op.version, interrupted=result)

@@ -1,9 +1,51 @@
-"""Pure step accounting for the trainer: which pulled groups are too stale to train, and the
-metrics of one optimizer step. No grpc, no nats: unit-tested with exact values."""
+"""Pure step accounting for the trainer: which pulled groups are too stale to train, the
+metrics of one optimizer step, and where the trainer's time goes around it. No grpc, no nats:
+unit-tested with exact values."""
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
+from prometheus_client import Histogram
+
 from asyncrl.types import RewardStatus, StepMetrics, TrajectoryGroup
+
+PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds around one step, the StepMetrics fields of the same names (common.proto): this
+    step's wait and its version's serialise and write; the previous version's commit and
+    checkpoint (they end after this step's metrics are sent); and the stall before this step."""
+
+    wait_s: float = 0.0
+    serialize_s: float = 0.0
+    write_s: float = 0.0
+    commit_s: float = 0.0
+    checkpoint_s: float = 0.0
+    stall_s: float = 0.0
+
+
+def stall_seconds(prev_train_end: float | None, train_start: float, wait_s: float) -> float:
+    """The critical path from the previous train_step's end to this one's start that was not
+    spent collecting the batch (0 for a run's first step)."""
+    if prev_train_end is None:
+        return 0.0
+    return max(0.0, train_start - prev_train_end - wait_s)
+
+
+def phase_histogram() -> Histogram:
+    """Seconds per phase of the trainer's side of a weight update (serialize, write, commit),
+    its checkpoints, its train steps, and the stall each step waited on them; rendered by the
+    trainer's collector (never prometheus' global registry)."""
+    return Histogram(
+        "asyncrl_trainer_phase_seconds",
+        "Trainer time by phase: train_step, wait, serialize, write, commit, checkpoint, stall",
+        ["experiment", "phase"],
+        buckets=PHASE_BUCKETS,
+        registry=None,
+    )
 
 
 def is_too_stale(group: TrajectoryGroup, trainer_version: int, eta: int) -> bool:
@@ -35,12 +77,14 @@ def step_metrics(
     stale_dropped: int,
     quarantined: int = 0,
     replayed: int = 0,
+    times: StepTimes = StepTimes(),
 ) -> StepMetrics:
     """Metrics of the step that trained `groups` at `trainer_version` and produced `version`.
 
     `backend_stats` is what `TrainerBackend.train_step` returned (loss, clip_fraction, entropy,
     kl, grad_norm, tokens); a key a backend does not report counts as 0. `stale_dropped`,
-    `quarantined` and `replayed` count the messages consumed for the step and not trained.
+    `quarantined` and `replayed` count the messages consumed for the step and not trained;
+    `times` says where the trainer's time went around it.
     """
     ok = [s for g in groups for s in g.samples if s.reward_status == RewardStatus.OK]
     staleness = [g.staleness(trainer_version) for g in groups]
@@ -64,4 +108,5 @@ def step_metrics(
         stale_groups=sum(s >= 1 for s in staleness),
         quarantined=quarantined,
         replayed=replayed,
+        **asdict(times),
     )

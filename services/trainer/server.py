@@ -55,7 +55,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
 
 class TrainerCollector(Collector):
-    """Version, step and the last step's metrics."""
+    """Version, step, the last step's metrics, and where the trainer's time goes (a histogram
+    per phase: train_step, wait, serialize, write, commit, checkpoint, stall)."""
 
     def __init__(self, service: TrainerService):
         self.service = service
@@ -73,6 +74,7 @@ class TrainerCollector(Collector):
             if s.last_metrics is not None:
                 family.add_metric(labels, float(getattr(s.last_metrics, key)))
             yield family
+        yield from s.phases.collect()
 
 
 async def create_trainer(

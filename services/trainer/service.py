@@ -32,6 +32,7 @@ from asyncrl.errors import Conflict, NotFound
 from asyncrl.ledger import Ledger, ensure_ledger
 from asyncrl.logging import get_logger
 from asyncrl.retry import idempotent_rpc
+from asyncrl.runtime import freeze_heap
 from asyncrl.spec import ExperimentSpec, SpecError, spec_from_json
 from asyncrl.types import StepMetrics, TrainerState, TrajectoryGroup
 from asyncrl.v1 import scheduler_pb2, trainer_pb2
@@ -47,7 +48,10 @@ from services.trainer.checkpoint import (
 )
 from services.trainer.consumer import GroupConsumer, Pulled, unconsumed_group_ids
 from services.trainer.metrics import (
+    StepTimes,
     drop_reason,
+    phase_histogram,
+    stall_seconds,
     step_metrics,
 )
 from services.trainer.validation import Admission, RecentIds, Verdict, triage
@@ -71,6 +75,8 @@ class Batch:
     dropped: int = 0
     quarantined: int = 0
     replayed: int = 0
+    wait_s: float = 0.0
+    """Seconds spent collecting it (pulling, triaging, waiting for groups)."""
 
 
 def model_vocab_size(model_dir: str | Path) -> int:
@@ -126,6 +132,9 @@ class TrainerService:
         self._task: asyncio.Task | None = None
         self._stop = asyncio.Event()
         self._lock = asyncio.Lock()  # one of: start, a step, a checkpoint
+        self.phases = phase_histogram()
+        self._train_end: float | None = None  # when the last train_step of this run ended
+        self._after = StepTimes()  # commit_s, checkpoint_s of the last version, sent with the next
 
     # -- RPC-facing operations ------------------------------------------------------------
     async def start_experiment(self, experiment_id: str, spec_json: str) -> tuple[int, bool]:
@@ -219,6 +228,7 @@ class TrainerService:
         self.version = self.step = self._boundary_seq = 0
         self.resumed, self.last_metrics = False, None
         self._trained = RecentIds()
+        self._train_end, self._after = None, StepTimes()
         self._stop = asyncio.Event()  # a StopExperiment during loading stops the new run
         self.log = log.bind(experiment=experiment_id)
         self.ledger = Ledger(self.js, experiment_id)
@@ -256,6 +266,7 @@ class TrainerService:
         # steps recorded after the checkpoint this run resumes from were lost with the process
         # that trained them: their groups come again and are trained by this run
         await self.ledger.record("rewound", to_step=self.step, run=self.run_id)
+        freeze_heap()  # the model and optimizer: never scanned by the collector again
         self.state = TrainerState.WAITING
         self.log.info(
             "experiment_started",
@@ -335,6 +346,7 @@ class TrainerService:
         b = self.spec.trainer.batch_size
         batch = Batch(last_seq=self._boundary_seq)
         self.state = TrainerState.WAITING
+        t0 = time.perf_counter()
         while len(batch.groups) < b:
             if self._stop.is_set():
                 return None
@@ -346,6 +358,8 @@ class TrainerService:
                 await self._report_dropped(stale, self.spec.rollout.max_head_offpolicyness)
             if pulled:
                 batch.last_seq = pulled[-1].seq
+        batch.wait_s = time.perf_counter() - t0
+        self._observe("wait", batch.wait_s)
         return batch
 
     async def _admit(self, p: Pulled, batch: Batch) -> list[TrajectoryGroup]:
@@ -377,12 +391,24 @@ class TrainerService:
         self.state, self._stage = TrainerState.TRAINING, "training"
         trained_at = self.version
         t0 = time.perf_counter()
+        stall_s = stall_seconds(self._train_end, t0, batch.wait_s)
         stats = await asyncio.to_thread(self.backend.train_step, batch.groups)
-        step_time = time.perf_counter() - t0
+        self._train_end = time.perf_counter()
+        step_time = self._train_end - t0
         self.version += 1
         self.step += 1
         self._boundary_seq = batch.last_seq
         self._trained.extend(g.group_id for g in batch.groups)
+        self._stage = "publish weights"
+        uri, serialize_s, write_s = await asyncio.to_thread(self._publish_weights, self.version)
+        times = StepTimes(
+            wait_s=batch.wait_s,
+            serialize_s=serialize_s,
+            write_s=write_s,
+            commit_s=self._after.commit_s,
+            checkpoint_s=self._after.checkpoint_s,
+            stall_s=stall_s,
+        )
         m = step_metrics(
             step=self.step,
             version=self.version,
@@ -393,35 +419,65 @@ class TrainerService:
             stale_dropped=batch.dropped,
             quarantined=batch.quarantined,
             replayed=batch.replayed,
+            times=times,
         )
         self.last_metrics = m
+        for phase, seconds in (("train_step", step_time), ("stall", stall_s)):
+            self._observe(phase, seconds)
         slog = self.log.bind(version=self.version)
         slog.info("train_step", **{k: v for k, v in asdict(m).items() if k != "version"})
-        self._stage = "publish weights"
-        uri = await asyncio.to_thread(self._publish_weights, self.version)
+        return await self._commit_step(m, uri, [g.group_id for g in batch.groups])
+
+    async def _commit_step(self, m: StepMetrics, uri: str, ids: list[str]) -> bool:
+        """Commit the step's version, record it, checkpoint when due; returns the scheduler's
+        stop. Times the commit and the checkpoint: the next step's metrics report them."""
         self._stage = "commit"
+        t0 = time.perf_counter()
         resp = await self._commit_and_send(uri, m)
-        ids = [g.group_id for g in batch.groups]
+        commit_s = time.perf_counter() - t0
+        self._observe("commit", commit_s)
         await self.ledger.record(
             "trained", step=self.step, version=self.version, groups=ids, run=self.run_id
         )
+        checkpoint_s = 0.0
         if resp.stop:
-            slog.info("scheduler_says_stop", fleet_version=resp.fleet_version)
+            self.log.info(
+                "scheduler_says_stop", version=m.version, fleet_version=resp.fleet_version
+            )
         elif self.step % self.spec.trainer.checkpoint_every == 0:
             self._stage = "checkpoint"
+            t1 = time.perf_counter()
             await self._checkpoint()
+            checkpoint_s = time.perf_counter() - t1
+        self._after = StepTimes(commit_s=commit_s, checkpoint_s=checkpoint_s)
         self.state = TrainerState.WAITING
         return resp.stop
 
+    def _observe(self, phase: str, seconds: float) -> None:
+        self.phases.labels(self.experiment_id, phase).observe(seconds)
+
     # -- side effects ---------------------------------------------------------------------------
-    def _publish_weights(self, version: int) -> str:
-        """Write HF safetensors of `version` into the weight store (atomic); keep the last 3."""
+    def _publish_weights(self, version: int) -> tuple[str, float, float]:
+        """Serialise the weights and write them as `version` into the weight store (atomic,
+        the last 3 kept); returns (uri, serialise seconds, write seconds)."""
+        t0 = time.perf_counter()
+        files = self.backend.hf_files()
+        t1 = time.perf_counter()
+        uri = self._write_weights(version, files)
+        t2 = time.perf_counter()
+        self._observe("serialize", t1 - t0)
+        self._observe("write", t2 - t1)
+        return uri, t1 - t0, t2 - t1
+
+    def _write_weights(self, version: int, files: dict[str, bytes]) -> str:
+        """HF files (+ the tokenizer) into a temporary directory renamed into place."""
         final = version_dir(self.weights_root, self.experiment_id, version)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
         try:
             tmp.mkdir()
-            self.backend.save_hf(tmp)
+            for name, data in files.items():
+                (tmp / name).write_bytes(data)
             copy_tokenizer(Path(self.spec.model.tokenizer_path or self.spec.model.path), tmp)
             uri = publish_version(tmp, final)
         finally:
@@ -438,7 +494,9 @@ class TrainerService:
             trained_ids=tuple(self._trained.to_list()),
         )
         root = checkpoint_root(self.var_dir, self.experiment_id)
+        t0 = time.perf_counter()
         path = await asyncio.to_thread(write_checkpoint, root, state, self.backend.save_checkpoint)
+        self._observe("checkpoint", time.perf_counter() - t0)
         self.log.info(
             "checkpoint_saved",
             path=str(path),

@@ -4,6 +4,7 @@ shares (packing groups onto its device, the RNG state a checkpoint carries)."""
 from __future__ import annotations
 
 import random
+import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -38,6 +39,15 @@ class TrainerBackend(ABC):
     @abstractmethod
     def save_hf(self, out_dir: Path) -> None:
         """Write config.json + model.safetensors (HuggingFace names) into out_dir."""
+
+    def hf_files(self) -> dict[str, bytes]:
+        """The current weights as the files `save_hf` writes (name -> bytes, config.json and
+        model.safetensors at least): a snapshot that later steps do not change, for the trainer
+        to write where it likes. Every rank calls it; only the writer rank's answer is used.
+        By default `save_hf` into a temporary directory, read back."""
+        with tempfile.TemporaryDirectory() as d:
+            self.save_hf(Path(d))
+            return {p.name: p.read_bytes() for p in Path(d).iterdir() if p.is_file()}
 
     @abstractmethod
     def save_checkpoint(self, ckpt_dir: Path) -> None:

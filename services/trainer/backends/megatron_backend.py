@@ -224,6 +224,23 @@ class MegatronBackend(TrainerBackend):
             copy_tokenizer(self.model_dir, out_dir)
         dist.barrier()
 
+    def hf_files(self) -> dict[str, bytes]:
+        """What `save_hf` writes, as bytes (all ranks gather; the writer's answer is the
+        files, every other rank's is empty)."""
+        from safetensors.torch import save
+
+        assert self.built is not None, "load() first"
+        _announce("hf_files")
+        weights = self.hf_state_dict()
+        if not self.par.is_writer:
+            return {}
+        return {
+            "model.safetensors": save(
+                {k: v.cpu().contiguous() for k, v in weights.items()}, metadata={"format": "pt"}
+            ),
+            "config.json": (self.model_dir / "config.json").read_bytes(),
+        }
+
     def save_checkpoint(self, ckpt_dir: Path) -> None:
         assert self.built is not None, "load() first"
         _announce("save_checkpoint", ckpt_dir)

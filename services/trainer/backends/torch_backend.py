@@ -149,6 +149,21 @@ class TorchBackend(TrainerBackend):
         if self.model_dir is not None:
             copy_tokenizer(self.model_dir, out_dir)
 
+    def hf_files(self) -> dict[str, bytes]:
+        """What `save_hf` writes, as bytes: the state dict (a tied lm_head left out, as
+        save_pretrained leaves it) serialised by safetensors, and the model's config."""
+        from safetensors.torch import save
+
+        assert self.model is not None, "load() first"
+        state = self.model.state_dict()
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+        return {
+            "model.safetensors": save(tensors, metadata={"format": "pt"}),
+            "config.json": self.model.config.to_json_string().encode(),
+        }
+
     def save_checkpoint(self, ckpt_dir: Path) -> None:
         assert self.model is not None and self.optimizer is not None, "load() first"
         ckpt_dir = Path(ckpt_dir)
