@@ -1,7 +1,21 @@
-"""Score items in a process pool with a per-item timeout (pebble kills a runaway worker).
+"""Score items with a per-item timeout: cheap built-ins inline, the rest in a process pool.
 
 Every item gets a Score: OK with a finite reward, or FAILED with a reason (timed out, the
 exception's type and message, a non-numeric or non-finite return, a worker that died).
+
+Where an item is scored:
+- **Inline**, on the event loop, for the built-ins in `rewards.INLINE` (pure string work,
+  linear in the text) when the item's texts are at most `rewards.INLINE_MAX_CHARS` long: a
+  pool round trip costs far more than the function.
+- **One pool task for all the items of a call** while the function is cheap (its items took
+  under `BATCH_MAX_ITEM_S` on average, recently). The worker scores the items one after
+  another and reports an item that took longer than `timeout_s` as timed out; it starts no new
+  item once `timeout_s` has passed, and the items left go in the next task. So a task runs
+  at most about 2 x `timeout_s`, its deadline. A task that misses it (an item hangs) or whose
+  worker dies is scored again **one task per item**: each item meets its own fate alone, and
+  its neighbours are unaffected.
+- **One pool task per item** for a slow function (its items run in parallel across the
+  workers, and pebble kills each at its own `timeout_s`).
 """
 
 from __future__ import annotations
@@ -11,6 +25,7 @@ import math
 import multiprocessing
 import numbers
 import os
+import time
 from dataclasses import dataclass
 
 import pebble
@@ -23,6 +38,17 @@ from asyncrl.types import RewardStatus, Score
 # replaces a worker killed at a timeout) starts in milliseconds and does not spend an item's
 # timeout importing sympy. Forking from the gRPC process itself is unsafe (its threads).
 PRELOAD = ["services.reward.pool", "math_verify"]
+
+BATCH_MAX_ITEM_S = 0.01
+"""A function whose items take longer than this on average is scored one pool task per item:
+the ~0.2 ms a task costs is then small beside the item, and the items run in parallel."""
+COST_WEIGHT = 0.1
+"""Weight of the newest item in a function's moving average of seconds per item."""
+TASK_SLACK_S = 0.5
+"""Added to a batch task's deadline: the worker's own overhead (unpickling, the hand-off)."""
+
+Outcome = tuple[bool, float | str, float]
+"""(True, reward, seconds) or (False, reason, seconds), as a worker reports an item."""
 
 
 @dataclass(frozen=True)
@@ -46,9 +72,13 @@ def _warm_up() -> None:
             pass
 
 
+def timed_out(timeout_s: float) -> str:
+    return f"timed out after {timeout_s:g}s"
+
+
 def score_one(function: str, kwargs: dict[str, str], item: Item) -> tuple[bool, float | str]:
-    """Run in a worker: (True, reward) or (False, reason). Never raises, so no exception has to
-    be pickled back."""
+    """(True, reward) or (False, reason). Never raises, so no exception has to be pickled back
+    from a worker."""
     try:
         value = rewards.resolve(function)(item.completion, item.answer, item.prompt, **kwargs)
     except Exception as e:  # noqa: BLE001 - reported as the item's FAILED reason
@@ -61,6 +91,40 @@ def score_one(function: str, kwargs: dict[str, str], item: Item) -> tuple[bool, 
     return False, f"reward function returned a non-numeric value: {type(value).__name__}"
 
 
+def score_items(
+    function: str, kwargs: dict[str, str], items: list[Item], timeout_s: float
+) -> list[Outcome]:
+    """Run in a worker: score `items` one after another. An item that took longer than
+    `timeout_s` is reported timed out (the pool would have killed it). No item is started once
+    `timeout_s` has passed since the first: fewer outcomes than items then, and the caller
+    schedules the rest."""
+    start = time.monotonic()
+    out: list[Outcome] = []
+    for item in items:
+        t0 = time.monotonic()
+        if out and t0 - start >= timeout_s:
+            break
+        ok, value = score_one(function, kwargs, item)
+        seconds = time.monotonic() - t0
+        if seconds > timeout_s:
+            ok, value = False, timed_out(timeout_s)
+        out.append((ok, value, seconds))
+    return out
+
+
+def inline(function: str, item: Item) -> bool:
+    """Whether `item` is scored on the event loop (see the module docstring)."""
+    return (
+        function in rewards.INLINE
+        and len(item.completion) <= rewards.INLINE_MAX_CHARS
+        and len(item.answer) <= rewards.INLINE_MAX_CHARS
+    )
+
+
+def _score(ok: bool, value: float | str) -> Score:
+    return Score(value) if ok else Score(0.0, RewardStatus.FAILED, value)
+
+
 class ScoringPool:
     """A pebble ProcessPool plus the asyncio glue. Create it inside a running event loop."""
 
@@ -70,11 +134,47 @@ class ScoringPool:
         ctx.set_forkserver_preload(PRELOAD)
         self._pool = pebble.ProcessPool(max_workers=self.workers, initializer=_warm_up, context=ctx)
         self.in_flight = 0
+        """Items in the pool now (scheduled, not yet answered)."""
+        self._cost: dict[str, float] = {}
+        """Moving average of seconds per item, per function scored in the pool."""
 
     async def score(
         self, function: str, kwargs: dict[str, str], items: list[Item], timeout_s: float
     ) -> list[Score]:
         """Score `items` with the reward function called `function`; results in item order."""
+        results: list[Score | None] = [None] * len(items)
+        pooled = []
+        for i, item in enumerate(items):
+            if inline(function, item):
+                results[i] = _score(*score_one(function, kwargs, item))
+            else:
+                pooled.append(i)
+        if pooled:
+            scores = await self._pooled(function, kwargs, [items[i] for i in pooled], timeout_s)
+            for i, s in zip(pooled, scores, strict=True):
+                results[i] = s
+        return results
+
+    async def _pooled(
+        self, function: str, kwargs: dict[str, str], items: list[Item], timeout_s: float
+    ) -> list[Score]:
+        if len(items) == 1 or self._cost.get(function, 0.0) > BATCH_MAX_ITEM_S:
+            return await self._one_by_one(function, kwargs, items, timeout_s)
+        scores: list[Score] = []
+        while len(scores) < len(items):
+            rest = items[len(scores) :]
+            try:
+                outcomes = await self._run(
+                    function, kwargs, rest, timeout_s, 2 * timeout_s + TASK_SLACK_S
+                )
+            except Exception:  # noqa: BLE001 - an item hung or killed its worker: each alone
+                return scores + await self._one_by_one(function, kwargs, rest, timeout_s)
+            scores += [_score(ok, value) for ok, value, _ in outcomes]
+        return scores
+
+    async def _one_by_one(
+        self, function: str, kwargs: dict[str, str], items: list[Item], timeout_s: float
+    ) -> list[Score]:
         return list(
             await asyncio.gather(
                 *(self._score_item(function, kwargs, item, timeout_s) for item in items)
@@ -84,21 +184,41 @@ class ScoringPool:
     async def _score_item(
         self, function: str, kwargs: dict[str, str], item: Item, timeout_s: float
     ) -> Score:
-        future = self._pool.schedule(score_one, args=(function, kwargs, item), timeout=timeout_s)
-        self.in_flight += 1
         try:
-            ok, value = await asyncio.wrap_future(future)
+            [(ok, value, _)] = await self._run(function, kwargs, [item], timeout_s, timeout_s)
         except TimeoutError:
-            return Score(0.0, RewardStatus.FAILED, f"timed out after {timeout_s:g}s")
+            self._observe(function, timeout_s)
+            return Score(0.0, RewardStatus.FAILED, timed_out(timeout_s))
         except ProcessExpired as e:
             return Score(0.0, RewardStatus.FAILED, f"worker died (exit code {e.exitcode})")
         except Exception as e:  # noqa: BLE001 - e.g. unpicklable arguments; still a result
             return Score(0.0, RewardStatus.FAILED, f"{type(e).__name__}: {e}")
+        return _score(ok, value)
+
+    async def _run(
+        self,
+        function: str,
+        kwargs: dict[str, str],
+        items: list[Item],
+        timeout_s: float,
+        deadline_s: float,
+    ) -> list[Outcome]:
+        """One pool task scoring `items` (`score_items`), killed after `deadline_s`."""
+        future = self._pool.schedule(
+            score_items, args=(function, kwargs, items, timeout_s), timeout=deadline_s
+        )
+        self.in_flight += len(items)
+        try:
+            outcomes = await asyncio.wrap_future(future)
         finally:
-            self.in_flight -= 1
-        if ok:
-            return Score(value)
-        return Score(0.0, RewardStatus.FAILED, value)
+            self.in_flight -= len(items)
+        for _, _, seconds in outcomes:
+            self._observe(function, seconds)
+        return outcomes
+
+    def _observe(self, function: str, seconds: float) -> None:
+        cost = self._cost.get(function, seconds)
+        self._cost[function] = cost + COST_WEIGHT * (seconds - cost)
 
     async def close(self) -> None:
         """Stop the workers (running items are abandoned) and wait for them to exit."""

@@ -1,0 +1,77 @@
+"""ScoringPool with its real process pool: where items are scored, and that a batch task's
+failure never spreads to the neighbours of the item that caused it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from asyncrl.rewards import INLINE_MAX_CHARS
+from asyncrl.types import RewardStatus, Score
+from services.reward.pool import Item, ScoringPool, score_items
+
+SCRIPTED = "plugin:tests.fixtures_plugins.rewards:scripted"
+FAILED = RewardStatus.FAILED
+
+
+@pytest.fixture
+async def pool():
+    p = ScoringPool(workers=2)
+    yield p
+    await p.close()
+
+
+def _items(*completions: str, answer: str = "1") -> list[Item]:
+    return [Item(f"i{k}", c, answer, "p") for k, c in enumerate(completions)]
+
+
+async def test_score_inline_builtin_needs_no_pool_process(pool):
+    await pool.close()  # any item sent to the pool now fails
+    got = await pool.score("exact_match", {}, _items("1", " 1 ", "2"), timeout_s=1)
+    assert got == [Score(1.0), Score(1.0), Score(0.0)]
+    numeric = await pool.score("numeric_match", {}, _items("it is 1.0", "x"), timeout_s=1)
+    assert numeric == [Score(1.0), Score(0.0)]
+
+
+async def test_score_inline_builtin_long_text_goes_to_pool(pool):
+    long = "x " * INLINE_MAX_CHARS + "1"
+    assert await pool.score("numeric_match", {}, _items(long, "1"), timeout_s=5) == [
+        Score(1.0),
+        Score(1.0),
+    ]
+    await pool.close()
+    [long_result, short] = await pool.score("numeric_match", {}, _items(long, "1"), timeout_s=5)
+    assert long_result.status is FAILED and short == Score(1.0)
+
+
+async def test_score_batch_hanging_item_fails_alone(pool):
+    items = _items("ok", "sleep 30", "raise", "ok", answer="0.5")
+    start = time.monotonic()
+    got = await pool.score(SCRIPTED, {}, items, timeout_s=0.4)
+    assert got == [
+        Score(0.5),
+        Score(0.0, FAILED, "timed out after 0.4s"),
+        Score(0.0, FAILED, "ValueError: scripted failure"),
+        Score(0.5),
+    ]
+    assert time.monotonic() - start < 5  # batch killed at 2 x 0.4 + slack, then one by one
+    assert pool.in_flight == 0
+
+
+async def test_score_batch_worker_exit_fails_that_item_only(pool):
+    got = await pool.score(SCRIPTED, {}, _items("ok", "exit", "ok", answer="2"), timeout_s=5)
+    assert got == [Score(2.0), Score(0.0, FAILED, "worker died (exit code 3)"), Score(2.0)]
+
+
+async def test_score_batch_slow_item_times_out_rest_scored_in_next_task(pool):
+    got = await pool.score(SCRIPTED, {}, _items("sleep 0.5", "ok", "ok"), timeout_s=0.3)
+    assert got == [Score(0.0, FAILED, "timed out after 0.3s"), Score(1.0), Score(1.0)]
+
+
+def test_score_items_stops_starting_items_after_timeout():
+    items = _items("sleep 0.2", "ok", "ok")
+    [(ok, reason, seconds)] = score_items(SCRIPTED, {}, items, timeout_s=0.1)
+    assert (ok, reason) == (False, "timed out after 0.1s") and seconds >= 0.2
+    outcomes = score_items(SCRIPTED, {}, items[1:], timeout_s=0.1)
+    assert [(ok, value) for ok, value, _ in outcomes] == [(True, 1.0), (True, 1.0)]
