@@ -364,3 +364,10 @@ async def test_metrics_https_only_trusting_the_local_ca(cluster):
         _get, https, Credentials.load("viewer").client_ssl_context()
     )
     assert status == 200 and "asyncrl_scheduler_workers" in body
+
+
+async def test_channel_token_reaches_server_streaming_calls(cluster):
+    """grpcutil.channel presents the token on streaming calls too (a channel files an
+    interceptor under one call type only: WatchExperiment once went out without it)."""
+    watch = await call_as(cluster, "/asyncrl.v1.Scheduler/WatchExperiment", "viewer")
+    assert watch.code == CODE.NOT_FOUND, watch
