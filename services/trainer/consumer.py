@@ -1,9 +1,18 @@
 """The trainer's durable JetStream pull consumer on one experiment's train subject.
 
-Messages are acked as they are fetched; the position that matters for recovery is kept in the
-trainer checkpoint, not in the consumer's ack floor. So `open(start_seq)` always deletes and
-re-creates the durable consumer to deliver from `start_seq` (DeliverPolicy.BY_START_SEQUENCE):
-the checkpoint decides where training resumes.
+The position that matters for recovery is kept in the trainer checkpoint, not in the consumer's
+ack floor. So `open(start_seq)` always deletes and re-creates the durable consumer to deliver
+from `start_seq` (DeliverPolicy.BY_START_SEQUENCE): the checkpoint decides where training
+resumes.
+
+Acks only stop the server from delivering a message again while this consumer lives, so they
+are cheap: AckPolicy.ALL, and one ack without waiting for the newest message of each fetch.
+That is sound only if every delivery before it reached us, so each fetch is checked: the
+consumer's delivery sequence must go on by one from message to message, and nothing may come a
+second time. A delivery lost on the way (a reconnect, a slow-consumer drop, a nats-server that
+restarted and redelivers) breaks that chain; the messages from the break on are discarded and
+the consumer is re-created right after the last message taken in order, so the stream is read
+in order again, nothing skipped (an ack of a later message would have covered the lost one).
 
 `pull(n)` hands out at most n messages, in stream order. A fetch can return more than it asked
 for (nats-py drains everything its subscription already holds, e.g. what a pull request left
@@ -17,6 +26,7 @@ reason and its stream sequence in headers (deduplicated by that sequence).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections import deque
 from dataclasses import dataclass
@@ -32,7 +42,6 @@ from asyncrl.types import TrajectoryGroup
 
 log = get_logger()
 
-ACK_TIMEOUT_S = 10.0
 PUBLISH_TIMEOUT_S = 10.0
 REASON_HEADER = "Asyncrl-Reason"
 SEQ_HEADER = "Asyncrl-Stream-Seq"
@@ -76,18 +85,30 @@ class GroupConsumer:
         self.name = durable_name(experiment_id)
         self._sub = None
         self._surplus: deque[Pulled] = deque()
+        self._last_seq = 0
+        """Stream sequence of the last message taken in order (0: before the first)."""
+        self._next_delivery = 1
+        """The consumer's delivery sequence the next message must carry."""
+        self._broken = False
+        """A delivery went missing: re-create the consumer before the next fetch."""
+        self.reopened = 0
+        """Times the consumer was re-created after a broken delivery chain."""
 
     async def open(self, start_seq: int) -> None:
         """(Re-)create the durable consumer so that it delivers from stream seq `start_seq`."""
+        self._surplus.clear()
+        await self._create(start_seq)
+
+    async def _create(self, start_seq: int) -> None:
+        await self._unsubscribe()
         try:
             await self.js.delete_consumer(STREAM, self.name)
         except nats.js.errors.NotFoundError:
             pass
-        self._surplus.clear()
         cfg = ConsumerConfig(
             durable_name=self.name,
             name=self.name,
-            ack_policy=AckPolicy.EXPLICIT,
+            ack_policy=AckPolicy.ALL,
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=start_seq,
             filter_subject=train_subject(self.experiment_id),
@@ -95,6 +116,7 @@ class GroupConsumer:
         )
         await self.js.add_consumer(STREAM, config=cfg)
         self._sub = await self.js.pull_subscribe_bind(durable=self.name, stream=STREAM)
+        self._last_seq, self._next_delivery, self._broken = start_seq - 1, 1, False
         log.info(
             "consumer_opened",
             experiment=self.experiment_id,
@@ -104,17 +126,57 @@ class GroupConsumer:
 
     async def pull(self, n: int, timeout: float) -> list[Pulled]:
         """Take up to n messages in stream order (waiting at most `timeout` for the first when
-        none is held back from an earlier fetch), acking each as it is fetched."""
-        assert self._sub is not None, "open() first"
+        none is held back from an earlier fetch), acking each fetch as it arrives."""
         if not self._surplus:
+            if self._broken and not await self._reopen():
+                return []
+            assert self._sub is not None, "open() first"
             try:
                 msgs = await self._sub.fetch(n, timeout=timeout)
             except (TimeoutError, nats.errors.TimeoutError):
                 return []
-            for msg in msgs:
-                await msg.ack_sync(timeout=ACK_TIMEOUT_S)
-                self._surplus.append(_decode(msg.metadata.sequence.stream, msg.data))
+            await self._take(msgs)
         return [self._surplus.popleft() for _ in range(min(n, len(self._surplus)))]
+
+    async def _take(self, msgs: list) -> None:
+        """Keep the unbroken run of deliveries at the head of `msgs` and ack its newest (which
+        acks every delivery before it); from a break on, drop the rest and mark the consumer
+        for re-creation."""
+        taken = None
+        for msg in msgs:
+            meta = msg.metadata
+            if meta.sequence.consumer != self._next_delivery or meta.num_delivered > 1:
+                self._broken = True
+                log.warning(
+                    "consumer_delivery_gap",
+                    experiment=self.experiment_id,
+                    expected=self._next_delivery,
+                    got=meta.sequence.consumer,
+                    delivered=meta.num_delivered,
+                    seq=meta.sequence.stream,
+                    last_seq=self._last_seq,
+                )
+                break
+            self._next_delivery += 1
+            self._last_seq = meta.sequence.stream
+            self._surplus.append(_decode(self._last_seq, msg.data))
+            taken = msg
+        if taken is not None:
+            try:
+                await taken.ack()
+            except nats.errors.Error as exc:  # lost: the server delivers again, a broken chain
+                log.warning("consumer_ack_failed", experiment=self.experiment_id, error=str(exc))
+
+    async def _reopen(self) -> bool:
+        """Re-create the consumer right after the last message taken in order; False (and
+        another try at the next pull) while NATS does not answer."""
+        try:
+            await self._create(self._last_seq + 1)
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("consumer_reopen_failed", experiment=self.experiment_id, error=str(exc))
+            return False
+        self.reopened += 1
+        return True
 
     @property
     def held(self) -> int:
@@ -137,9 +199,13 @@ class GroupConsumer:
 
     async def close(self) -> None:
         self._surplus.clear()
+        await self._unsubscribe()
+
+    async def _unsubscribe(self) -> None:
         if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
+            sub, self._sub = self._sub, None
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
 
 
 async def unconsumed_group_ids(js, experiment_id: str, after_seq: int) -> list[str]:
