@@ -13,6 +13,15 @@ into a step lie after that position, so they are delivered again too.
 The ids of the groups trained up to the checkpoint (the newest `TRAINED_IDS_KEPT`) are part of
 the state, so a replayed group (the same group id on the stream again) is recognised after a
 restart; ids trained after the checkpoint are forgotten with the steps that trained them.
+
+A checkpoint writes only the ids trained since the previous one, not the whole list (up to
+100 k ids, 4 MB of JSON, every step). While the list has at most `INLINE_IDS` ids, state.json
+holds all of them (`trained_ids`). Beyond that, state.json names a *base*: an immutable file
+under `<root>/trained_ids/` with the list as it was at some earlier checkpoint, and holds only
+the ids trained since (`trained_ids`, oldest first, at most `INLINE_IDS`). When that tail would
+grow past `INLINE_IDS`, the checkpoint writes a new base with the whole list instead. So a step
+writes O(groups since the last base), and the whole list once every `INLINE_IDS` groups. A base
+no kept checkpoint names is deleted with the checkpoints.
 """
 
 from __future__ import annotations
@@ -22,12 +31,15 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 STATE_FILE = "state.json"
 BACKEND_DIR = "backend"
 PREFIX = "step_"
+IDS_DIR = "trained_ids"
+INLINE_IDS = 4096
+"""Trained ids a state.json holds at most; beyond, a base file holds the older ones."""
 
 
 @dataclass(frozen=True)
@@ -59,9 +71,21 @@ def _step_dirs(root: Path) -> list[Path]:
     return sorted((p for p in dirs if (p / STATE_FILE).is_file()), key=lambda p: p.name)
 
 
+def _raw_state(ckpt_dir: Path) -> dict:
+    return json.loads((Path(ckpt_dir) / STATE_FILE).read_text())
+
+
+def _base_ids(root: Path, base: dict | None) -> list[str]:
+    if not base:
+        return []
+    return json.loads((root / IDS_DIR / base["file"]).read_text())
+
+
 def read_state(ckpt_dir: Path) -> CheckpointState:
-    raw = json.loads((Path(ckpt_dir) / STATE_FILE).read_text())
-    raw["trained_ids"] = tuple(raw.get("trained_ids", ()))  # absent before ids were kept
+    raw = _raw_state(ckpt_dir)
+    base = raw.pop("trained_ids_base", None)
+    tail = raw.get("trained_ids", ())  # absent before ids were kept
+    raw["trained_ids"] = tuple(_base_ids(Path(ckpt_dir).parent, base)) + tuple(tail)
     return CheckpointState(**raw)
 
 
@@ -71,6 +95,72 @@ def latest_checkpoint(root: Path) -> tuple[Path, CheckpointState] | None:
     if not dirs:
         return None
     return dirs[-1], read_state(dirs[-1])
+
+
+def _new_ids(ids: tuple[str, ...], prev: dict) -> list[str] | None:
+    """The ids of `ids` after those the previous checkpoint's state `prev` (one with a base)
+    holds: its tail, or its base's last id, must come just before them. None when `ids` does
+    not continue `prev`."""
+    tail = prev["trained_ids"]
+    last = tail[-1] if tail else prev["trained_ids_base"]["last"]
+    for i in range(len(ids) - 1, -1, -1):  # from the end: the new ids are few
+        if ids[i] == last:
+            if list(ids[max(0, i + 1 - len(tail)) : i + 1]) != tail:
+                return None
+            return list(ids[i + 1 :])
+    return None
+
+
+def _ids_fields(root: Path, state: CheckpointState, prev: dict | None) -> dict:
+    """The trained-id fields of `state`'s state.json: the whole list while it is short, else a
+    base file and the ids since it, written only when the tail would grow past INLINE_IDS."""
+    ids = state.trained_ids
+    if len(ids) <= INLINE_IDS:
+        return {"trained_ids": list(ids)}
+    if prev is not None and prev.get("trained_ids_base"):
+        new = _new_ids(ids, prev)
+        if new is not None and len(prev["trained_ids"]) + len(new) <= INLINE_IDS:
+            return {
+                "trained_ids_base": prev["trained_ids_base"],
+                "trained_ids": prev["trained_ids"] + new,
+            }
+    name = f"ids_{state.step:06d}-{uuid.uuid4().hex[:8]}.json"
+    (root / IDS_DIR).mkdir(parents=True, exist_ok=True)
+    tmp = root / IDS_DIR / f".tmp-{name}"
+    tmp.write_text(json.dumps(list(ids), separators=(",", ":")))
+    os.replace(tmp, root / IDS_DIR / name)
+    return {
+        "trained_ids_base": {"file": name, "count": len(ids), "last": ids[-1]},
+        "trained_ids": [],
+    }
+
+
+def _state_json(root: Path, state: CheckpointState) -> str:
+    latest = _step_dirs(root)
+    try:
+        prev = _raw_state(latest[-1]) if latest else None
+    except (OSError, ValueError):
+        prev = None  # unreadable: this checkpoint writes a base of its own
+    raw = {f.name: getattr(state, f.name) for f in fields(state) if f.name != "trained_ids"}
+    return json.dumps({**raw, **_ids_fields(root, state, prev)}, separators=(",", ":"))
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Keep the newest `keep` checkpoints and the base files they name."""
+    for old in _step_dirs(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    ids_dir = root / IDS_DIR
+    if not ids_dir.is_dir():
+        return
+    named = set()
+    for d in _step_dirs(root):
+        try:
+            named.add((_raw_state(d).get("trained_ids_base") or {}).get("file"))
+        except (OSError, ValueError):
+            return  # a checkpoint being pruned concurrently: keep every base this time
+    for f in ids_dir.iterdir():
+        if f.name not in named:
+            f.unlink(missing_ok=True)
 
 
 def write_checkpoint(
@@ -93,12 +183,11 @@ def write_checkpoint(
     try:
         (tmp / BACKEND_DIR).mkdir(parents=True)
         save_backend(tmp / BACKEND_DIR)
-        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
+        (tmp / STATE_FILE).write_text(_state_json(root, state))
         if final.exists():  # a leftover without state.json: incomplete, never readable
             shutil.rmtree(final)
         os.replace(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for old in _step_dirs(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    _prune(root, keep)
     return final
