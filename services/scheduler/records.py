@@ -101,10 +101,12 @@ class ExperimentRecord:
         return discarded
 
     def to_json(self) -> bytes:
-        data = asdict(self)
-        del data["history"]
+        """The persisted record: O(its bounded fields), whatever the length of `history` and
+        `evals` (neither is copied; json.dumps reads the plain fields as they are)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "history"}
+        data["progress"] = asdict(self.progress)
         data["last_step"] = data_or_none(self.history[-1] if self.history else None)
-        data["evals"] = data["evals"][-KEPT:]
+        data["evals"] = [asdict(e) for e in self.evals[-KEPT:]]
         top = sorted(self.failure_reasons.items(), key=lambda kv: -kv[1])[:KEPT]
         data["failure_reasons"] = {why[:MAX_REASON]: n for why, n in top}
         return json.dumps(data).encode()

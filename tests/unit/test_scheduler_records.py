@@ -45,3 +45,19 @@ def test_record_round_trip_keeps_progress_and_reasons():
     restored = ExperimentRecord.from_json(record.to_json())
     assert restored.progress == record.progress
     assert restored.failure_reasons == {"reward raised": 4}
+
+
+class NoIteration(list):
+    """A history that fails if anything walks or copies it whole."""
+
+    def __iter__(self):
+        raise AssertionError("to_json walked the whole history")
+
+
+def test_record_to_json_reads_only_last_step_of_history():
+    record = _record()
+    record.history = NoIteration(StepMetrics(step=v, version=v, groups=2) for v in range(1, 4))
+    record.evals = NoIteration(EvalResult(version=v, accuracy=0.5) for v in range(1, 100))
+    restored = ExperimentRecord.from_json(record.to_json())
+    assert [s.version for s in restored.history] == [3]
+    assert [e.version for e in restored.evals] == list(range(100 - KEPT, 100))
