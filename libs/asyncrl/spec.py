@@ -51,9 +51,12 @@ class SamplingParams(_Section):
     max_new_tokens: int = Field(128, gt=0)
     """Upper bound on generated tokens per sample."""
     stop_token_ids: list[int] = Field(default_factory=list)
-    """Token ids that end a sample (the tokenizer's EOS is always one)."""
+    """Token ids that end a sample (the tokenizer's EOS is one unless `ignore_eos`)."""
     stop: list[str] = Field(default_factory=list)
     """Stop strings: a sample ends with the token that completes one (torch and SGLang)."""
+    ignore_eos: bool = False
+    """Generate `max_new_tokens` tokens whatever is sampled: the tokenizer's EOS ends nothing
+    (benchmarks). `stop_token_ids` and `stop` still apply."""
 
 
 class ModelSpec(_Section):

@@ -81,3 +81,8 @@ class Engine(ABC):
     @property
     def running(self) -> int:
         return 0
+
+    def stats(self) -> dict[str, float]:
+        """Cumulative counters of the engine's work (name: value), for /metrics; empty where
+        the engine keeps none."""
+        return {}

@@ -8,6 +8,7 @@ one `ServiceRuntime`; `await runtime.close()` stops it gracefully.
 from __future__ import annotations
 
 import grpc
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from asyncrl.logging import get_logger
@@ -109,8 +110,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
 
 class RolloutCollector(Collector):
-    """Running groups/samples, tokens generated, the version the engine serves, and the
-    weight updates' phases (a histogram)."""
+    """Running groups/samples, tokens generated, the version the engine serves, the weight
+    updates' phases (a histogram) and the engine's own counters (`Engine.stats`)."""
 
     def __init__(self, service: RolloutService):
         self.service = service
@@ -129,6 +130,12 @@ class RolloutCollector(Collector):
             family.add_metric([s.experiment_id], float(value))
             yield family
         yield from s.update_seconds.collect()
+        for key, value in s.engine.stats().items():  # cumulative: steps, seconds, tokens
+            family = CounterMetricFamily(
+                f"asyncrl_rollout_engine_{key}", f"Engine {key} since start", labels=["experiment"]
+            )
+            family.add_metric([s.experiment_id], float(value))
+            yield family
 
 
 async def create_rollout(

@@ -381,12 +381,12 @@ class RolloutService:
         versions) and the experiment's reward function."""
         params = binding.params(job.eval)
         stop_ids = list(params.stop_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            stop_ids.append(self.tokenizer.eos_token_id)
+        eos = self.tokenizer.eos_token_id
 
         async def generate(rid: str, input_ids: list[int], params: SamplingParams) -> Completion:
+            stops = stop_ids if eos is None or params.ignore_eos else [*stop_ids, eos]
             out = await self.engine.generate(
-                GenRequest(rid, input_ids, params, stop_ids, decode=self._decode)
+                GenRequest(rid, input_ids, params, stops, decode=self._decode)
             )
             self.throughput.add(len(out.output_ids))
             text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)

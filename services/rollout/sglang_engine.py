@@ -164,6 +164,7 @@ def generate_body(req: GenRequest, rid: str, done: list[int], stop_ids: list[int
             "top_p": p.top_p,
             "top_k": p.top_k,
             "stop_token_ids": stop_ids,
+            "ignore_eos": p.ignore_eos,
             "n": 1,
             **({"stop": list(p.stop)} if p.stop else {}),
         },

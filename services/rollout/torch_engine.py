@@ -2,7 +2,8 @@
 
 Concurrent `generate()` calls join one batch loop (a background task). Each step samples one
 token for every active request, then feeds all new tokens through the model in one batched
-forward. Forward passes run in a worker thread so the event loop stays responsive.
+forward. Steps run in a worker thread so the event loop stays responsive, several per hop
+while no request arrives, leaves or finishes and no model change is due.
 
 Behaviour logprobs: the logprob recorded for a token is the log-softmax of the *unscaled*
 logits (temperature 1, no top-k/top-p truncation) at the sampled token. That is exactly what
@@ -13,13 +14,22 @@ shape the sampling distribution.
 Interruption: `update_weights` is applied by the loop between two steps (a token boundary).
 The new weights are copied into the live model (a state-dict load, no re-instantiation), the
 version is bumped, every in-flight request's KV cache is dropped, and the next step recomputes
-prompt + partial output under the new weights. Per-token `versions` record the switch.
+prompt + partial output under the new weights, in forwards of similar lengths
+(`kv_pool.prefill_buckets`) rather than one batch padded to the longest. Per-token `versions`
+record the switch.
 `last_update` times it: reading the files (generation goes on), the pause until the loop reaches
 the boundary (the step in progress ends), the copy, and the resume (dropping the caches; their
 recomputation is part of the next step).
 
 Stop strings (`params.stop`) are matched on the decoded tail of the output after every token,
 with the tokenizer's decode that the service passes in the request.
+
+Cost: every request's KV cache lives in one preallocated pool (`kv_pool.KVPool`), written in
+place; a decode step attends each stream to its own positions (rows bucketed by context
+length), so nothing is re-padded or copied per step and a long straggler costs its own context,
+not every stream's. The pool holds rows x the longest context, as the padded batch it replaced
+did. `counters` (and `stats()`, also logged with every weight update) accumulate the steps' and
+prefills' time and work, for fitting the loop's cost from a real run.
 
 Determinism: each request samples from its own `torch.Generator`, seeded from the engine seed
 and the request id, so a request's samples do not depend on what else is in the batch.
@@ -30,18 +40,42 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from asyncrl.logging import get_logger
 from asyncrl.spec import SamplingParams
 from asyncrl.weights import load_state_dict_files
 from services.rollout.engine import Engine, GenOutput, GenRequest, UpdatePhases
+from services.rollout.kv_pool import ATTENTION, KVPool, prefill_buckets
 
 log = get_logger(component="torch_engine")
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), [1, heads, len, dim]
+PREFILL_TOKENS = 8192
+"""Padded tokens per prefill forward (a longer request is prefilled alone)."""
+MAX_RUN = 64
+"""Steps one hop to the worker thread may run while nothing changes."""
+POOLED_LAYERS = {"full_attention", "sliding_attention"}
+"""Layer types the KV pool serves; a model with others decodes without a cache."""
+
+
+@dataclass
+class EngineCounters:
+    """Cumulative work of the batch loop, for fitting its cost: a step samples one token for
+    each of its active streams (`tokens_generated` sums them over steps)."""
+
+    step_seconds: float = 0.0
+    """Time in steps, prefills included."""
+    context_tokens: int = 0
+    """Sum over decode steps of the active streams' own context lengths (attended tokens)."""
+    prefill_seconds: float = 0.0
+    """Prefilling new requests' prompts and re-prefilling interrupted requests."""
+    prefill_tokens: int = 0
+    """Tokens (re)computed by prefills."""
+    prefill_forwards: int = 0
+    """Prefill forwards (one per length bucket)."""
 
 
 @dataclass
@@ -57,11 +91,20 @@ class _Slot:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     interruptions: int = 0
-    cache: KV | None = None  # covers all tokens but the last one (not yet fed)
+    row: int = -1  # in the KV pool
+    cached: int = 0  # tokens in the pool: all but the last one once up to date, 0 to recompute
 
     @property
     def tokens(self) -> list[int]:
         return self.req.input_ids + self.output_ids
+
+    @property
+    def length(self) -> int:
+        return len(self.req.input_ids) + len(self.output_ids)
+
+    @property
+    def last(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.req.input_ids[-1]
 
 
 @dataclass
@@ -105,8 +148,9 @@ class TorchEngine(Engine):
     """Continuous-batching generation with a transformers causal LM (fp32, CPU by default).
 
     `kv_cache=False` recomputes the full forward of every sequence each step (right-padded,
-    no cache): slower, but works for any architecture; the default keeps a per-request KV
-    cache and runs one batched single-token forward per step."""
+    no cache): slower, but works for any architecture; the default keeps every request's KV
+    cache in a preallocated pool (`kv_pool.KVPool`, written in place) and runs one batched
+    single-token forward per step, each row attending to its own context only."""
 
     name = "torch"
 
@@ -128,6 +172,11 @@ class TorchEngine(Engine):
         self._task: asyncio.Task | None = None
         self.tokens_generated = 0
         self.steps = 0
+        self.counters = EngineCounters()
+        self._pool: KVPool | None = None
+        self._sliding_window: int | None = None
+        self._pooled = kv_cache
+        self._news = False  # set by the loop's thread, read between steps by the worker's
 
     # ---------------------------------------------------------------- contract
     @property
@@ -138,11 +187,15 @@ class TorchEngine(Engine):
     def running(self) -> int:
         return len(self._slots) + len(self._waiting)
 
+    def stats(self) -> dict[str, float]:
+        return {"steps": self.steps, "stream_steps": self.tokens_generated, **asdict(self.counters)}
+
     async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="torch-engine-loop")
 
     async def stop(self) -> None:
+        self._news = True  # a run in the worker thread ends at its next token boundary
         if self._task:
             self._task.cancel()
             try:
@@ -200,6 +253,7 @@ class TorchEngine(Engine):
             stop_strings=tuple(s for s in req.params.stop if s),
         )
         self._waiting.append(slot)
+        self._news = True
         self._wake.set()
         try:
             return await slot.future
@@ -215,10 +269,12 @@ class TorchEngine(Engine):
         if self._task is None:
             raise RuntimeError("engine not started")
         self._ops.append(op)
+        self._news = True
         self._wake.set()
         return await op.future
 
     def _discard(self, slot: _Slot) -> None:
+        self._news = True
         self._slots.pop(slot.req.rid, None)
         if slot in self._waiting:
             self._waiting.remove(slot)
@@ -237,8 +293,9 @@ class TorchEngine(Engine):
                 continue
             batch = list(self._slots.values())
             version = self._version
+            self._news = False
             try:
-                finished = await asyncio.to_thread(self._step, batch, version)
+                finished = await asyncio.to_thread(self._run, batch, version)
             except Exception as exc:  # noqa: BLE001 - a failed step fails its requests
                 log.exception("step_failed", n=len(batch))
                 for slot in batch:
@@ -246,8 +303,6 @@ class TorchEngine(Engine):
                     if not slot.future.done():
                         slot.future.set_exception(exc)
                 continue
-            self.steps += 1
-            self.tokens_generated += len(batch)
             for slot, reason in finished:
                 self._discard(slot)
                 if not slot.future.done():
@@ -277,7 +332,7 @@ class TorchEngine(Engine):
                 loaded = time.perf_counter()
                 result = len(self._slots)
                 for slot in self._slots.values():
-                    slot.cache = None  # recompute the prefix under the new weights
+                    slot.cached = 0  # recompute the prefix under the new weights
                     slot.interruptions += 1
                 self.last_update = UpdatePhases(
                     read_s=op.read_s,
@@ -287,7 +342,13 @@ class TorchEngine(Engine):
                 )
             self._version = op.version
             self.model_dir = op.model_dir
-            log.info("weights_applied", kind=op.kind, version=op.version, interrupted=result)
+            log.info(  # with the loop's counters so far: a run's logs can fit its cost
+                "weights_applied",
+                kind=op.kind,
+                version=op.version,
+                interrupted=result,
+                **{k: round(v, 4) for k, v in self.stats().items()},
+            )
             op.future.set_result(result)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             op.future.set_exception(exc)
@@ -296,10 +357,20 @@ class TorchEngine(Engine):
     def _load_model(self, model_dir: str) -> None:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation=ATTENTION
+        )
         model.to(self.device).eval()
         self.model = model
-        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self._pool = None
+        config = model.config
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        self._pooled = self.kv_cache and types <= POOLED_LAYERS
+        if self.kv_cache and not self._pooled:
+            log.warning("no_kv_cache", layer_types=sorted(types - POOLED_LAYERS))
+        sliding = "sliding_attention" in types
+        self._sliding_window = getattr(config, "sliding_window", None) if sliding else None
 
     @torch.no_grad()
     def _swap_weights(self, state: dict[str, torch.Tensor]) -> None:
@@ -313,9 +384,22 @@ class TorchEngine(Engine):
             raise ValueError(f"weights do not match the model: missing {sorted(missing)[:5]}")
         self.model.load_state_dict(state, strict=False)  # in-place copies keep tied weights tied
 
+    def _run(self, batch: list[_Slot], version: int) -> list[tuple[_Slot, str]]:
+        """Steps of `batch` in the worker thread until one finishes a request, the loop has
+        news (a request arrived or left, a model change is due) or `MAX_RUN` steps: one
+        thread hop for many tokens when nothing changes. Returns the finished slots."""
+        for _ in range(MAX_RUN):
+            finished = self._step(batch, version)
+            self.steps += 1
+            self.tokens_generated += len(batch)
+            if finished or self._news:
+                return finished
+        return []
+
     @torch.no_grad()
     def _step(self, batch: list[_Slot], version: int) -> list[tuple[_Slot, str]]:
         """One token for every slot. Returns the slots that finished, with the reason."""
+        t0 = time.perf_counter()
         logits = self._next_logits(batch)
         finished = []
         for slot, row in zip(batch, logits, strict=True):
@@ -326,9 +410,10 @@ class TorchEngine(Engine):
             if token in slot.stop_ids or self._hits_stop_string(slot):
                 finished.append((slot, "stop"))
             elif len(slot.output_ids) >= slot.req.params.max_new_tokens or (
-                self.max_positions and len(slot.tokens) >= self.max_positions
+                self.max_positions and slot.length >= self.max_positions
             ):
                 finished.append((slot, "length"))
+        self.counters.step_seconds += time.perf_counter() - t0
         return finished
 
     @staticmethod
@@ -344,77 +429,69 @@ class TorchEngine(Engine):
         return any(s in tail for s in slot.stop_strings)
 
     def _next_logits(self, batch: list[_Slot]) -> torch.Tensor:
-        if not self.kv_cache:
+        if not self._pooled:
             return self._full_forward(batch)
-        rows: dict[int, torch.Tensor] = {}
-        self._prefill_prefixes([s for s in batch if s.cache is None and len(s.tokens) > 1])
-        decode = [i for i, s in enumerate(batch) if s.cache is not None]
-        for i, slot in enumerate(batch):
-            if slot.cache is None:
-                rows[i] = self._prefill(slot)
-        if decode:
-            for i, row in zip(decode, self._decode([batch[i] for i in decode]), strict=True):
-                rows[i] = row
-        return torch.stack([rows[i] for i in range(len(batch))])
+        if self._pool is None:
+            self._pool = KVPool(self.model.config, self.model.dtype, self.device)
+        ordered = self._pool.assign(batch, max(s.length for s in batch))
+        self._prefill([s for s in ordered if s.cached < s.length - 1])
+        logits = self._decode(ordered)
+        order = torch.tensor([s.row for s in batch], device=self.device)
+        return logits[order]
 
-    def _prefill_prefixes(self, slots: list[_Slot]) -> None:
-        """Cache all but the last token of new or interrupted requests in one batched forward
-        (right-padded: under causal attention real tokens never see the padding); the last
-        token then goes through the batched decode with everyone else."""
+    def _prefill(self, slots: list[_Slot]) -> None:
+        """Cache all but the last token of new or interrupted requests (the last one goes
+        through the batched decode with everyone else): forwards of similar lengths, each
+        right-padded (under causal attention real tokens never see the padding)."""
         if not slots:
             return
-        lens = [len(s.tokens) - 1 for s in slots]
-        ids = torch.zeros(len(slots), max(lens), dtype=torch.long, device=self.device)
-        mask = torch.zeros_like(ids)
-        for i, (s, n) in enumerate(zip(slots, lens, strict=True)):
-            ids[i, :n] = torch.tensor(s.tokens[:-1])
-            mask[i, :n] = 1
-        out = self.model(input_ids=ids, attention_mask=mask, use_cache=True)
-        layers = out.past_key_values.layers
-        for i, (s, n) in enumerate(zip(slots, lens, strict=True)):
-            s.cache = [(lay.keys[i : i + 1, :, :n], lay.values[i : i + 1, :, :n]) for lay in layers]
-
-    def _prefill(self, slot: _Slot) -> torch.Tensor:
-        """Run prompt + partial output alone; keep the cache of all but the last token."""
-        ids = torch.tensor([slot.tokens], device=self.device)
-        if ids.shape[1] > 1:
-            out = self.model(input_ids=ids[:, :-1], use_cache=True)
-            slot.cache = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-            return self._decode([slot])[0]
-        out = self.model(input_ids=ids, use_cache=True)
-        slot.cache = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        return out.logits[0, -1]
+        t0 = time.perf_counter()
+        lengths = [s.length - 1 for s in slots]
+        for group in prefill_buckets(lengths, PREFILL_TOKENS):
+            lens = [lengths[i] for i in group]
+            ids = torch.zeros(len(group), max(lens), dtype=torch.long, device=self.device)
+            for row, (i, n) in enumerate(zip(group, lens, strict=True)):
+                ids[row, :n] = torch.tensor(slots[i].tokens[:n])
+            # a plain cache keeps every position, sliding-window layers' too (masks window them)
+            cache = DynamicCache()
+            self.model.get_decoder()(input_ids=ids, past_key_values=cache, use_cache=True)
+            self._pool.store([slots[i].row for i in group], lens, cache.layers)
+            for i, n in zip(group, lens, strict=True):
+                slots[i].cached = n
+            self.counters.prefill_forwards += 1
+        self.counters.prefill_tokens += sum(lengths)
+        self.counters.prefill_seconds += time.perf_counter() - t0
 
     def _decode(self, batch: list[_Slot]) -> torch.Tensor:
-        """Feed each slot's last token through the model in one batch; caches left-padded."""
-        from transformers import DynamicCache
-
-        lens = [s.cache[0][0].shape[2] for s in batch]
-        width = max(lens)
-        layers = []
-        for layer in range(len(batch[0].cache)):
-            ks, vs = [], []
-            for s, n in zip(batch, lens, strict=True):
-                k, v = s.cache[layer]
-                pad = (0, 0, width - n, 0)  # left-pad the sequence dim
-                ks.append(torch.nn.functional.pad(k, pad))
-                vs.append(torch.nn.functional.pad(v, pad))
-            layers.append((torch.cat(ks), torch.cat(vs)))
-        mask = torch.zeros(len(batch), width + 1, dtype=torch.long, device=self.device)
-        for i, n in enumerate(lens):
-            mask[i, width - n :] = 1
-        out = self.model(
-            input_ids=torch.tensor([[s.tokens[-1]] for s in batch], device=self.device),
-            attention_mask=mask,
-            position_ids=torch.tensor([[n] for n in lens], device=self.device),
-            cache_position=torch.tensor([width], device=self.device),
-            past_key_values=DynamicCache(ddp_cache_data=layers),
-            use_cache=True,
-        )
-        new = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        for i, (s, n) in enumerate(zip(batch, lens, strict=True)):
-            s.cache = [(k[i : i + 1, :, width - n :], v[i : i + 1, :, width - n :]) for k, v in new]
+        """Feed each slot's last token, batch in row order: keys written in place at the
+        slot's own position, attention over its own positions (a per-row mask)."""
+        cached = [s.cached for s in batch]
+        with self._pool.decoding(cached) as positions:
+            width = max(cached) + 1
+            seen = torch.arange(width, device=self.device)[None, :] <= positions[:, None]
+            out = self.model(
+                input_ids=torch.tensor([[s.last] for s in batch], device=self.device),
+                attention_mask=self._masks(seen, positions),
+                position_ids=positions[:, None],
+                past_key_values=self._pool,
+                use_cache=True,
+            )
+        for slot in batch:
+            slot.cached += 1
+        self.counters.context_tokens += sum(cached) + len(batch)
         return out.logits[:, -1]
+
+    def _masks(self, seen: torch.Tensor, positions: torch.Tensor):
+        """The 4D boolean mask [a, 1, 1, width] (sdpa: True attends); a dict by layer type
+        when the model has sliding-window layers, which see only the window's last tokens."""
+        mask = seen[:, None, None, :]
+        if self._sliding_window is None:
+            return mask
+        width = seen.shape[1]
+        recent = torch.arange(width, device=self.device)[None, :] > (
+            positions[:, None] - self._sliding_window
+        )
+        return {"full_attention": mask, "sliding_attention": (seen & recent)[:, None, None, :]}
 
     def _full_forward(self, batch: list[_Slot]) -> torch.Tensor:
         """No cache: right-pad every sequence and read the logits at its last position.

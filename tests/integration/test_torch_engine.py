@@ -22,11 +22,13 @@ PROMPTS = [[10, 11, 12], [20], [30, 31, 32, 33, 34, 35, 36], [40, 41]]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """Two tiny Qwen2 models with different weights: v0 and the 'trained' v1; plus a Llama."""
+    """Two tiny Qwen2 models with different weights: v0 and the 'trained' v1; plus a Llama,
+    and a Llama with room for long contexts."""
     root = tmp_path_factory.mktemp("models")
     build_tiny_model(root / "v0", seed=0)
     build_tiny_model(root / "v1", seed=1)
     build_tiny_model(root / "llama", family="llama", seed=0)
+    build_tiny_model(root / "long", family="llama", seed=4, max_position_embeddings=1024)
     return root
 
 
@@ -67,6 +69,12 @@ async def test_generate_concurrent_requests_batched_outputs_aligned(models):
         assert all(lp <= 0.0 for lp in out.logprobs)
     # one batch loop: 12 steps served all 4 requests (48 tokens), not 48 steps
     assert engine.steps == 12 and engine.tokens_generated == 48
+    stats = engine.stats()
+    assert stats["steps"] == 12 and stats["stream_steps"] == 48
+    # each step attends every stream to its own context: prompt + outputs so far
+    assert stats["context_tokens"] == sum(len(p) + t for p in PROMPTS for t in range(12))
+    assert stats["prefill_tokens"] == sum(len(p) - 1 for p in PROMPTS)
+    assert 0 < stats["prefill_seconds"] < stats["step_seconds"]
 
 
 @pytest.mark.parametrize("kv_cache", [True, False])
@@ -181,6 +189,67 @@ async def test_update_weights_mid_generation_versions_switch_in_order(models):
         assert (after - got[k:]).abs().max().item() < 1e-4
         # and the new weights really are different
         assert (_reference_logprobs(old, prompt, out.output_ids)[k:] - got[k:]).abs().max() > 1e-2
+
+
+async def test_generate_short_requests_beside_a_very_long_one_decode_as_alone(models):
+    """Greedy: a long request (700-token prompt) in the batch, short ones joining and leaving
+    around it (rows freed and compacted), each sample is what it would be alone."""
+    long_prompt = [4 + (7 * i) % 90 for i in range(700)]
+    shorts = [([10 + i, 20 + i, 30 + i][: 1 + i % 3], 8 + 5 * i) for i in range(12)]
+
+    def request(i: int) -> GenRequest:
+        if i < 0:
+            return GenRequest(
+                "long", long_prompt, GREEDY.model_copy(update={"max_new_tokens": 120})
+            )
+        prompt, n = shorts[i]
+        return GenRequest(f"s{i}", prompt, GREEDY.model_copy(update={"max_new_tokens": n}))
+
+    engine = await _engine(models / "long")
+    try:
+        alone = [await engine.generate(request(i)) for i in range(-1, len(shorts))]
+        long = asyncio.create_task(engine.generate(request(-1)))
+        await wait_until(lambda: engine.tokens_generated >= 3, timeout=30, interval=0.001)
+        first = await asyncio.gather(*[engine.generate(request(i)) for i in range(6)])
+        rest = await asyncio.gather(*[engine.generate(request(i)) for i in range(6, 12)])
+        together = [await long, *first, *rest]
+    finally:
+        await engine.stop()
+    for got, want in zip(together, alone, strict=True):
+        assert got.output_ids == want.output_ids
+        diff = torch.tensor(got.logprobs) - torch.tensor(want.logprobs)
+        assert diff.abs().max().item() < 1e-5
+
+
+async def test_update_weights_reprefills_requests_of_mixed_lengths(models):
+    """Interrupted requests of very different lengths are re-prefilled in several forwards
+    (grouped by length), and continue exactly as the new weights would generate them."""
+    prompts = [
+        [5],
+        [6, 7, 8, 9, 10],
+        [11 + i % 50 for i in range(60)],
+        [9 + i % 70 for i in range(170)],
+    ]
+    params = SamplingParams(temperature=1.0, max_new_tokens=60)
+    engine = await _engine(models / "v0", seed=5)
+    try:
+        task = asyncio.gather(
+            *[engine.generate(GenRequest(f"m{i}", p, params)) for i, p in enumerate(prompts)]
+        )
+        await wait_until(lambda: engine.tokens_generated >= 4 * 10, timeout=30, interval=0.001)
+        forwards = engine.counters.prefill_forwards
+        assert await engine.update_weights(str(models / "v1"), 1) == 4
+        outs = await task
+    finally:
+        await engine.stop()
+    assert engine.counters.prefill_forwards - forwards >= 3  # not one batch padded to 230
+    old, new = _hf(models / "v0"), _hf(models / "v1")
+    for prompt, out in zip(prompts, outs, strict=True):
+        k = out.versions.count(0)
+        assert 10 <= k < 60 and out.versions == [0] * k + [1] * (60 - k)
+        got = torch.tensor(out.logprobs)
+        assert (_reference_logprobs(old, prompt, out.output_ids)[:k] - got[:k]).abs().max() < 1e-4
+        assert (_reference_logprobs(new, prompt, out.output_ids)[k:] - got[k:]).abs().max() < 1e-4
 
 
 async def test_update_weights_of_another_architecture_raises_and_keeps_version(models):
