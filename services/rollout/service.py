@@ -22,6 +22,7 @@ from prometheus_client import Histogram
 from asyncrl.errors import BadRequest, Conflict
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import publish_group
+from asyncrl.runtime import freeze_heap
 from asyncrl.spec import ExperimentSpec, SamplingParams, SpecError, spec_from_json
 from asyncrl.throughput import Throughput
 from asyncrl.types import Completion, RewardStatus, Sample, Score, TrajectoryGroup
@@ -250,6 +251,7 @@ class RolloutService:
         await self.engine.load(str(path), version)
         self.tokenizer = tokenizer
         self.experiment_id = binding.experiment_id
+        freeze_heap()  # the model and tokenizer: never scanned by the collector again
         log.info("experiment_loaded", experiment=binding.experiment_id, version=version)
 
     async def _abort_all(self, reason: str) -> int:
