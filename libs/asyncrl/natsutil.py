@@ -261,6 +261,7 @@ async def ensure_stream(js) -> None:
         storage=StorageType.FILE,
         retention=RetentionPolicy.LIMITS,
         duplicate_window=DUPLICATE_WINDOW_S,
+        num_replicas=settings().nats_replicas,
     )
     try:
         info = await js.stream_info(STREAM)
@@ -301,6 +302,7 @@ async def ensure_file_stream(js, name: str, subjects: list[str]) -> None:
                 subjects=subjects,
                 storage=StorageType.FILE,
                 retention=RetentionPolicy.LIMITS,
+                num_replicas=settings().nats_replicas,
             )
         )
 

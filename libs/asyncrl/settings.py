@@ -20,6 +20,8 @@ class Settings(BaseSettings):
 
     nats_url: str = Field("nats://127.0.0.1:4222", validation_alias="NATS_URL")
     """NATS server (or cluster) for trajectories and scheduler state (NATS_URL)."""
+    nats_replicas: int = Field(1, ge=1, le=5)
+    """Replicas of the streams and the KV bucket asyncrl creates (3 on a three-node cluster)."""
     scheduler: str = "127.0.0.1:50051"
     """host:port of the scheduler, for workers and clients."""
     advertise_host: str = "127.0.0.1"

@@ -15,6 +15,7 @@ from nats.js.api import KeyValueConfig, StorageType
 
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import KV_BUCKET
+from asyncrl.settings import settings
 from services.scheduler.records import ExperimentRecord
 
 log = get_logger(component="state")
@@ -41,7 +42,12 @@ class StateStore:
             kv = await js.key_value(KV_BUCKET)
         except nats.js.errors.BucketNotFoundError:
             kv = await js.create_key_value(
-                KeyValueConfig(bucket=KV_BUCKET, history=1, storage=StorageType.FILE)
+                KeyValueConfig(
+                    bucket=KV_BUCKET,
+                    history=1,
+                    storage=StorageType.FILE,
+                    replicas=settings().nats_replicas,
+                )
             )
         return cls(kv, min_interval_s)
 
