@@ -352,7 +352,7 @@ class Scheduler:
             log.info("worker_bound", worker=trainer.worker_id, kind="trainer", experiment=runner.id)
 
     def _bind_rollouts(self, live: list[ExperimentRunner]) -> None:
-        eligible = [r for r in live if r.trainer() is not None or r.finishing]
+        eligible = [r for r in live if not r.ending and (r.trainer() is not None or r.finishing)]
         if not eligible:
             return
         counts = {r.id: len(r.rollouts()) for r in eligible}

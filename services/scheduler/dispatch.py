@@ -124,10 +124,12 @@ class Dispatcher:
 
     @property
     def awaiting_max(self) -> int:
-        """Twice the most groups that can be accepted and not yet trained ((eta + 1) * B),
-        plus those that may settle out of order (max_concurrent_rollouts)."""
+        """Eight times the most groups that can be accepted and not yet trained ((eta + 1) * B)
+        plus those that may settle out of order (max_concurrent_rollouts). Twice was too few:
+        with drops and re-dispatches the trainer read groups 374 acceptances back (bench
+        control_plane, B=32, eta=1, window 256), its ReportDropped was refused and it failed."""
         spec = self.spec
-        return 2 * ((self.eta + 1) * spec.trainer.batch_size + spec.rollout.max_concurrent_rollouts)
+        return 8 * ((self.eta + 1) * spec.trainer.batch_size + spec.rollout.max_concurrent_rollouts)
 
     def dataset_done(self) -> bool:
         """No prompt left, none in flight, and fewer untrained accepted groups than a batch."""
@@ -305,7 +307,9 @@ class Dispatcher:
         items = [i for i in self.inflight.values() if pred(i)]
         for item in items:
             self.settle(item)
-            if how == "requeue":
+            if item.group_id in self._drops_seen:
+                pass  # the trainer reported it dropped: its prompt is re-queued already
+            elif how == "requeue":
                 self._requeue(item, "its rollout was lost or fenced")
             elif how == "abort":
                 self.staleness.on_abort()

@@ -122,6 +122,11 @@ class ExperimentRunner:
     def finishing(self) -> bool:
         return self._finishing
 
+    @property
+    def ending(self) -> bool:
+        """Entering its terminal state: takes no more workers."""
+        return self._ending
+
     def trainer(self) -> Worker | None:
         bound = self.registry.bound(self.id, WorkerKind.TRAINER)
         return bound[0] if bound else None
@@ -666,6 +671,8 @@ class ExperimentRunner:
                 )
             self.registry.unbind(trainer)
         await self.dispatcher.ledger.flush()
+        for w in self.rollouts():  # bound while the trainer stopped (still live, finishing):
+            self.registry.unbind(w)  # a terminal experiment must hold no worker
         self._finishing = False
         self._set_state(state, message)
         self.log.info("experiment_ended", state=state.value, message=message, version=self.version)

@@ -100,10 +100,15 @@ class StalenessManager:
         self.running -= 1
 
 
-def must_abort(start_version: int, new_fleet_version: int, eta: int) -> bool:
-    """An in-flight group started at `start_version` can no longer be trained within eta once the
-    fleet moves to `new_fleet_version` (the trainer is at least there when it would train it)."""
-    return new_fleet_version - start_version > eta
+def must_abort(start_version: int, committed_version: int, eta: int) -> bool:
+    """An in-flight group started at `start_version` can no longer be trained within eta once
+    `committed_version` is committed. "In flight" is the scheduler's view: the rollout may have
+    published the group already, and the step that produced `committed_version` (trainer at
+    `committed_version - 1`) may have trained it; only a group too stale even for that step can
+    never have been trained. (Aborting at `committed_version - start > eta` re-queued groups
+    that step had trained: make chaos trainer, 4 prompts trained twice.) A group between the
+    two the trainer drops itself if it reads it, and reports it."""
+    return committed_version - 1 - start_version > eta
 
 
 @dataclass(frozen=True)

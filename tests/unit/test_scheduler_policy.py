@@ -126,9 +126,16 @@ def test_finish_without_submit_is_a_bug():
 
 @pytest.mark.parametrize(
     ("start", "new", "eta", "expected"),
-    [(0, 1, 0, True), (0, 1, 1, False), (3, 5, 2, False), (3, 6, 2, True), (5, 5, 0, False)],
+    [
+        (0, 1, 0, False),  # the step that produced v1 (trainer at v0) may have trained it
+        (0, 2, 0, True),
+        (0, 2, 1, False),
+        (3, 6, 2, False),
+        (3, 7, 2, True),
+        (5, 5, 0, False),
+    ],
 )
-def test_must_abort_when_lag_exceeds_eta(start, new, eta, expected):
+def test_must_abort_only_when_even_the_committing_step_was_too_late(start, new, eta, expected):
     assert must_abort(start, new, eta) is expected
 
 
