@@ -4,9 +4,10 @@ the state store and a way to say "workers changed, re-bind"."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
+from prometheus_client import Histogram
 
 from asyncrl.grpcutil import channel
 from services.scheduler.history import HistoryLog
@@ -66,6 +67,23 @@ class ChannelPool:
             await self.close(address)
 
 
+FLEET_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+def fleet_histogram() -> Histogram:
+    """Seconds of the fleet's weight updates by phase: `update` (UpdateWeights to every ready
+    rollout, in parallel), `lag` (a version's commit until the fleet served it), the slowest
+    rollout's `read`, `pause`, `load`, `resume`, and the scheduler's `commit` bookkeeping.
+    Rendered by the scheduler's collector (never prometheus' global registry)."""
+    return Histogram(
+        "asyncrl_scheduler_weight_update_seconds",
+        "Fleet weight updates by phase: commit, update, lag, read, pause, load, resume",
+        ["experiment", "phase"],
+        buckets=FLEET_BUCKETS,
+        registry=None,
+    )
+
+
 @dataclass
 class RunnerContext:
     config: SchedulerConfig
@@ -78,3 +96,5 @@ class RunnerContext:
     """JetStream: each runner appends its groups' fates to the ledger there."""
     workers_changed: Callable[[], None]
     """Call after binding changes (a worker freed or fenced) so the scheduler re-binds."""
+    fleet_seconds: Histogram = field(default_factory=fleet_histogram)
+    """Where the runners' fleet updates spend their time (rendered by the collector)."""

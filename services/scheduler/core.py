@@ -26,7 +26,12 @@ from asyncrl.spec import ExperimentSpec, SpecError, check_files, spec_from_json,
 from asyncrl.types import StepMetrics, TrainerState
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 from asyncrl.workflow import check_workflow
-from services.scheduler.context import ChannelPool, RunnerContext, SchedulerConfig
+from services.scheduler.context import (
+    ChannelPool,
+    RunnerContext,
+    SchedulerConfig,
+    fleet_histogram,
+)
 from services.scheduler.dataset import Prompt, load_prompts
 from services.scheduler.experiments import ExperimentRunner
 from services.scheduler.history import HistoryLog
@@ -72,6 +77,8 @@ class Scheduler:
         self.store: StateStore | None = None
         self.history: HistoryLog | None = None
         self._ctx: RunnerContext | None = None
+        self.fleet_seconds = fleet_histogram()
+        """The runners' fleet updates by phase (rendered by the scheduler's collector)."""
         self._tasks: set[asyncio.Task] = set()
         self._reconcile_scheduled = False
 
@@ -89,6 +96,7 @@ class Scheduler:
             history=self.history,
             js=self.js,
             workers_changed=self._reconcile_soon,
+            fleet_seconds=self.fleet_seconds,
         )
         for record in await self.store.load_all():
             await self.history.load_into(record)

@@ -131,10 +131,11 @@ class Dispatcher:
         spec = self.spec
         return 8 * ((self.eta + 1) * spec.trainer.batch_size + spec.rollout.max_concurrent_rollouts)
 
-    def dataset_done(self) -> bool:
-        """No prompt left, none in flight, and fewer untrained accepted groups than a batch."""
+    def dataset_done(self, trained_version: int) -> bool:
+        """No prompt left, none in flight, and fewer untrained accepted groups than a batch
+        (the trainer committed `trained_version`, so it trained that many batches)."""
         batch = self.spec.trainer.batch_size
-        untrained = self.staleness.accepted - self.version() * batch
+        untrained = self.staleness.accepted - trained_version * batch
         return self.cursor.exhausted and self.staleness.running == 0 and untrained < batch
 
     # ---- dispatch ----------------------------------------------------------------------------

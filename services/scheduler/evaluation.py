@@ -15,10 +15,23 @@ MAX_EVAL_ATTEMPTS = 3
 
 
 def eval_due(
-    version: int, every_versions: int, *, start: bool = False, final: bool = False
+    version: int,
+    every_versions: int,
+    *,
+    start: bool = False,
+    final: bool = False,
+    since: int | None = None,
 ) -> bool:
-    """Eval runs at the start version, every K versions (K = every_versions > 0), and at the end."""
-    return start or final or (every_versions > 0 and version % every_versions == 0)
+    """Eval runs at the start version, every K versions (K = every_versions > 0), and at the end.
+    With `since`, the fleet went from `since` straight to `version` (skipping the versions in
+    between): due if any version after `since` up to `version` was."""
+    if start or final:
+        return True
+    if every_versions <= 0:
+        return False
+    if since is None:
+        return version % every_versions == 0
+    return version // every_versions > since // every_versions
 
 
 class EvalRound:
@@ -92,11 +105,14 @@ class Evaluator:
         self.rounds: list[EvalRound] = []
         self.running = 0
 
-    def schedule(self, version: int, *, start: bool = False, final: bool = False) -> bool:
-        """Open a round for `version` if eval is configured, due, and not done yet."""
+    def schedule(
+        self, version: int, *, start: bool = False, final: bool = False, since: int | None = None
+    ) -> bool:
+        """Open a round for `version` if eval is configured, due (see `eval_due`), and not done
+        yet."""
         if not self.n_prompts or version in self.versions:
             return False
-        if not eval_due(version, self.every_versions, start=start, final=final):
+        if not eval_due(version, self.every_versions, start=start, final=final, since=since):
             return False
         self.versions.add(version)
         self.rounds.append(EvalRound(version, self.n_prompts, self.n_samples))

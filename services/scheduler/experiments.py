@@ -1,6 +1,15 @@
 """One asyncio runner per experiment: wait for workers, start the trainer, dispatch groups under
 the staleness rule, broadcast committed weights, abort what became too stale, evaluate, finish.
 
+A commit is answered as soon as it is recorded: the trainer goes on with its next step while
+`_update_fleet` (one background task at a time) brings the ready rollouts to the newest
+committed version. Commits that land during an update coalesce into the next one. The fleet
+version, which admission uses, moves only once an update is done; stale aborts use the
+committed version, the trainer's; no training group starts while the fleet is behind it (it
+would start staler than admission assumes); a commit is answered once the fleet is at most
+`fleet_lag` versions behind. Periodic and final evals run on the fleet, once it serves their
+version.
+
 The loop top to bottom (`_run`): wait until a trainer, a rollout and a reward worker are there;
 `StartExperiment` tells the version to resume from; then dispatch (`Dispatcher`) while the
 staleness manager has capacity, woken by every event (a group finished, a commit, a worker
@@ -25,7 +34,13 @@ from asyncrl.security import Principal
 from asyncrl.spec import ExperimentSpec
 from asyncrl.types import EvalResult, StepMetrics, TrainerState
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
-from services.scheduler.calls import BindRefused, FleetWeights, WorkerCalls
+from services.scheduler.calls import (
+    BindRefused,
+    FleetUpdate,
+    FleetWeights,
+    WorkerCalls,
+    fleet_lag,
+)
 from services.scheduler.context import RunnerContext
 from services.scheduler.dataset import Prompt
 from services.scheduler.dispatch import Dispatcher, DispatchHooks
@@ -109,6 +124,11 @@ class ExperimentRunner:
     def version(self) -> int:
         """The fleet version: the weights the rollouts serve."""
         return self.record.progress.version
+
+    @property
+    def committed_version(self) -> int:
+        """The trainer's newest committed version (the fleet loads it after the commit)."""
+        return self.fleet.target[0]
 
     @property
     def state(self) -> ExperimentState:
@@ -235,6 +255,7 @@ class ExperimentRunner:
                 self.record.progress.version = k
                 self.record.fleet_uri = self._uri_for(k)
                 self.fleet.ready.clear()
+            self.fleet.set_target(k, self.record.fleet_uri)  # a later version is not trained
         self._set_state(ExperimentState.RUNNING, "")
         self.log.info(
             "experiment_started", version=k, resumed=resp.resumed, worker=trainer.worker_id
@@ -309,7 +330,7 @@ class ExperimentRunner:
             if self.terminal:
                 return
             if self._finishing:
-                if self.dispatcher.evaluator.idle:
+                if self.dispatcher.evaluator.idle and self.version >= self.committed_version:
                     await self._end(*self._outcome())
                     return
             elif why := self._trainer_changed():
@@ -320,11 +341,15 @@ class ExperimentRunner:
                     running=len(self.dispatcher.inflight),
                 )
                 return
-            elif self.dispatcher.dataset_done():
+            elif self.dispatcher.dataset_done(self.committed_version):
                 self._begin_finish("dataset exhausted")
                 continue
             ready = [w for w in self.rollouts() if w.worker_id in self.fleet.ready]
-            training = not self._finishing and self.state == ExperimentState.RUNNING
+            training = (
+                not self._finishing
+                and self.state == ExperimentState.RUNNING
+                and self.version >= self.committed_version  # never on weights already stale
+            )
             if self.dispatcher.dispatch_one(ready, self.registry.reward_addresses(), training):
                 dispatched += 1
                 if dispatched % 32 == 0:
@@ -409,7 +434,8 @@ class ExperimentRunner:
         """A reason if nothing moved (no commit, no group settled, no rollout joined) for
         progress_timeout_s; the second time in a row the experiment fails with it."""
         s = self.staleness
-        mark = (self.version, s.accepted, s.rejected, s.failed, s.stale_dropped)
+        mark = (self.version, self.committed_version, s.accepted, s.rejected, s.failed)
+        mark += (s.stale_dropped,)
         mark += (len(self.record.evals), len(self.fleet.ready))
         now = time.monotonic()
         if mark != self._progress_mark:
@@ -522,19 +548,16 @@ class ExperimentRunner:
         raise PermissionDenied(reason)
 
     async def commit(self, version: int, uri: str, metrics: StepMetrics) -> CommitResult:
-        """Broadcast `version` to the bound rollouts (fencing laggards), move the fleet to it,
-        abort groups that can no longer be trained within eta, and finish at total_steps.
+        """Record `version` (durable in the weight store) as the trainer's newest and answer at
+        once: abort groups that can no longer be trained within eta, record the step, finish
+        at total_steps. The ready rollouts load it in the background (`_update_fleet`).
         The caller was authorized first (`authorize_trainer`)."""
-        async with self.fleet.lock:
-            if self.terminal or self._finishing or version <= self.version:  # a retry, or late
-                return CommitResult(self.version, 0, 0, self.terminal or self._finishing)
-            workers = [w for w in self.rollouts() if w.worker_id in self.fleet.ready]
-            failed = await self.fleet.broadcast(workers, version, uri)
-            for w, reason in failed:
-                self._fence(w, f"UpdateWeights v{version} failed: {reason}")
-            self.record.progress.version = version
-            self.record.fleet_uri = uri
-            self.record.add_weights(version, uri)
+        t0 = time.perf_counter()
+        over = self.terminal or self._finishing
+        if over or version <= self.committed_version:  # a retry, or late
+            return CommitResult(self.version, 0, 0, over)
+        self.fleet.set_target(version, uri)
+        self.record.add_weights(version, uri)
         self._trainer_failures = 0
         aborted = self.dispatcher.abort_stale(version)
         if aborted:
@@ -545,27 +568,79 @@ class ExperimentRunner:
                 eta=self.spec.rollout.max_head_offpolicyness,
             )
         metrics.version = version
+        self.fleet.into_metrics(metrics)
         self._record_step(metrics)
-        updated = len(workers) - len(failed)
         self.log.info(
             "version_committed",
             version=version,
             uri=uri,
-            updated=updated,
-            fenced=len(failed),
+            fleet_version=self.version,
             loss=metrics.loss,
             reward_mean=metrics.reward_mean,
             groups=metrics.groups,
         )
         if version >= self.spec.trainer.total_steps:
             self._begin_finish(f"reached total_steps={self.spec.trainer.total_steps}")
-        elif self.dispatcher.dataset_done():
+        elif self.dispatcher.dataset_done(self.committed_version):
             self._begin_finish("dataset exhausted")
-        else:
-            self._maybe_eval(version)
+        if self.fleet.task is None or self.fleet.task.done():
+            self.fleet.task = self._spawn(self._update_fleet())
         self._wake.set()
         self._persist()
-        return CommitResult(version, updated, len(failed), self._finishing or self.terminal)
+        self.fleet.commit_s = time.perf_counter() - t0
+        self.ctx.fleet_seconds.labels(self.id, "commit").observe(self.fleet.commit_s)
+        await self._fleet_reaches(version - fleet_lag(self.spec.rollout), version)
+        return CommitResult(self.version, 0, 0, self._finishing or self.terminal)
+
+    async def _fleet_reaches(self, target: int, committed: int) -> None:
+        """Return once the fleet serves `target`, or once waiting makes no sense any more (the
+        run ends, or the trainer was started again from an older version than `committed`)."""
+        while self.version < target and self.committed_version >= committed:
+            if self.terminal or self._ending:
+                return
+            await self.fleet.moved()
+
+    async def _update_fleet(self) -> None:
+        """Bring the ready rollouts to the newest committed version, one update at a time
+        (commits that land meanwhile coalesce into the next), fencing those that fail; the
+        fleet version moves on regardless, as the staleness rule needs."""
+        while not self.terminal:
+            async with self.fleet.lock:
+                (version, uri), committed_at = self.fleet.target, self.fleet.target_at
+                previous = self.version
+                if version <= previous:  # up to date (or the trainer was started again)
+                    return
+                workers = [w for w in self.rollouts() if w.worker_id in self.fleet.ready]
+                update = await self.fleet.broadcast(workers, version, uri)
+                for w, reason in update.failed:
+                    self._fence(w, f"UpdateWeights v{version} failed: {reason}")
+                self.record.progress.version = version
+                self.record.fleet_uri = uri
+            update.previous, update.lag_s = previous, time.monotonic() - committed_at
+            self._fleet_updated(update)
+
+    def _fleet_updated(self, update: FleetUpdate) -> None:
+        """The fleet serves `update.version`: time it, evaluate if due, wake the dispatch."""
+        self.fleet.last = update
+        self.fleet.notify()
+        phases = update.phases()
+        seconds = {"update": update.seconds, "lag": update.lag_s, **phases}
+        for phase, value in seconds.items():
+            self.ctx.fleet_seconds.labels(self.id, phase).observe(value)
+        self.log.info(
+            "fleet_updated",
+            version=update.version,
+            coalesced=max(0, update.version - update.previous - 1),
+            updated=update.updated,
+            fenced=len(update.failed),
+            **{f"{k}_s": round(v, 4) for k, v in seconds.items()},
+        )
+        if not self._finishing:
+            self._maybe_eval(update.version, since=update.previous)
+        elif update.version >= self.committed_version:
+            self._maybe_eval(update.version, final=True)
+        self._wake.set()
+        self._persist()
 
     def _record_step(self, metrics: StepMetrics) -> None:
         """Append the step (replacing the steps of a lineage the trainer discarded)."""
@@ -591,8 +666,12 @@ class ExperimentRunner:
 
     # ---- eval and the end --------------------------------------------------------------------
 
-    def _maybe_eval(self, version: int, *, start: bool = False, final: bool = False) -> None:
-        if self.dispatcher.evaluator.schedule(version, start=start, final=final):
+    def _maybe_eval(
+        self, version: int, *, start: bool = False, final: bool = False, since: int | None = None
+    ) -> None:
+        """Evaluate `version` if due (or if one of the versions after `since` the fleet skipped
+        was)."""
+        if self.dispatcher.evaluator.schedule(version, start=start, final=final, since=since):
             self.log.info("eval_started", version=version, prompts=len(self.eval_prompts))
             self._wake.set()
 
@@ -617,13 +696,15 @@ class ExperimentRunner:
             return
         self._finishing = True
         self._finish_reason = reason
-        untrained = self.staleness.accepted - self.version * self.spec.trainer.batch_size
+        batch = self.spec.trainer.batch_size
+        untrained = self.staleness.accepted - self.committed_version * batch
         self.record.progress.left_over = max(0, untrained)
         cancelled = self.dispatcher.cancel(training_only=True)
         self.log.info(
             "experiment_finishing", reason=reason, version=self.version, cancelled=cancelled
         )
-        self._maybe_eval(self.version, final=True)
+        if self.version >= self.committed_version:  # else once the fleet serves the last one
+            self._maybe_eval(self.version, final=True)
         self._wake.set()
         self._persist()
 
@@ -652,6 +733,7 @@ class ExperimentRunner:
         if self.terminal or self._ending:
             return
         self._ending = True
+        self.fleet.notify()
         self._finishing = True  # a commit meanwhile is told to stop
         self.dispatcher.cancel(training_only=False)
         current = asyncio.current_task()
@@ -705,10 +787,11 @@ class ExperimentRunner:
     def unsubscribe(self, q: asyncio.Queue) -> None:
         self._subscribers.discard(q)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background_done)
+        return task
 
     def _background_done(self, task: asyncio.Task) -> None:
         self._background.discard(task)

@@ -136,8 +136,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
 
 class SchedulerCollector(Collector):
-    """Per experiment (label `experiment`): progress counters, the last step and eval; and the
-    registered workers by kind."""
+    """Per experiment (label `experiment`): progress counters, the last step and eval, and the
+    fleet's weight updates by phase (a histogram); and the registered workers by kind."""
 
     PROGRESS = {
         "version": "Fleet version: the weights the rollouts serve",
@@ -163,6 +163,7 @@ class SchedulerCollector(Collector):
         for kind, n in counts.items():
             workers.add_metric([kind], float(n))
         yield workers
+        yield from self.scheduler.fleet_seconds.collect()
 
     def _experiments(self):
         label = ["experiment"]

@@ -4,10 +4,16 @@ Per step: pull groups from the experiment's durable consumer until B trainable o
 hand, triaging each (`validation.py`): a malformed or foreign message is dead-lettered with its
 reason, a replay of a group already trained is skipped, a group staler than eta is reported to
 the scheduler as dropped; all of them are acked and counted. Then train them
-(the backend computes in a worker thread so the event loop stays responsive), write the
-weights of the new version to the weight store, `CommitWeights` to the scheduler, and
-checkpoint every `trainer.checkpoint_every` steps. `checkpoint.py` explains how the consumer
-position in the checkpoint makes a crash lose nothing and train nothing twice.
+(the backend computes in a worker thread so the event loop stays responsive), take the new
+version's weights as bytes, and go on with the next step while they are written to the weight
+store and committed (`CommitWeights`) in the background (`publish.py`: one version in flight,
+commits in order; the scheduler answers once it has recorded the version and updates the
+rollouts afterwards). The version at `trainer.total_steps` is committed before anything else
+happens (its answer says stop); a stop answered earlier ends the run at the next step
+boundary, so at most one more step is trained, and committed. Checkpoint every
+`trainer.checkpoint_every` steps, once every version trained is committed. `checkpoint.py`
+explains how the consumer position in the checkpoint makes a crash lose nothing and train
+nothing twice.
 
 A failure (loading, consuming, training, publishing weights, committing, checkpointing) leaves
 the trainer in state `failed` with a message naming the stage and the cause, which GetStatus
@@ -19,11 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import shutil
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -36,7 +41,7 @@ from asyncrl.runtime import freeze_heap
 from asyncrl.spec import ExperimentSpec, SpecError, spec_from_json
 from asyncrl.types import StepMetrics, TrainerState, TrajectoryGroup
 from asyncrl.v1 import scheduler_pb2, trainer_pb2
-from asyncrl.weights import copy_tokenizer, path_to_uri, prune, publish_version, version_dir
+from asyncrl.weights import path_to_uri, version_dir
 from services.trainer.backends import make_backend
 from services.trainer.checkpoint import (
     BACKEND_DIR,
@@ -54,13 +59,15 @@ from services.trainer.metrics import (
     stall_seconds,
     step_metrics,
 )
+from services.trainer.publish import InFlight, write_version
 from services.trainer.validation import Admission, RecentIds, Verdict, triage
 from services.trainer.weight_sync import WeightBroadcaster
 
 log = get_logger()
 
 KEEP_VERSIONS = 3
-COMMIT_TIMEOUT_S = 300.0  # the scheduler answers after the rollout fleet loaded the weights
+"""Versions kept in the weight store at least; `keep_versions` keeps what the fleet may need."""
+COMMIT_TIMEOUT_S = 300.0  # with trainer.weight_sync nccl the broadcast runs beside the commit
 REPORT_TIMEOUT_S = 10.0
 SCHEDULER_RETRY_S = 120.0  # keep retrying UNAVAILABLE this long (a scheduler restart)
 
@@ -77,6 +84,14 @@ class Batch:
     replayed: int = 0
     wait_s: float = 0.0
     """Seconds spent collecting it (pulling, triaging, waiting for groups)."""
+
+
+def keep_versions(eta: int) -> int:
+    """How many of the newest versions the weight store keeps. The fleet loads a version after
+    its commit, so it may serve one up to eta + 1 behind the trainer's newest (admission lets
+    the trainer get no further ahead), and a rollout that joins loads the fleet's: keep those,
+    and one more for the version an update is reading while the next is written."""
+    return max(KEEP_VERSIONS, eta + 3)
 
 
 def model_vocab_size(model_dir: str | Path) -> int:
@@ -135,6 +150,7 @@ class TrainerService:
         self.phases = phase_histogram()
         self._train_end: float | None = None  # when the last train_step of this run ended
         self._after = StepTimes()  # commit_s, checkpoint_s of the last version, sent with the next
+        self._publishing = InFlight()  # the version being written and committed
 
     # -- RPC-facing operations ------------------------------------------------------------
     async def start_experiment(self, experiment_id: str, spec_json: str) -> tuple[int, bool]:
@@ -229,6 +245,7 @@ class TrainerService:
         self.resumed, self.last_metrics = False, None
         self._trained = RecentIds()
         self._train_end, self._after = None, StepTimes()
+        self._publishing = InFlight()
         self._stop = asyncio.Event()  # a StopExperiment during loading stops the new run
         self.log = log.bind(experiment=experiment_id)
         self.ledger = Ledger(self.js, experiment_id)
@@ -298,9 +315,8 @@ class TrainerService:
                 if batch is None:
                     break
                 async with self._lock:
-                    stop = await self._train(batch)
-                if stop:
-                    break
+                    await self._train(batch)
+            await self._wait_published()  # every version trained is committed
             self._stage = "left over"
             await self._record_left_over()
             async with self._lock:
@@ -314,6 +330,7 @@ class TrainerService:
         except Exception as exc:  # noqa: BLE001 - recorded as the failed state, never hidden
             self._fail(exc, self._stage)
         finally:
+            self._publishing.cancel()
             await self._leave_broadcast()
 
     async def _record_left_over(self) -> None:
@@ -350,6 +367,8 @@ class TrainerService:
         while len(batch.groups) < b:
             if self._stop.is_set():
                 return None
+            if self._publishing.done:  # raise a failure now, not after the next step
+                await self._wait_published()
             self._stage = "consume"
             pulled = await self._consumer.pull(b - len(batch.groups), timeout=self.fetch_timeout_s)
             stale = [g for p in pulled for g in await self._admit(p, batch)]
@@ -386,106 +405,111 @@ class TrainerService:
             self.log.warning("group_quarantined", seq=p.seq, group=group, reason=reason)
         return []
 
-    async def _train(self, batch: Batch) -> bool:
-        """One optimizer step -> version + 1. Returns True when the scheduler says stop."""
+    async def _train(self, batch: Batch) -> None:
+        """One optimizer step -> version + 1, handed over to be published (`_publish`)."""
         self.state, self._stage = TrainerState.TRAINING, "training"
         trained_at = self.version
         t0 = time.perf_counter()
         stall_s = stall_seconds(self._train_end, t0, batch.wait_s)
         stats = await asyncio.to_thread(self.backend.train_step, batch.groups)
         self._train_end = time.perf_counter()
-        step_time = self._train_end - t0
         self.version += 1
         self.step += 1
         self._boundary_seq = batch.last_seq
         self._trained.extend(g.group_id for g in batch.groups)
-        self._stage = "publish weights"
-        uri, serialize_s, write_s = await asyncio.to_thread(self._publish_weights, self.version)
-        times = StepTimes(
-            wait_s=batch.wait_s,
-            serialize_s=serialize_s,
-            write_s=write_s,
-            commit_s=self._after.commit_s,
-            checkpoint_s=self._after.checkpoint_s,
-            stall_s=stall_s,
-        )
+        self._stage = "serialize weights"
+        files = await asyncio.to_thread(self.backend.hf_files)
+        serialize_s = time.perf_counter() - self._train_end
+        await self._wait_published()  # the previous version: commits go in order
         m = step_metrics(
             step=self.step,
             version=self.version,
             groups=batch.groups,
             trainer_version=trained_at,
             backend_stats=stats,
-            step_time_s=step_time,
+            step_time_s=self._train_end - t0,
             stale_dropped=batch.dropped,
             quarantined=batch.quarantined,
             replayed=batch.replayed,
-            times=times,
+            times=replace(
+                self._after, wait_s=batch.wait_s, serialize_s=serialize_s, stall_s=stall_s
+            ),
         )
-        self.last_metrics = m
-        for phase, seconds in (("train_step", step_time), ("stall", stall_s)):
-            self._observe(phase, seconds)
-        slog = self.log.bind(version=self.version)
-        slog.info("train_step", **{k: v for k, v in asdict(m).items() if k != "version"})
-        return await self._commit_step(m, uri, [g.group_id for g in batch.groups])
+        self.last_metrics, self._after = m, StepTimes()
+        self._observe("train_step", m.step_time_s)
+        self._observe("serialize", serialize_s)
+        self._observe("stall", stall_s)
+        self.log.info("train_step", **asdict(m))
+        self._publishing.start(self._publish(m, files, [g.group_id for g in batch.groups]))
+        if self.version >= self.spec.trainer.total_steps:
+            await self._wait_published()  # the last version: its answer says stop
+        if not self._stop.is_set() and self.step % self.spec.trainer.checkpoint_every == 0:
+            self._stage = "checkpoint"
+            await self._checkpoint()
+        self.state = TrainerState.WAITING
 
-    async def _commit_step(self, m: StepMetrics, uri: str, ids: list[str]) -> bool:
-        """Commit the step's version, record it, checkpoint when due; returns the scheduler's
-        stop. Times the commit and the checkpoint: the next step's metrics report them."""
-        self._stage = "commit"
+    async def _publish(self, m: StepMetrics, files: dict[str, bytes], ids: list[str]) -> None:
+        """Write version `m.version`, commit it, record it in the ledger (beside the loop).
+        A stop in the answer ends the run at the next step boundary."""
+        self._publishing.stage = "publish weights"
         t0 = time.perf_counter()
-        resp = await self._commit_and_send(uri, m)
-        commit_s = time.perf_counter() - t0
-        self._observe("commit", commit_s)
-        await self.ledger.record(
-            "trained", step=self.step, version=self.version, groups=ids, run=self.run_id
+        tokenizer = Path(self.spec.model.tokenizer_path or self.spec.model.path)
+        uri = await asyncio.to_thread(
+            write_version,
+            self.weights_root,
+            self.experiment_id,
+            m.version,
+            files,
+            tokenizer,
+            keep_versions(self.spec.rollout.max_head_offpolicyness),
         )
-        checkpoint_s = 0.0
+        t1 = time.perf_counter()
+        m.write_s = t1 - t0
+        self._observe("write", m.write_s)
+        self._publishing.stage = "commit"
+        resp = await self._commit_and_send(uri, m)
+        commit_s = time.perf_counter() - t1
+        self._observe("commit", commit_s)
+        self._after = replace(self._after, commit_s=commit_s)
+        await self.ledger.record(
+            "trained", step=m.step, version=m.version, groups=ids, run=self.run_id
+        )
         if resp.stop:
             self.log.info(
                 "scheduler_says_stop", version=m.version, fleet_version=resp.fleet_version
             )
-        elif self.step % self.spec.trainer.checkpoint_every == 0:
-            self._stage = "checkpoint"
-            t1 = time.perf_counter()
-            await self._checkpoint()
-            checkpoint_s = time.perf_counter() - t1
-        self._after = StepTimes(commit_s=commit_s, checkpoint_s=checkpoint_s)
-        self.state = TrainerState.WAITING
-        return resp.stop
+            self._stop.set()
+
+    async def _wait_published(self) -> None:
+        """Wait for the version in flight to be committed; its failure is raised, named by the
+        stage it failed in."""
+        try:
+            await self._publishing.wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._stage = self._publishing.stage
+            raise
 
     def _observe(self, phase: str, seconds: float) -> None:
         self.phases.labels(self.experiment_id, phase).observe(seconds)
 
     # -- side effects ---------------------------------------------------------------------------
-    def _publish_weights(self, version: int) -> tuple[str, float, float]:
-        """Serialise the weights and write them as `version` into the weight store (atomic,
-        the last 3 kept); returns (uri, serialise seconds, write seconds)."""
-        t0 = time.perf_counter()
-        files = self.backend.hf_files()
-        t1 = time.perf_counter()
-        uri = self._write_weights(version, files)
-        t2 = time.perf_counter()
-        self._observe("serialize", t1 - t0)
-        self._observe("write", t2 - t1)
-        return uri, t1 - t0, t2 - t1
-
-    def _write_weights(self, version: int, files: dict[str, bytes]) -> str:
-        """HF files (+ the tokenizer) into a temporary directory renamed into place."""
-        final = version_dir(self.weights_root, self.experiment_id, version)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-        try:
-            tmp.mkdir()
-            for name, data in files.items():
-                (tmp / name).write_bytes(data)
-            copy_tokenizer(Path(self.spec.model.tokenizer_path or self.spec.model.path), tmp)
-            uri = publish_version(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        prune(self.weights_root, self.experiment_id, keep=KEEP_VERSIONS)
-        return uri
+    def _publish_weights(self, version: int) -> str:
+        """Serialise and write `version` now (a resumed version the store had pruned)."""
+        tokenizer = Path(self.spec.model.tokenizer_path or self.spec.model.path)
+        return write_version(
+            self.weights_root,
+            self.experiment_id,
+            version,
+            self.backend.hf_files(),
+            tokenizer,
+            keep_versions(self.spec.rollout.max_head_offpolicyness),
+        )
 
     async def _checkpoint(self) -> Path:
+        """Checkpoint the step boundary, once every version trained is committed."""
+        await self._wait_published()
         state = CheckpointState(
             experiment_id=self.experiment_id,
             step=self.step,
@@ -496,7 +520,9 @@ class TrainerService:
         root = checkpoint_root(self.var_dir, self.experiment_id)
         t0 = time.perf_counter()
         path = await asyncio.to_thread(write_checkpoint, root, state, self.backend.save_checkpoint)
-        self._observe("checkpoint", time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self._observe("checkpoint", seconds)
+        self._after = replace(self._after, checkpoint_s=self._after.checkpoint_s + seconds)
         self.log.info(
             "checkpoint_saved",
             path=str(path),

@@ -168,7 +168,8 @@ async def test_commit_from_other_identity_or_trainer_id_denied_run_continues(
     assert [v for v, _ in rollout.updates] == [0]  # no forged weights reached the rollout
     assert runner.staleness.stale_dropped == 0
     bound = commit_request(exp_id, 1, trainer_id=runner.trainer().worker_id)
-    assert (await cluster.trainer_stub.CommitWeights(bound, timeout=5)).fleet_version == 1
+    assert (await cluster.trainer_stub.CommitWeights(bound, timeout=5)).stop is False
+    assert runner.committed_version == 1
     assert runner.state.value == "RUNNING"
 
 
@@ -204,7 +205,8 @@ async def test_report_dropped_unknown_group_invalid_argument_nothing_changed(clu
     assert runner.state.value == "RUNNING"
     await cluster.trainer_stub.ReportDropped(dropped(exp_id, accepted), timeout=5)
     await wait_until(lambda: accepted.replace("-a0", "-a1") in rollout.group_ids())
-    assert (await cluster.commit(exp_id, 1)).fleet_version == 1
+    assert (await cluster.commit(exp_id, 1)).stop is False
+    assert runner.committed_version == 1
 
 
 async def test_report_dropped_after_scheduler_restart_knows_accepted_groups(cluster, files):

@@ -432,7 +432,9 @@ async def test_admission_bounded_by_eta_and_grows_with_commits(cluster, files):
     exp = await cluster.experiment(exp_id)
     assert exp.progress.dispatched == 4  # accepted + running hit the budget
     resp = await cluster.commit(exp_id, 1)
-    assert (resp.fleet_version, resp.updated, resp.fenced, resp.stop) == (1, 1, 0, False)
+    assert (resp.updated, resp.fenced, resp.stop) == (0, 0, False)  # answered once recorded
+    assert runner.committed_version == 1
+    await wait_until(lambda: runner.version == 1)  # the fleet loads it in the background
     assert rollout.updates[-1] == (1, "file:///w/v1")
     await wait_until(lambda: len(rollout.group_ids()) == 6)  # (1 + 1 + 1) * 2 - 4
     assert rollout.served[4:] == [1, 1]
@@ -722,7 +724,9 @@ async def test_trainer_failed_once_is_redriven_and_runs_on(cluster, files):
     await wait_until(lambda: len(trainer.started) == 2, timeout=10)
     runner = cluster.scheduler.get(exp_id)
     await wait_until(lambda: runner.state.value == "RUNNING")
-    assert (await cluster.commit(exp_id, 1)).fleet_version == 1
+    assert (await cluster.commit(exp_id, 1)).stop is False
+    assert runner.committed_version == 1
+    await wait_until(lambda: runner.version == 1)
 
 
 async def test_no_progress_redrives_trainer_once_then_fails_with_reason(cluster, files):

@@ -299,9 +299,9 @@ async def test_trainer_commit_says_stop_final_checkpoint_and_stopped(
 ):
     scheduler.stop_at_version = 1
     service, stub = await start_trainer()
-    await stub.StartExperiment(
+    await stub.StartExperiment(  # version 1 is the last: its commit is answered before more
         trainer_pb2.StartExperimentRequest(
-            experiment_id=EXP, spec_json=_spec(tiny[0], checkpoint_every=5)
+            experiment_id=EXP, spec_json=_spec(tiny[0], checkpoint_every=5, total_steps=1)
         ),
         timeout=60,
     )

@@ -19,7 +19,7 @@ from safetensors.torch import load, load_file
 
 from asyncrl.grpcutil import channel
 from asyncrl.ledger import ensure_ledger
-from asyncrl.natsutil import publish_group
+from asyncrl.natsutil import publish_group, wait_until
 from asyncrl.runtime import ServiceRuntime
 from asyncrl.spec import ExperimentSpec, ModelSpec, RolloutSpec, spec_to_json
 from asyncrl.v1 import rollout_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -86,14 +86,18 @@ async def trainer(js, nats_server, tmp_path):
     await sched_rt.close()
 
 
-async def test_trainer_step_metrics_time_serialize_write_and_previous_commit(tiny, trainer, js):
-    service, stub, scheduler = trainer
+async def _start(stub, tiny, **trainer) -> None:
     await stub.StartExperiment(
         trainer_pb2.StartExperimentRequest(
-            experiment_id=EXP, spec_json=_spec(tiny[0], eta=4, checkpoint_every=1)
+            experiment_id=EXP, spec_json=_spec(tiny[0], eta=4, **trainer)
         ),
         timeout=60,
     )
+
+
+async def test_trainer_next_step_starts_while_previous_version_is_committed(tiny, trainer, js):
+    service, stub, scheduler = trainer
+    await _start(stub, tiny, checkpoint_every=100)
     for i in range(4):
         await publish_group(js, _group(tiny, f"g{i}", 0))
     await _wait_commits(scheduler, 2)
@@ -101,15 +105,42 @@ async def test_trainer_step_metrics_time_serialize_write_and_previous_commit(tin
     first, second = (c.metrics for c in scheduler.commits[:2])
     assert first.serialize_s > 0 and first.write_s > 0 and first.step_time_s > 0
     assert (first.commit_s, first.checkpoint_s, first.stall_s) == (0, 0, 0)  # nothing before
-    assert second.commit_s >= COMMIT_DELAY_S  # the first version's round trip
-    assert second.checkpoint_s > 0  # checkpoint_every=1: after the first step
-    assert second.stall_s >= second.commit_s + second.checkpoint_s
-    assert second.wait_s >= 0
+    assert second.commit_s >= COMMIT_DELAY_S  # version 1's round trip, reported with step 2
+    assert second.stall_s < COMMIT_DELAY_S  # step 2 trained while version 1 was committed
+    assert second.write_s > 0 and second.wait_s >= 0
 
     got = _samples(TrainerCollector(service), "asyncrl_trainer_phase_seconds_count")
     count = {dict(k[1:])["phase"]: v for k, v in got.items()}
-    assert count["train_step"] == count["serialize"] == count["write"] == 2
-    assert count["commit"] >= 1 and count["checkpoint"] >= 1 and count["stall"] == 2
+    assert count["train_step"] == count["serialize"] == count["write"] == count["stall"] == 2
+    assert count["commit"] >= 1
+
+
+async def test_trainer_checkpoint_waits_for_the_commit_and_is_timed(tiny, trainer, js):
+    service, stub, scheduler = trainer
+    await _start(stub, tiny, checkpoint_every=1)
+    for i in range(4):
+        await publish_group(js, _group(tiny, f"g{i}", 0))
+    await _wait_commits(scheduler, 2)
+    second = scheduler.commits[1].metrics
+    assert second.checkpoint_s > 0  # after step 1, reported with step 2
+    # the checkpoint of step 1 waited for version 1's commit: the stall shows it
+    assert second.stall_s >= COMMIT_DELAY_S
+
+
+async def test_trainer_stop_answered_while_next_step_trains_commits_it_then_stops(
+    tiny, trainer, js
+):
+    service, stub, scheduler = trainer
+    scheduler.stop_at_version = 1
+    await _start(stub, tiny, checkpoint_every=5)
+    for i in range(6):
+        await publish_group(js, _group(tiny, f"g{i}", 0))
+    await wait_until(lambda: service.state == "stopped", timeout=30)
+    # step 2 was trained before version 1's answer came: committed (refused by a real
+    # scheduler), never a third step
+    assert [c.version for c in scheduler.commits] == [1, 2]
+    ckpts = sorted(p.name for p in (service.var_dir / "checkpoints" / EXP).iterdir())
+    assert ckpts == ["step_000002"]
 
 
 async def test_rollout_update_weights_reports_read_pause_load_resume(tiny):

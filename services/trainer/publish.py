@@ -1,0 +1,88 @@
+"""A trained version's way out, off the trainer's critical path.
+
+After `train_step` the loop takes the weights as bytes (`TrainerBackend.hf_files`, a snapshot
+no later step changes) and hands them over: `write_version` puts them in the weight store and
+`CommitWeights` tells the scheduler, in a task beside the loop, while the next step is
+collected and trained. `InFlight` holds that task: at most one version is in flight (the loop
+waits for the previous one before it hands over the next, so commits stay in order and one
+version's bytes at most wait in memory), and its failure is raised to the loop by `wait`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import uuid
+from collections.abc import Coroutine
+from pathlib import Path
+
+from asyncrl.weights import copy_tokenizer, prune, publish_version, version_dir
+
+
+def write_version(
+    root: Path,
+    experiment_id: str,
+    version: int,
+    files: dict[str, bytes],
+    tokenizer_dir: Path,
+    keep: int,
+) -> str:
+    """`files` (+ the tokenizer's) as `version` in the weight store: written to a temporary
+    directory and renamed into place, so a reader never sees it partial; the newest `keep`
+    versions are kept. Returns the version's URI."""
+    final = version_dir(root, experiment_id, version)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        copy_tokenizer(tokenizer_dir, tmp)
+        uri = publish_version(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    prune(root, experiment_id, keep=keep)
+    return uri
+
+
+class InFlight:
+    """The one version being published. `stage` names what it is doing (for a failure)."""
+
+    def __init__(self):
+        self._task: asyncio.Task | None = None
+        self.stage = ""
+
+    def start(self, coro: Coroutine) -> None:
+        """Publish in the background; `wait()` for the previous version first."""
+        assert self._task is None, "one version in flight at a time"
+        self._task = asyncio.create_task(coro, name="publish-version")
+
+    @property
+    def busy(self) -> bool:
+        return self._task is not None
+
+    @property
+    def done(self) -> bool:
+        """Nothing in flight, or it ended (then `wait()` returns at once or raises)."""
+        return self._task is None or self._task.done()
+
+    async def wait(self) -> None:
+        """Return once the version in flight (if any) is published; raise its failure. A failed
+        publication stays failed: every later `wait()` raises it again."""
+        task = self._task
+        if task is None:
+            return
+        await asyncio.shield(task)
+        if self._task is task:
+            self._task = None
+
+    def cancel(self) -> None:
+        """Abandon the version in flight (the loop ends without it: a crash, or a failure)."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        if task.done():
+            if not task.cancelled():
+                task.exception()  # retrieved: the run's failure is reported elsewhere
+        else:
+            task.cancel()
