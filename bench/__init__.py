@@ -19,4 +19,5 @@ BENCHMARKS: dict[str, str] = {
     "security": "bench.security",
     "system": "bench.system",
     "control_plane": "bench.control_plane",
+    "weight_sync": "bench.weight_sync",
 }
