@@ -301,7 +301,9 @@ def _iso(ts: str) -> float:
     return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
 
 
-async def _run_to_end(scheduler: str, spec: dict, timeout_s: float):
+async def run_to_end(scheduler: str, spec: dict, timeout_s: float, poll_s: float = 0.25):
+    """Submit `spec`, wait for its end and return the experiment with its history (COMPLETED,
+    else a RuntimeError with the message; cancelled and a TimeoutError after `timeout_s`)."""
     async with AsyncrlClient(scheduler) as client:
         exp = await client.submit(spec)
         deadline = time.monotonic() + timeout_s
@@ -309,11 +311,11 @@ async def _run_to_end(scheduler: str, spec: dict, timeout_s: float):
             if time.monotonic() > deadline:
                 await client.cancel(exp.id)
                 raise TimeoutError(f"{spec['name']} did not finish in {timeout_s:.0f}s")
-            await asyncio.sleep(0.25)
-            exp = await client.get(exp.id, with_history=True)
+            await asyncio.sleep(poll_s)
+            exp = await client.get(exp.id)
         if state_name(exp.state) != "COMPLETED":
             raise RuntimeError(f"{spec['name']} ended {state_name(exp.state)}: {exp.message}")
-        return exp
+        return await client.get(exp.id, with_history=True)
 
 
 async def _ledger(nats_url: str, experiment: str) -> list[dict]:
@@ -326,7 +328,7 @@ async def _ledger(nats_url: str, experiment: str) -> list[dict]:
 
 def run_experiment(cluster: LocalCluster, spec: dict, eta: int, timeout_s: float) -> RunRecord:
     cpu0, t0 = cluster.cpu_seconds(), time.monotonic()
-    exp = asyncio.run(_run_to_end(cluster.scheduler, spec, timeout_s))
+    exp = asyncio.run(run_to_end(cluster.scheduler, spec, timeout_s))
     duration, cpu1 = time.monotonic() - t0, cluster.cpu_seconds()
     cpu_share = {k: round((cpu1[k] - cpu0[k]) / duration, 3) for k in cpu1 if k in cpu0}
     events = asyncio.run(_ledger(cluster.nats_url, exp.id))

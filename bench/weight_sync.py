@@ -23,15 +23,13 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from statistics import mean
 
 import yaml
 
-from asyncrl.client import AsyncrlClient, is_terminal, state_name
 from bench.report import Context, Result
-from bench.system import LocalCluster
+from bench.system import LocalCluster, run_to_end
 
 NAME = "weight_sync"
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,23 +82,6 @@ def demo_spec(root: Path, steps: int, quick: bool) -> dict:
     return spec
 
 
-async def run_demo(scheduler: str, spec: dict, timeout_s: float):
-    """Submit, wait for the end, return the experiment with its history (COMPLETED, else a
-    RuntimeError with the message)."""
-    async with AsyncrlClient(scheduler) as client:
-        exp = await client.submit(spec)
-        deadline = time.monotonic() + timeout_s
-        while not is_terminal(exp):
-            if time.monotonic() > deadline:
-                await client.cancel(exp.id)
-                raise TimeoutError(f"the demo did not finish in {timeout_s:.0f}s")
-            await asyncio.sleep(1.0)
-            exp = await client.get(exp.id)
-        if state_name(exp.state) != "COMPLETED":
-            raise RuntimeError(f"the demo ended {state_name(exp.state)}: {exp.message}")
-        return await client.get(exp.id, with_history=True)
-
-
 def figures(history: list) -> dict:
     """trainer_busy, weight_update_stall and its serial peer, from the steps' metrics."""
     rest = history[1:]
@@ -125,7 +106,9 @@ def run(ctx: Context) -> list[Result]:
     root = build_demo(ctx.work_dir / "arith", ctx.quick)
     spec = demo_spec(root, steps, ctx.quick)
     with LocalCluster(ctx.work_dir / "weight_sync_var") as cluster:
-        exp = asyncio.run(run_demo(cluster.scheduler, spec, timeout_s=ctx.size(900, 300)))
+        exp = asyncio.run(
+            run_to_end(cluster.scheduler, spec, timeout_s=ctx.size(900, 300), poll_s=1.0)
+        )
     f = figures(list(exp.history))
     settings = {
         "eta": ETA,
