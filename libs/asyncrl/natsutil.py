@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import nats
@@ -133,42 +134,119 @@ ledger events; admin and viewer (the CLI's `dump` and `ledger`) only read the tr
 ledger streams. Everyone subscribes only to its own inboxes (`connect` sets the prefix)."""
 
 
-def nats_config(port: int, store_dir: Path, secrets: Path, host: str = "127.0.0.1") -> str:
-    """nats-server configuration: JetStream, TLS with this host's certificate, and one user
-    per NATS_PERMISSIONS entry whose password is stored as a bcrypt hash."""
+CLUSTER_NAME = "asyncrl"
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """This nats-server as one node of a cluster: its unique name, the address other nodes and
+    clients reach it at, its route port and the other nodes' routes (host:port)."""
+
+    name: str
+    advertise: str
+    port: int
+    routes: tuple[str, ...]
+
+    @classmethod
+    def from_settings(cls) -> ClusterNode | None:
+        """The node ASYNCRL_NATS_ROUTES asks for; None when it is empty (a single server)."""
+        config = settings()
+        if not config.nats_route_list:
+            return None
+        name = config.nats_name or f"nats-{config.advertise_host}"
+        return cls(
+            name, config.advertise_host, config.nats_cluster_port, tuple(config.nats_route_list)
+        )
+
+
+def _password_hash(secrets: Path, user: str) -> str:
+    """`user`'s bcrypt hash: from its password when the directory holds it, else the hash a
+    NATS node's bundle carries (`asyncrl secrets bundle --nats-node`: no plain passwords)."""
     import bcrypt
 
+    password = secrets / "nats" / f"{user}.password"
+    if password.exists():
+        secret = password.read_bytes().strip()
+        return bcrypt.hashpw(secret, bcrypt.gensalt(10, prefix=b"2a")).decode()
+    hashed = secrets / "nats" / f"{user}.bcrypt"
+    if hashed.exists():
+        return hashed.read_text().strip()
+    raise FileNotFoundError(f"no password for NATS user {user!r} in {secrets / 'nats'}")
+
+
+def nats_config(
+    port: int,
+    store_dir: Path,
+    secrets: Path | None,
+    host: str = "127.0.0.1",
+    cluster: ClusterNode | None = None,
+) -> str:
+    """nats-server configuration: JetStream, TLS with this host's certificate, and one user
+    per NATS_PERMISSIONS entry whose password is stored as a bcrypt hash. A `cluster` node also
+    routes to the other nodes: mutual TLS with the same CA plus the route user's password, so
+    only a node holding both joins (JetStream is then clustered: streams can be replicated).
+    `secrets` None: plain text and anonymous (ASYNCRL_INSECURE, the benchmark's peer)."""
+    config: dict = {"host": host, "port": port, "jetstream": {"store_dir": str(store_dir)}}
+    if cluster is not None:
+        config["server_name"] = cluster.name
+        config["client_advertise"] = f"{cluster.advertise}:{port}"
+        config["cluster"] = {
+            "name": CLUSTER_NAME,
+            "host": host,
+            "port": cluster.port,
+            "advertise": f"{cluster.advertise}:{cluster.port}",
+            "routes": [f"nats-route://{route}" for route in cluster.routes],
+        }
+    if secrets is None:
+        return json.dumps(config, indent=2)
     users = []
     for user, allowed in NATS_PERMISSIONS.items():
-        password = (secrets / "nats" / f"{user}.password").read_bytes().strip()
-        hashed = bcrypt.hashpw(password, bcrypt.gensalt(10, prefix=b"2a")).decode()
         permissions = {verb: {"allow": subjects} for verb, subjects in allowed.items()}
-        users.append({"user": user, "password": hashed, "permissions": permissions})
-    config = {
-        "host": host,
-        "port": port,
-        "jetstream": {"store_dir": str(store_dir)},
-        "tls": {
-            "cert_file": str(secrets / "server.pem"),
-            "key_file": str(secrets / "server.key"),
-            "ca_file": str(secrets / "ca.pem"),
-            "verify": settings().mtls,
-            "timeout": 5,
-        },
-        "authorization": {"users": users},
+        users.append(
+            {"user": user, "password": _password_hash(secrets, user), "permissions": permissions}
+        )
+    tls = {
+        "cert_file": str(secrets / "server.pem"),
+        "key_file": str(secrets / "server.key"),
+        "ca_file": str(secrets / "ca.pem"),
+        "timeout": 5,
     }
+    config["tls"] = {**tls, "verify": settings().mtls}
+    config["authorization"] = {"users": users}
+    if cluster is not None:
+        from asyncrl.security import NATS_ROUTE_USER
+
+        route_password = (secrets / "nats" / f"{NATS_ROUTE_USER}.password").read_text().strip()
+        config["cluster"] |= {
+            "authorization": {"user": NATS_ROUTE_USER, "password": route_password, "timeout": 5},
+            "tls": {**tls, "verify": True},
+            "routes": [
+                f"nats-route://{NATS_ROUTE_USER}:{route_password}@{route}"
+                for route in cluster.routes
+            ],
+        }
     return json.dumps(config, indent=2)  # nats-server reads JSON as its config syntax
 
 
 class LocalNatsServer:
-    """A real nats-server with JetStream on loopback, storing under `store_dir`. Secure unless
-    ASYNCRL_INSECURE: TLS and the users of `nats_config` (the secrets directory must exist:
+    """A real nats-server with JetStream, storing under `store_dir`, listening on `host`
+    (loopback by default), a `cluster` node when given one. Secure unless ASYNCRL_INSECURE: TLS
+    and the users of `nats_config` (the secrets directory must exist:
     `asyncrl.security.ensure_secrets`)."""
 
-    def __init__(self, store_dir: str | Path, port: int = 0, log_file: str | Path | None = None):
+    def __init__(
+        self,
+        store_dir: str | Path,
+        port: int = 0,
+        log_file: str | Path | None = None,
+        host: str = "127.0.0.1",
+        cluster: ClusterNode | None = None,
+    ):
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.log_file = log_file
+        self.host = host
+        self.cluster = cluster
         self.proc: subprocess.Popen | None = None
         self.secure = not settings().insecure
         self.config_file = self.store_dir.parent / f"{self.store_dir.name}.conf"
@@ -178,24 +256,19 @@ class LocalNatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
+        """The server's argv; its configuration is written (0600: it holds the route password)
+        next to the store."""
+        secrets = None
         if self.secure:
             from asyncrl.security import ensure_secrets
 
-            text = nats_config(self.port, self.store_dir, ensure_secrets())
-            fd = os.open(self.config_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            return [nats_server_binary(), "-c", str(self.config_file)]
-        return [
-            nats_server_binary(),
-            "-a",
-            "127.0.0.1",
-            "-p",
-            str(self.port),
-            "-js",
-            "-sd",
-            str(self.store_dir),
-        ]
+            secrets = ensure_secrets()
+        text = nats_config(self.port, self.store_dir, secrets, self.host, self.cluster)
+        self.config_file.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.config_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return [nats_server_binary(), "-c", str(self.config_file)]
 
     def start(self, timeout: float = 20.0) -> LocalNatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
@@ -248,7 +321,8 @@ async def connect(url: str | None = None, identity: str | None = None, **options
     """Connect as `identity` (see connect_options), reconnecting forever unless `options` say
     otherwise."""
     options = {"max_reconnect_attempts": -1, "reconnect_time_wait": 0.5, **options}
-    return await nats.connect(url or nats_url(), **connect_options(identity), **options)
+    servers = [u.strip() for u in (url or nats_url()).split(",") if u.strip()]  # a cluster's nodes
+    return await nats.connect(servers, **connect_options(identity), **options)
 
 
 async def ensure_stream(js) -> None:

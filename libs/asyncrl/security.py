@@ -50,6 +50,8 @@ IDENTITIES = {name: name for name in ROLES}
 """The identities `ensure_secrets` makes a token for, each with the role of the same name."""
 NATS_USERS = ("scheduler", "trainer", "rollout", "admin", "viewer")
 """NATS users (the reward service does not use NATS)."""
+NATS_ROUTE_USER = "route"
+"""What the nodes of a NATS cluster authenticate their routes with (asyncrl.natsutil)."""
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 CERT_DAYS = 3650
 
@@ -219,7 +221,7 @@ def ensure_secrets(directory: Path | None = None, hosts: Iterable[str] = ()) -> 
         write_private(directory / "token.pub", pub)
     for subject, role in IDENTITIES.items():
         write_token(directory, subject, role)
-    for user in NATS_USERS:
+    for user in (*NATS_USERS, NATS_ROUTE_USER):
         path = directory / "nats" / f"{user}.password"
         if not path.exists():
             write_private(path, pysecrets.token_urlsafe(24).encode())

@@ -16,11 +16,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
+import bcrypt
 import typer
 from rich.console import Console
 
 from asyncrl.security import (
     LOOPBACK,
+    NATS_ROUTE_USER,
     NATS_USERS,
     ROLES,
     ensure_secrets,
@@ -66,9 +68,17 @@ def bundle(
     ],
     out_dir: Annotated[Path, typer.Option("--out", help="Directory to write.")],
     directory: DirOpt = None,
+    nats_node: Annotated[
+        bool,
+        typer.Option(
+            "--nats-node", help="It also runs a NATS cluster node: route password, user hashes."
+        ),
+    ] = False,
 ) -> None:
     """Write a secrets directory for another host: CA certificate, verification key, its own
-    certificate, and a token + NATS password per service (identity `<service>@<host>`)."""
+    certificate, and a token + NATS password per service (identity `<service>@<host>`). A NATS
+    node (`--nats-node`) also gets the cluster's route password and every NATS user's bcrypt
+    hash (what its server checks logins against), never the other users' passwords."""
     source = _source(directory)
     wanted = [s.strip() for s in services.split(",") if s.strip()]
     unknown = sorted(set(wanted) - set(ROLES))
@@ -84,6 +94,16 @@ def bundle(
         if service in NATS_USERS:
             password = (source / "nats" / f"{service}.password").read_bytes()
             write_private(out_dir / "nats" / f"{service}.password", password)
+    if nats_node:
+        write_private(
+            out_dir / "nats" / f"{NATS_ROUTE_USER}.password",
+            (source / "nats" / f"{NATS_ROUTE_USER}.password").read_bytes(),
+        )
+        for user in NATS_USERS:
+            password = (source / "nats" / f"{user}.password").read_bytes().strip()
+            hashed = bcrypt.hashpw(password, bcrypt.gensalt(10, prefix=b"2a"))
+            write_private(out_dir / "nats" / f"{user}.bcrypt", hashed)
+        wanted.append("a NATS node")
     out.print(f"wrote {out_dir} for {', '.join(host)}: {', '.join(wanted)}")
 
 

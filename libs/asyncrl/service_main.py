@@ -20,6 +20,7 @@ import signal
 from collections.abc import Awaitable
 
 from asyncrl.runtime import ServiceRuntime, freeze_heap
+from asyncrl.settings import settings
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 PORT_HELP = "port to bind (0: any free port)"
@@ -41,7 +42,7 @@ def add_service_args(
     """--port (default `port`) and --host; --no-register for a service that registers with the
     scheduler; --metrics-port (default: off) to serve Prometheus metrics."""
     p.add_argument("--port", type=int, default=port, help=port_help)
-    p.add_argument("--host", default="127.0.0.1", help=host_help)
+    p.add_argument("--host", default=settings().bind_host, help=f"{host_help}; ASYNCRL_BIND_HOST")
     if register:
         p.add_argument("--no-register", action="store_true", help=register_help)
     if metrics:

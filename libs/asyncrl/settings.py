@@ -26,6 +26,8 @@ class Settings(BaseSettings):
     """host:port of the scheduler, for workers and clients."""
     advertise_host: str = "127.0.0.1"
     """The host other services use to reach this one (its registered address)."""
+    bind_host: str = "127.0.0.1"
+    """Address the services and the nats-server `make up` starts listen on (0.0.0.0: all)."""
     metrics_host: str = "127.0.0.1"
     """Bind address of the Prometheus /metrics endpoint."""
     var: Path = Path("var")
@@ -72,6 +74,13 @@ class Settings(BaseSettings):
     rollout_engine: str = "torch"
     """Engine of the rollouts `make up` starts."""
     nats_port: int = 4222
+    nats_routes: str = ""
+    """Comma-separated host:port of the other NATS cluster nodes' route ports: the nats-server
+    `make up` starts joins them as a cluster (JetStream clustered; NATS_URL lists the nodes)."""
+    nats_cluster_port: int = 6222
+    """Route port of the nats-server `make up` starts when it is a cluster node."""
+    nats_name: str = ""
+    """That node's server name, unique in the cluster (default nats-<advertise host>)."""
     scheduler_port: int = 50051
     scheduler_args: str = ""
     """Extra command-line flags for the scheduler `make up` starts (likewise for the others)."""
@@ -82,6 +91,10 @@ class Settings(BaseSettings):
     @property
     def secrets_dir(self) -> Path:
         return self.secrets or self.var / "secrets"
+
+    @property
+    def nats_route_list(self) -> list[str]:
+        return [h.strip() for h in self.nats_routes.split(",") if h.strip()]
 
     @property
     def tls_host_list(self) -> list[str]:

@@ -146,6 +146,8 @@ class Launch:
 
     @property
     def scheduler(self) -> str:
+        if "scheduler" not in self.services:
+            return settings().scheduler  # another host's
         return f"127.0.0.1:{self.scheduler_port}"
 
     def daemon_command(self) -> list[str]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.logging import get_logger
-from asyncrl.natsutil import LocalNatsServer
+from asyncrl.natsutil import ClusterNode, LocalNatsServer
 from asyncrl.net import free_port
 from asyncrl.proc import die_with_parent, kill_tree, pid_alive, signal_group
 from asyncrl.security import WORKER_ROLES, is_bundle, write_token
@@ -154,8 +154,11 @@ def supervisor_pid(paths: Paths) -> int | None:
 
 
 def port_in_use(port: int) -> bool:
+    """Whether something listens on `port` of this host's bind address (ASYNCRL_BIND_HOST;
+    loopback when that is every address)."""
+    host = settings().bind_host
     with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        return s.connect_ex(("127.0.0.1" if host in ("0.0.0.0", "") else host, port)) == 0
 
 
 # ---------------------------------------------------------------- the daemon
@@ -213,17 +216,29 @@ class Supervisor:
 
     @property
     def nats_url(self) -> str:
+        """What the services connect to: this host's nats-server, or, when it is a cluster node
+        (ASYNCRL_NATS_ROUTES), every node NATS_URL lists (a client fails over between them)."""
+        if ClusterNode.from_settings() is not None:
+            return settings().nats_url
         return f"nats://127.0.0.1:{self.nats_port}"
 
     @property
     def scheduler_address(self) -> str:
+        """This host's scheduler, or ASYNCRL_SCHEDULER where another host runs it."""
+        if "scheduler" not in self.services:
+            return settings().scheduler
         return f"127.0.0.1:{self.scheduler_port}"
 
     def command(self, service: str, index: int = 0) -> list[str]:
         """The argv of replica `index` of `service` (a multi-rank trainer gets a fresh
         master port each call, i.e. each spawn)."""
         if service == "nats":
-            return LocalNatsServer(self.paths.var / "nats", port=self.nats_port).command()
+            return LocalNatsServer(
+                self.paths.var / "nats",
+                port=self.nats_port,
+                host=settings().bind_host,
+                cluster=ClusterNode.from_settings(),
+            ).command()
         config = settings()
         if service == "trainer" and self.trainer_nproc > 1:
             cmd = [*torchrun_command(self.trainer_nproc, free_port()), "-m", "services.trainer"]
