@@ -65,6 +65,9 @@ def nats_server_binary() -> str:
 LEDGER_STREAM = "ASYNCRL_LEDGER"
 """The ledger's stream (asyncrl.ledger appends to it; named here for the NATS permissions)."""
 INBOX_ROOT = "_INBOX"
+WEIGHTS_BUCKET = "asyncrl_weights"
+"""The object store bucket the trainer publishes versions to with ASYNCRL_WEIGHTS_TRANSPORT=nats
+(asyncrl.weights_nats); its stream is `OBJ_<bucket>`, its subjects `$O.<bucket>.>`."""
 
 
 def inbox_prefix(user: str) -> str:
@@ -100,6 +103,31 @@ def _consume(stream: str) -> list[str]:
     ]
 
 
+def _object_store_write(bucket: str) -> list[str]:
+    """Create object store `bucket`, put and delete its objects (a put or a delete purges the
+    old chunks) and look them up; no consumers."""
+    stream = f"OBJ_{bucket}"
+    return [
+        *_create(stream),
+        f"$JS.API.STREAM.MSG.GET.{stream}",
+        f"$O.{bucket}.>",
+        f"$JS.API.STREAM.PURGE.{stream}",
+    ]
+
+
+def _object_store_read(bucket: str) -> list[str]:
+    """Read object store `bucket`: an object's info (STREAM.MSG.GET) and its chunks through an
+    ordered consumer (ephemeral, flow controlled); no put, delete or purge."""
+    stream = f"OBJ_{bucket}"
+    api = "$JS.API.CONSUMER"
+    return [
+        *_read(stream),
+        f"{api}.CREATE.{stream}",
+        f"{api}.CREATE.{stream}.>",
+        f"$JS.FC.{stream}.>",
+    ]
+
+
 NATS_PERMISSIONS: dict[str, dict[str, list[str]]] = {
     "scheduler": {"publish": [">"], "subscribe": [f"{inbox_prefix('scheduler')}.>"]},
     "trainer": {
@@ -109,13 +137,14 @@ NATS_PERMISSIONS: dict[str, dict[str, list[str]]] = {
             f"$JS.API.STREAM.INFO.{LEDGER_STREAM}",
             f"{DEAD_ROOT}.>",
             "asyncrl.ledger.>",
+            *_object_store_write(WEIGHTS_BUCKET),
         ],
         # nats-py's pull subscriptions deliver to `_INBOX.<nuid>`, whatever the connection's
         # inbox prefix: the trainer's durable consumer needs those too
         "subscribe": [f"{inbox_prefix('trainer')}.>", f"{INBOX_ROOT}.*"],
     },
     "rollout": {
-        "publish": [*_create(STREAM), f"{SUBJECT_ROOT}.>"],
+        "publish": [*_create(STREAM), f"{SUBJECT_ROOT}.>", *_object_store_read(WEIGHTS_BUCKET)],
         "subscribe": [f"{inbox_prefix('rollout')}.>"],
     },
     **{
@@ -129,9 +158,10 @@ NATS_PERMISSIONS: dict[str, dict[str, list[str]]] = {
 """What each NATS user may publish and subscribe to. The scheduler owns everything: the KV
 bucket, its history stream, creating the ledger stream, and it alone may update, purge or
 delete a stream. Rollouts publish trajectories (and create the trajectory stream if it is not
-there yet); the trainer consumes and acks them, manages its consumers, dead-letters and appends
-ledger events; admin and viewer (the CLI's `dump` and `ledger`) only read the trajectory and
-ledger streams. Everyone subscribes only to its own inboxes (`connect` sets the prefix)."""
+there yet) and read the weights bucket; the trainer consumes and acks them, manages its
+consumers, dead-letters, appends ledger events, and creates, fills and prunes the weights
+bucket (ASYNCRL_WEIGHTS_TRANSPORT=nats); admin and viewer (the CLI's `dump` and `ledger`) only
+read the trajectory and ledger streams. Everyone subscribes only to its own inboxes (`connect` sets the prefix)."""
 
 
 CLUSTER_NAME = "asyncrl"

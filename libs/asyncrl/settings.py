@@ -10,6 +10,7 @@ calls), so nothing caches a stale value. Flags on the command line win over thes
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -34,6 +35,10 @@ class Settings(BaseSettings):
     """State directory: trainer checkpoints, logs, the local cluster's files."""
     weights: Path = Path("var/weights")
     """Weight store: one directory of HF safetensors per committed version."""
+    weights_transport: Literal["file", "nats"] = "file"
+    """How rollouts get a version: `file` (a file:// URI into the weight store, a filesystem
+    they share with the trainer) or `nats` (the trainer also uploads it to the NATS object
+    store, rollouts fetch it into `<var>/weights-cache`: no shared filesystem)."""
     log_format: str = "json"
     """`json` (services) or `console`."""
     log_level: str = "INFO"

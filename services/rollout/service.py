@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from prometheus_client import Histogram
@@ -23,10 +23,12 @@ from asyncrl.errors import BadRequest, Conflict
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import publish_group
 from asyncrl.runtime import freeze_heap
+from asyncrl.settings import settings
 from asyncrl.spec import ExperimentSpec, SamplingParams, SpecError, spec_from_json
 from asyncrl.throughput import Throughput
 from asyncrl.types import Completion, RewardStatus, Sample, Score, TrajectoryGroup
 from asyncrl.weights import uri_to_path
+from asyncrl.weights_nats import fetch_version, is_nats_uri
 from asyncrl.workflow import Workflow, WorkflowContext, make_workflow, resolve_workflow
 from services.rollout.engine import Engine, GenRequest, UpdatePhases
 from services.rollout.filters import GroupStatus, decide, failed_samples
@@ -113,6 +115,8 @@ class GroupSummary:
     worker: str = ""
 
 
+WEIGHTS_CACHE = "weights-cache"
+"""Where, under `settings().var`, a rollout keeps the versions it fetched from NATS."""
 UPDATE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -122,7 +126,8 @@ class WeightsResult:
     seconds: float
     interrupted: int
     phases: UpdatePhases = field(default_factory=UpdatePhases)
-    """Where an interrupting update's time went (zeros for a first load or a retry)."""
+    """Where an interrupting update's time went (zeros for a first load or a retry, but for
+    the fetch of a `nats-obj://` version, in `read_s`)."""
 
 
 @dataclass
@@ -152,6 +157,7 @@ class RolloutService:
         engine_kind: str | None = None,
         worker: Callable[[], str] = lambda: "",
         openai_port: int = 0,
+        weights_cache: Path | None = None,
     ):
         self.engine = engine
         self.js = js
@@ -165,6 +171,8 @@ class RolloutService:
         self.throughput = Throughput()
         self._groups: dict[str, _Running] = {}
         self._weights_lock = asyncio.Lock()
+        self.weights_cache = weights_cache or settings().var / WEIGHTS_CACHE
+        """This host's copies of the `nats-obj://` versions it loaded (a few, the newest)."""
         self.openai = OpenAIEndpoint(port=openai_port)
         self.update_seconds = Histogram(
             "asyncrl_rollout_weight_update_seconds",
@@ -208,12 +216,12 @@ class RolloutService:
                 f"experiment_id: this rollout is bound to {bound!r}, not {experiment_id!r}"
                 " (BindExperiment first)"
             )
-        path = uri_to_path(uri)
-        if not (path / "config.json").is_file():
-            raise BadRequest("uri", f"no HuggingFace config.json in {path}")
         start = time.perf_counter()
         phases = UpdatePhases()
         async with self._weights_lock:
+            path, fetch_s = await self._local_dir(uri)
+            if not (path / "config.json").is_file():
+                raise BadRequest("uri", f"no HuggingFace config.json in {path}")
             if self.tokenizer is None or experiment_id != self.experiment_id:
                 await self._load(self.binding, path, version)
                 interrupted = 0  # nothing of this experiment ran before
@@ -222,6 +230,8 @@ class RolloutService:
             else:
                 interrupted = await self.engine.update_weights(str(path), version)
                 phases = self.engine.last_update
+            if fetch_s or phases is self.engine.last_update:  # fetched, or an engine update
+                phases = replace(phases, read_s=phases.read_s + fetch_s)  # fetched, then read
                 self._observe(experiment_id, phases)
         seconds = time.perf_counter() - start
         self.update_seconds.labels(experiment_id, "total").observe(seconds)
@@ -234,6 +244,16 @@ class RolloutService:
             **{k: round(v, 4) for k, v in asdict(phases).items()},
         )
         return WeightsResult(self.engine.version, seconds, interrupted, phases)
+
+    async def _local_dir(self, uri: str) -> tuple[Path, float]:
+        """The version's directory on this host and the seconds it took to fetch: a
+        `nats-obj://` version is fetched into the cache (unless it is there already), any other
+        URI is a local path (0 s)."""
+        if not is_nats_uri(uri):
+            return uri_to_path(uri), 0.0
+        t0 = time.perf_counter()
+        path = await fetch_version(self.js, uri, self.weights_cache)
+        return path, time.perf_counter() - t0
 
     def _observe(self, experiment_id: str, phases: UpdatePhases) -> None:
         for name, seconds in asdict(phases).items():

@@ -6,7 +6,9 @@ reason, a replay of a group already trained is skipped, a group staler than eta 
 the scheduler as dropped; all of them are acked and counted. Then train them
 (the backend computes in a worker thread so the event loop stays responsive), take the new
 version's weights as bytes, and go on with the next step while they are written to the weight
-store and committed (`CommitWeights`) in the background (`publish.py`: one version in flight,
+store (with ASYNCRL_WEIGHTS_TRANSPORT=nats also uploaded to the NATS object store, for rollouts
+that do not share the trainer's filesystem: `asyncrl.weights_nats`) and committed
+(`CommitWeights`) in the background (`publish.py`: one version in flight,
 commits in order; the scheduler answers once it has recorded the version and updates the
 rollouts afterwards). The version at `trainer.total_steps` is committed before anything else
 happens (its answer says stop); a stop answered earlier ends the run at the next step
@@ -38,10 +40,12 @@ from asyncrl.ledger import Ledger, ensure_ledger
 from asyncrl.logging import get_logger
 from asyncrl.retry import idempotent_rpc
 from asyncrl.runtime import freeze_heap
+from asyncrl.settings import settings
 from asyncrl.spec import ExperimentSpec, SpecError, spec_from_json
 from asyncrl.types import StepMetrics, TrainerState, TrajectoryGroup
 from asyncrl.v1 import scheduler_pb2, trainer_pb2
 from asyncrl.weights import path_to_uri, version_dir
+from asyncrl.weights_nats import prune_versions, upload_version, uploaded, version_uri
 from services.trainer.backends import make_backend
 from services.trainer.checkpoint import (
     BACKEND_DIR,
@@ -121,12 +125,15 @@ class TrainerService:
         weights_root: Path,
         fetch_timeout_s: float = 1.0,
         worker: Callable[[], str] = lambda: "",
+        weights_transport: str | None = None,
     ):
         self.js = js
         self.scheduler = scheduler  # scheduler_pb2_grpc.SchedulerStub
         self.var_dir = Path(var_dir)
         self.weights_root = Path(weights_root)
         self.fetch_timeout_s = fetch_timeout_s
+        self.weights_transport = weights_transport or settings().weights_transport
+        """`file`: rollouts read the weight store; `nats`: also uploaded to the object store."""
         self._worker = worker
         self.experiment_id = ""
         self.spec: ExperimentSpec | None = None
@@ -176,9 +183,12 @@ class TrainerService:
         return self.version, self.resumed
 
     def weights_uri(self, version: int) -> str:
-        """Where the rollouts load `version` from: the weight store, "" for the base model."""
+        """Where the rollouts load `version` from: the weight store (or its upload to the NATS
+        object store), "" for the base model."""
         if version == 0:
             return ""
+        if self.weights_transport == "nats":
+            return version_uri(self.experiment_id, version)
         return path_to_uri(version_dir(self.weights_root, self.experiment_id, version))
 
     async def stop_experiment(self, experiment_id: str) -> None:
@@ -276,6 +286,9 @@ class TrainerService:
                 and not version_dir(self.weights_root, self.experiment_id, self.version).exists()
             ):
                 await asyncio.to_thread(self._publish_weights, self.version)  # pruned meanwhile
+            if self.version > 0 and self.weights_transport == "nats":
+                if not await uploaded(self.js, self.experiment_id, self.version):
+                    await self._upload(self.version)
         self._consumer = GroupConsumer(self.js, self.experiment_id)
         await self._consumer.open(consumer_start_seq(state))
         self._broadcaster = WeightBroadcaster.from_spec(spec.trainer)  # joins at 1st commit
@@ -463,6 +476,10 @@ class TrainerService:
             tokenizer,
             keep_versions(self.spec.rollout.max_head_offpolicyness),
         )
+        if self.weights_transport == "nats":
+            t_upload = time.perf_counter()
+            uri = await self._upload(m.version)
+            self._observe("upload", time.perf_counter() - t_upload)
         t1 = time.perf_counter()
         m.write_s = t1 - t0
         self._observe("write", m.write_s)
@@ -506,6 +523,16 @@ class TrainerService:
             tokenizer,
             keep_versions(self.spec.rollout.max_head_offpolicyness),
         )
+
+    async def _upload(self, version: int) -> str:
+        """Upload `version` from the weight store to the NATS object store and prune the bucket
+        as the store is pruned; returns the version's `nats-obj://` URI."""
+        src = version_dir(self.weights_root, self.experiment_id, version)
+        uri = await upload_version(self.js, src, self.experiment_id, version)
+        keep = keep_versions(self.spec.rollout.max_head_offpolicyness)
+        await prune_versions(self.js, self.experiment_id, keep)
+        self.log.info("weights_uploaded", version=version, uri=uri)
+        return uri
 
     async def _checkpoint(self) -> Path:
         """Checkpoint the step boundary, once every version trained is committed."""

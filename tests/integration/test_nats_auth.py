@@ -10,6 +10,7 @@ the stream or bucket is unchanged, as the scheduler (who may do anything) sees i
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import socket
 
@@ -21,6 +22,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from asyncrl.natsutil import (
     KV_BUCKET,
     STREAM,
+    WEIGHTS_BUCKET,
     connect,
     connect_options,
     iter_stored,
@@ -28,6 +30,7 @@ from asyncrl.natsutil import (
     train_subject,
 )
 from asyncrl.types import Sample, TrajectoryGroup
+from asyncrl.weights_nats import fetch_version, prune_versions, upload_version, uploaded
 
 DENIED_WAIT_S = 0.5
 """How long a JetStream request waits for the answer a denied publish never gets."""
@@ -235,3 +238,40 @@ async def test_viewer_cannot_publish_trajectories_or_touch_consumers_reads_store
     # reading is what it may do
     stored = [m async for m in iter_stored(viewer.js, STREAM, train_subject("exp1"))]
     assert [m.seq for m in stored] == [1]
+
+
+async def test_rollout_reads_the_weights_bucket_cannot_put_or_delete(as_user, tmp_path):
+    """The trainer creates the bucket and puts and prunes versions in it; a rollout fetches a
+    version (an object's info, its chunks through an ordered consumer) and may do nothing
+    else: no put, no delete, no purge of the bucket's stream."""
+    trainer = await as_user("trainer")
+    src = tmp_path / "v1"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(bytes(range(256)) * 4096)  # 1 MiB: two chunks
+    uri = await upload_version(trainer.js, src, "exp1", 1)
+    await upload_version(trainer.js, src, "exp1", 2)
+    await prune_versions(trainer.js, "exp1", keep=1)
+    assert not await uploaded(trainer.js, "exp1", 1)
+    uri = await upload_version(trainer.js, src, "exp1", 1)  # uploaded again: replaced
+    assert trainer.errors == []
+
+    rollout = await as_user("rollout")
+    got = await fetch_version(rollout.js, uri, tmp_path / "cache")
+    assert (got / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    obs = await rollout.js.object_store(WEIGHTS_BUCKET)
+    with pytest.raises(nats.errors.TimeoutError):  # its first chunk, on a subject of its own
+        await obs.put("exp1/v000009/x", b"forged")
+    chunk = f'"$o.{WEIGHTS_BUCKET}.c.'
+    assert any(
+        str(e).startswith(f"nats: permissions violation for publish to {chunk}")
+        for e in rollout.errors
+    )
+    name = base64.urlsafe_b64encode(b"exp1/v000001/model.safetensors").decode()
+    await rollout.denied(
+        obs.delete("exp1/v000001/model.safetensors"), f"$O.{WEIGHTS_BUCKET}.M.{name}"
+    )
+    stream = f"OBJ_{WEIGHTS_BUCKET}"
+    await rollout.denied(rollout.js.purge_stream(stream), f"$JS.API.STREAM.PURGE.{stream}")
+    await rollout.denied(rollout.js.delete_stream(stream), f"$JS.API.STREAM.DELETE.{stream}")
+    assert await uploaded(trainer.js, "exp1", 1) and await uploaded(trainer.js, "exp1", 2)
+    assert not await uploaded(trainer.js, "exp1", 9)

@@ -1,0 +1,182 @@
+"""Weights through the NATS object store against a real (secure) nats-server: the trainer
+uploads a version, a rollout fetches it into its cache, each connected as its own user."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from asyncrl.natsutil import WEIGHTS_BUCKET, connect, publish_group
+from asyncrl.spec import ExperimentSpec, ModelSpec, RolloutSpec, spec_to_json
+from asyncrl.v1 import rollout_pb2, trainer_pb2
+from asyncrl.weights_nats import (
+    CHUNK_SIZE,
+    MANIFEST,
+    WeightsFetchError,
+    fetch_version,
+    list_objects,
+    prune_versions,
+    upload_version,
+    uploaded,
+    version_uri,
+)
+from services.rollout.server import RolloutServicer
+from services.rollout.service import RolloutService
+from services.rollout.torch_engine import TorchEngine
+from services.trainer.service import keep_versions
+from tests.integration import test_trainer_service
+from tests.integration.test_trainer_service import EXP, _group, _spec, _wait_commits
+
+scheduler = test_trainer_service.scheduler  # the recording scheduler and a trainer factory
+start_trainer = test_trainer_service.start_trainer
+
+
+@pytest.fixture
+async def trainer(nats_server):
+    nc = await connect(nats_server.url, identity="trainer")
+    yield nc.jetstream()
+    await nc.close()
+
+
+@pytest.fixture
+async def rollout(nats_server):
+    nc = await connect(nats_server.url, identity="rollout")
+    yield nc.jetstream()
+    await nc.close()
+
+
+def _version_dir(root: Path, version: int, size: int = 3 * CHUNK_SIZE + 1234) -> Path:
+    """A version directory: a multi-chunk safetensors-sized file, a config, an empty file."""
+    d = root / f"v{version}"
+    d.mkdir(parents=True)
+    (d / "model.safetensors").write_bytes(os.urandom(size))
+    (d / "config.json").write_text(f'{{"version": {version}}}')
+    (d / "merges.txt").write_bytes(b"")
+    return d
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+async def test_upload_fetch_multi_chunk_version_byte_identical(trainer, rollout, tmp_path):
+    src = _version_dir(tmp_path / "store", 7)
+    uri = await upload_version(trainer, src, EXP, 7)
+    assert uri == version_uri(EXP, 7) == f"nats-obj://{WEIGHTS_BUCKET}/{EXP}/v000007"
+    assert await uploaded(trainer, EXP, 7)
+    cache = tmp_path / "cache"
+    got = await fetch_version(rollout, uri, cache)
+    assert got == cache / EXP / "v000007"
+    assert _files(got) == _files(src)
+    assert [p.name for p in (cache / EXP).iterdir()] == ["v000007"]  # no temporary left
+    # a second fetch is the cached directory, even with the version gone from the bucket
+    await prune_versions(trainer, EXP, keep=0)
+    assert await fetch_version(rollout, uri, cache) == got
+
+
+async def test_fetch_missing_version_raises_naming_uri(trainer, rollout, tmp_path):
+    uri = version_uri(EXP, 3)
+    with pytest.raises(WeightsFetchError, match="no bucket") as missing_bucket:
+        await fetch_version(rollout, uri, tmp_path)
+    assert missing_bucket.value.uri == uri and uri in str(missing_bucket.value)
+    await upload_version(trainer, _version_dir(tmp_path / "store", 2), EXP, 2)
+    with pytest.raises(WeightsFetchError, match="no such version") as missing:
+        await fetch_version(rollout, uri, tmp_path / "cache")
+    assert uri in str(missing.value)
+    assert not (tmp_path / "cache" / EXP / "v000003").exists()
+
+
+async def test_fetch_missing_file_raises_and_leaves_nothing(trainer, rollout, js, tmp_path):
+    uri = await upload_version(trainer, _version_dir(tmp_path / "store", 1), EXP, 1)
+    obs = await js.object_store(WEIGHTS_BUCKET)
+    await obs.delete(f"{EXP}/v000001/config.json")
+    with pytest.raises(WeightsFetchError, match="config.json is missing") as missing:
+        await fetch_version(rollout, uri, tmp_path / "cache")
+    assert missing.value.uri == uri
+    assert list((tmp_path / "cache" / EXP).iterdir()) == []
+
+
+async def test_fetch_corrupted_chunk_raises_digest_mismatch(trainer, rollout, js, tmp_path):
+    """A chunk stored with other bytes of the same length (bit rot, a bad copy): the object's
+    info no longer matches what is read."""
+    uri = await upload_version(trainer, _version_dir(tmp_path / "store", 1), EXP, 1)
+    obs = await js.object_store(WEIGHTS_BUCKET)
+    info = await obs.get_info(f"{EXP}/v000001/model.safetensors")
+    subject = f"$O.{WEIGHTS_BUCKET}.C.{info.nuid}"
+    first = await js.get_msg(f"OBJ_{WEIGHTS_BUCKET}", subject=subject, next=True, seq=1)
+    await js.delete_msg(f"OBJ_{WEIGHTS_BUCKET}", first.seq)
+    await js.publish(subject, bytes(len(first.data)))  # same size, now the last chunk
+    with pytest.raises(WeightsFetchError, match="model.safetensors: .* digest") as corrupt:
+        await fetch_version(rollout, uri, tmp_path / "cache")
+    assert corrupt.value.uri == uri
+    assert list((tmp_path / "cache" / EXP).iterdir()) == []
+
+
+async def test_prune_keeps_newest_versions_in_bucket_and_cache(trainer, rollout, tmp_path):
+    for v in range(1, 6):
+        await upload_version(trainer, _version_dir(tmp_path / "store", v, size=1000), EXP, v)
+    await upload_version(trainer, _version_dir(tmp_path / "other", 1, size=10), "exp2", 1)
+    await prune_versions(trainer, EXP, keep=2)
+    assert [await uploaded(trainer, EXP, v) for v in range(1, 6)] == [False] * 3 + [True] * 2
+    assert await uploaded(trainer, "exp2", 1)  # another experiment's versions are its own
+    names = {i.name for i in await list_objects(trainer)}
+    assert {n.rsplit("/", 1)[0] for n in names} == {
+        f"{EXP}/v000004",
+        f"{EXP}/v000005",
+        "exp2/v000001",
+    }
+    assert f"{EXP}/v000005/{MANIFEST}" in names
+    with pytest.raises(WeightsFetchError, match="no such version"):
+        await fetch_version(rollout, version_uri(EXP, 3), tmp_path / "cache")
+    cache = tmp_path / "cache"
+    for v in (4, 5):
+        await fetch_version(rollout, version_uri(EXP, v), cache, keep=1)
+    assert [p.name for p in (cache / EXP).iterdir()] == ["v000005"]
+
+
+async def test_trainer_publishes_nats_versions_rollout_loads_one(
+    tiny, js, scheduler, start_trainer, rollout, tmp_path, monkeypatch
+):
+    """ASYNCRL_WEIGHTS_TRANSPORT=nats end to end: each committed URI is a `nats-obj://` one,
+    the bucket keeps what the weight store keeps, and a rollout that never sees the trainer's
+    filesystem loads a version from its own cache, byte for byte what the trainer wrote."""
+    monkeypatch.setenv("ASYNCRL_WEIGHTS_TRANSPORT", "nats")
+    service, stub = await start_trainer()
+    await stub.StartExperiment(
+        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=_spec(tiny[0])),
+        timeout=60,
+    )
+    for version in range(4):  # eta 0: each step's groups start at the version before it
+        for i in range(2):
+            await publish_group(js, _group(tiny, f"g{version}-{i}", version))
+        await _wait_commits(scheduler, version + 1)
+    assert [c.uri for c in scheduler.commits] == [version_uri(EXP, v) for v in range(1, 5)]
+    kept = keep_versions(0)
+    stored = sorted(p.name for p in (tmp_path / "weights" / EXP).iterdir())
+    in_bucket = sorted({i.name.split("/")[1] for i in await list_objects(js)})
+    assert in_bucket == stored == [f"v{v:06d}" for v in range(5 - kept, 5)]
+
+    engine = TorchEngine(seed=0)
+    await engine.start()
+    cache = tmp_path / "rollout-host" / "weights-cache"
+    servicer = RolloutServicer(RolloutService(engine, rollout, weights_cache=cache))
+    spec = ExperimentSpec(
+        model=ModelSpec(path=str(tiny[0])),
+        dataset={"path": "unused.jsonl"},
+        rollout=RolloutSpec(n_samples=2, engine="torch"),
+    )
+    try:
+        await servicer.service.bind(EXP, spec_to_json(spec))
+        req = rollout_pb2.UpdateWeightsRequest(experiment_id=EXP, version=0, uri=str(tiny[0]))
+        await servicer.UpdateWeights(req, None)  # the base model: every host has it
+        req.version, req.uri = 4, scheduler.commits[-1].uri
+        updated = await servicer.UpdateWeights(req, None)
+        with pytest.raises(WeightsFetchError, match="no such version"):
+            await servicer.service.update_weights(EXP, 1, scheduler.commits[0].uri)  # pruned
+    finally:
+        await engine.stop()
+    assert updated.version == 4 == engine.version
+    assert updated.read_s > 0 and updated.load_s > 0  # read_s: the fetch and the read
+    assert _files(cache / EXP / "v000004") == _files(tmp_path / "weights" / EXP / "v000004")
