@@ -239,6 +239,7 @@ class RolloutService:
             "weights_updated",
             experiment=experiment_id,
             version=version,
+            uri=uri,
             interrupted=interrupted,
             seconds=round(seconds, 3),
             **{k: round(v, 4) for k, v in asdict(phases).items()},
