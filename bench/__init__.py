@@ -20,4 +20,5 @@ BENCHMARKS: dict[str, str] = {
     "system": "bench.system",
     "control_plane": "bench.control_plane",
     "weight_sync": "bench.weight_sync",
+    "weight_transfer": "bench.weight_transfer",
 }
