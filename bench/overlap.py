@@ -25,6 +25,11 @@ tests/unit/test_overlap_model.py.
   update every group admitted before version v - eta is dropped (buffered ones) or aborted
   (running ones, freeing their slots) and counts as rejected: it leaves `accepted`, which gives
   back admission capacity. So no trained group is staler than eta.
+- `abort_lag` (not in the tool's model; 0 there): running groups are aborted that many versions
+  later, as asyncrl's scheduler does (`services.scheduler.policy.must_abort`: the step that
+  produced v may have trained a group whose reply is still on its way, so it aborts only what
+  even that step could not have trained). Meanwhile the group holds its slots and its place in
+  the admission count; if it finishes too stale, the trainer drops it when it reads it.
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ class Workload:
     t_sync: float = 0.0
     steps: int = 20
     seed: int = 0
+    abort_lag: int = 0
+    """Versions a too-stale running group goes on before it is aborted (see the module
+    docstring): 0 in the tool's model, 1 in asyncrl's scheduler."""
 
     @property
     def m(self) -> int:
@@ -228,10 +236,19 @@ class SimResult:
     """Trained groups by staleness."""
     dropped: int = 0
     gen_tokens: float = 0.0
+    token_steps: float = 0.0
+    """The token clock's advance while any sample was active: the decode steps an engine that
+    samples one token per active stream per step takes (its steps counter)."""
 
     @property
     def max_staleness(self) -> int:
         return max(self.staleness, default=0)
+
+    @property
+    def mean_active(self) -> float:
+        """Active streams per decode step (an engine's tokens / steps): the admission rule's
+        mark on the fleet, comparable with the rollout's engine counters."""
+        return self.gen_tokens / self.token_steps if self.token_steps else 0.0
 
     def steady_throughput(self, m: int) -> float:
         """Samples per second over the second half of the steps (no warm-up)."""
@@ -253,6 +270,8 @@ class _Fleet:
         self._seq = 0
         self.slot_time = 0.0
         self.tokens = 0.0
+        self.steps = 0.0
+        """Token clock advanced with at least one sample active."""
 
     def submit(self, group: int, length: int) -> None:
         self.waiting.append((group, length))
@@ -293,6 +312,7 @@ class _Fleet:
     def _account(self, seconds: float, dtau: float) -> None:
         self.slot_time += len(self.active) * seconds
         self.tokens += len(self.active) * dtau
+        self.steps += dtau
 
 
 def simulate_sync(w: Workload, lengths: GroupLengths | None = None) -> SimResult:
@@ -322,6 +342,7 @@ def simulate_sync(w: Workload, lengths: GroupLengths | None = None) -> SimResult
         slot_util=fleet.slot_time / (w.slots * t),
         staleness=Counter({0: w.steps * w.batch}),
         gen_tokens=fleet.tokens,
+        token_steps=fleet.steps,
     )
 
 
@@ -371,6 +392,7 @@ class _AsyncRun:
             staleness=self.staleness,
             dropped=self.dropped,
             gen_tokens=self.fleet.tokens,
+            token_steps=self.fleet.steps,
         )
 
     def _admit(self) -> None:
@@ -405,6 +427,9 @@ class _AsyncRun:
             if self.left[g] == 0 and g in self.live:
                 self.live.discard(g)
                 self.running -= 1
+                if self.group_version[g] < self.version - self.w.eta:  # only with abort_lag
+                    self.dropped += 1  # the trainer drops it when it reads it: a rejection
+                    continue
                 self.accepted += 1
                 heapq.heappush(self.buffer, g)
         self.fleet.fill()
@@ -425,7 +450,7 @@ class _AsyncRun:
             heapq.heappop(self.buffer)
             self.accepted -= 1  # reported as rejected: frees admission capacity
             self.dropped += 1
-        doomed = {g for g in self.live if self.group_version[g] < oldest_ok}
+        doomed = {g for g in self.live if self.group_version[g] < oldest_ok - self.w.abort_lag}
         if doomed:
             self.live -= doomed
             self.running -= len(doomed)

@@ -21,9 +21,11 @@ Measured in the run:
 
 Those parameters go into `bench.overlap` (the zero-overhead model: analytic bound and a
 discrete-event simulation of sync and async with AReaL's admission, the trainer dropping
-groups staler than eta) with the very lengths the workflow generated, in dispatch order. One
-Result per eta: measured speedup against the simulated ideal speedup (ratio = measured ÷
-ideal). A PNG plots throughput against eta beside the ideal (var/bench/system_throughput.png;
+groups staler than eta) with the very lengths the workflow generated, in dispatch order, and
+the scheduler's own abort point (`ABORT_LAG`: a too-stale running group is aborted one version
+later than in the tool's model, see `abort_lag`). One Result per eta: measured speedup against
+the simulated ideal speedup (ratio = measured ÷ ideal); `ideal_speedup_abort_at_once` is the
+tool's model, which aborts at once. A PNG plots throughput against eta beside the ideal (var/bench/system_throughput.png;
 the work dir when --quick). Each eta runs `repeats` times and reports its fastest run.
 
 Settings carry what explains the gap: each service's CPU share (a rollout near 1.0 is
@@ -32,6 +34,15 @@ measured against the fitted cost of the same batches (CPU contention), the repla
 step against t(C) (the engine's cost grows with the batch's longest context, which the model's
 t(a) cannot see) and the re-prefill stall after each weight update (interrupted requests
 recompute their KV cache; the model keeps their progress for free) times the steps.
+
+`engine` compares the rollout's own engine counters over the run (its /metrics:
+asyncrl_rollout_engine_*_total) with the model: active streams per decode step against the
+model's (`mean_active`: what the admission rule lets run; the model applies the same rule), the
+decode steps taken against the model's token clock (tokens wasted on groups dropped as too
+stale, the tail), and the seconds per step in the run against t(a) from the replay on an
+otherwise idle engine (the difference is CPU the engine did not get: with `busy` near 1 and
+the rollout's CPU share near 0.5, each step waited for a core half of its time). `load_avg` is
+the machine's 1-minute load average when the run ended (2 cores here).
 """
 
 from __future__ import annotations
@@ -39,11 +50,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -56,6 +69,7 @@ from asyncrl.ledger import prompt_of, read_events
 from asyncrl.natsutil import connect
 from asyncrl.net import free_port
 from asyncrl.proc import kill_tree, pid_alive
+from asyncrl.security import Credentials
 from asyncrl.settings import settings
 from asyncrl.spec import SamplingParams
 from asyncrl.tiny import build_tiny_model
@@ -64,11 +78,18 @@ from bench.longtail import target_lengths
 from bench.report import Context, Result
 from services.rollout.engine import GenRequest
 from services.rollout.torch_engine import TorchEngine
+from services.scheduler.policy import must_abort
 
 NAME = "system"
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW = "bench.longtail:LongTail"
 DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+ROLLOUT_METRICS_OFFSET = 10
+"""The rollout's /metrics port is ASYNCRL_METRICS_PORT + 10 (scheduler + 0, trainer + 1)."""
+ENGINE_PREFIX = "asyncrl_rollout_engine_"
+ABORT_LAG = next(lag for lag in range(4) if must_abort(0, committed_version=2 + lag, eta=1))
+"""Versions past the model's abort point (v - start > eta) at which the scheduler aborts a
+running group: the first lag at which `must_abort` is true (1: committed - 1 - start > eta)."""
 
 
 @dataclass(frozen=True)
@@ -178,11 +199,13 @@ class LocalCluster:
         self.var = var
         self.scheduler_port, nats_port = free_port(), free_port()
         self.nats_url = f"nats://127.0.0.1:{nats_port}"
+        self.metrics_port = _free_metrics_base()
         inherited = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
         self.env = {
             **inherited,
             "ASYNCRL_NATS_PORT": str(nats_port),
             "ASYNCRL_SCHEDULER_PORT": str(self.scheduler_port),
+            "ASYNCRL_METRICS_PORT": str(self.metrics_port),
             "OMP_NUM_THREADS": "1",  # one core each: rollout and trainer overlap on two cores
             "ASYNCRL_TRAINER_ARGS": "--threads 1",
         }
@@ -245,6 +268,29 @@ class LocalCluster:
             used[p["service"]] = times.user + times.system
         return used
 
+    def engine_counters(self) -> dict[str, float]:
+        """The rollout engine's cumulative counters (steps, stream_steps, step_seconds, ...)
+        from its /metrics; empty when it cannot be read."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        port = self.metrics_port + ROLLOUT_METRICS_OFFSET
+        if settings().insecure:
+            url, tls = f"http://127.0.0.1:{port}/metrics", None
+        else:
+            url, tls = f"https://127.0.0.1:{port}/metrics", Credentials.load("viewer")
+        try:
+            context = tls.client_ssl_context() if tls else None
+            with urllib.request.urlopen(url, timeout=5, context=context) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return {}
+        return {
+            sample.name.removeprefix(ENGINE_PREFIX).removesuffix("_total"): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name.startswith(ENGINE_PREFIX) and sample.name.endswith("_total")
+        }
+
     def log_events(self, service: str, event: str, experiment: str) -> list[dict]:
         """The JSON log records of `event` for `experiment` in the service's first replica."""
         found = []
@@ -258,6 +304,26 @@ class LocalCluster:
             if record.get("event") == event and record.get("experiment") == experiment:
                 found.append(record)
         return found
+
+
+def _free_metrics_base(tries: int = 20) -> int:
+    """A base port whose scheduler, trainer and rollout metrics ports are all free now."""
+    for _ in range(tries):
+        base = free_port()
+        if base + ROLLOUT_METRICS_OFFSET < 65536 and all(
+            _bindable(base + offset) for offset in (1, ROLLOUT_METRICS_OFFSET)
+        ):
+            return base
+    raise RuntimeError(f"no free metrics port range in {tries} tries")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 # ---------------------------------------------------------------------------- one experiment
@@ -284,6 +350,12 @@ class RunRecord:
     """CPU seconds of each service over the experiment's duration (1.0 = one core busy)."""
     finished_prompts: list[int] = field(default_factory=list)
     """Dataset indices of the groups that finished generating before the N-th commit."""
+    engine: dict[str, float] = field(default_factory=dict)
+    """The rollout engine's counters over the experiment (see LocalCluster.engine_counters)."""
+    duration_s: float = 0.0
+    """Submit to end, the window of `cpu_share` and `engine`."""
+    load_avg: float = 0.0
+    """The machine's 1-minute load average at the end."""
 
     @property
     def steps(self) -> int:
@@ -327,9 +399,10 @@ async def _ledger(nats_url: str, experiment: str) -> list[dict]:
 
 
 def run_experiment(cluster: LocalCluster, spec: dict, eta: int, timeout_s: float) -> RunRecord:
-    cpu0, t0 = cluster.cpu_seconds(), time.monotonic()
+    cpu0, engine0, t0 = cluster.cpu_seconds(), cluster.engine_counters(), time.monotonic()
     exp = asyncio.run(run_to_end(cluster.scheduler, spec, timeout_s))
     duration, cpu1 = time.monotonic() - t0, cluster.cpu_seconds()
+    engine1 = cluster.engine_counters()
     cpu_share = {k: round((cpu1[k] - cpu0[k]) / duration, 3) for k in cpu1 if k in cpu0}
     events = asyncio.run(_ledger(cluster.nats_url, exp.id))
     trained = [e for e in events if e["event"] == "trained"]
@@ -346,6 +419,9 @@ def run_experiment(cluster: LocalCluster, spec: dict, eta: int, timeout_s: float
         dropped=exp.progress.stale_dropped,
         cpu_share=cpu_share,
         finished_prompts=_finished(events, max(e["t"] for e in trained)),
+        engine={k: engine1[k] - engine0[k] for k in engine1 if k in engine0},
+        duration_s=duration,
+        load_avg=os.getloadavg()[0],
     )
 
 
@@ -511,6 +587,7 @@ def workload(plan: Plan, task: Task, m: Measured) -> overlap.Workload:
         t_sync=m.t_sync,
         steps=plan.steps,
         seed=plan.seed,
+        abort_lag=ABORT_LAG,
     )
 
 
@@ -534,8 +611,31 @@ def predicted_train_s(w: overlap.Workload, r: RunRecord, table: list[list[int]])
     )
 
 
+def engine_figures(r: RunRecord, sim: overlap.SimResult, decode: Decode) -> dict:
+    """The engine's counters over the run beside the model's (see the module docstring)."""
+    e = r.engine
+    if not e.get("steps"):
+        return {}
+    active = e["stream_steps"] / e["steps"]
+    return {
+        "mean_active": round(active, 2),
+        "ideal_mean_active": round(sim.mean_active, 2),
+        "steps": int(e["steps"]),
+        "ideal_steps": round(sim.token_steps),
+        "tokens": int(e["stream_steps"]),
+        "ideal_tokens": round(sim.gen_tokens),
+        "step_ms": round(1000 * e["step_seconds"] / e["steps"], 3),
+        "model_step_ms": round(1000 * (decode.t0 + decode.c1 * active), 3),
+        "busy": round(e["step_seconds"] / r.duration_s, 3),
+    }
+
+
 def figures(
-    plan: Plan, runs: dict[int, RunRecord], ideal: overlap.Ideal, table: list[list[int]]
+    plan: Plan,
+    runs: dict[int, RunRecord],
+    ideal: overlap.Ideal,
+    table: list[list[int]],
+    decode: Decode,
 ) -> list[EtaFigures]:
     m = plan.steps * plan.batch * plan.n
     w = ideal.sync_workload
@@ -567,6 +667,8 @@ def figures(
                         sum(L for i in r.finished_prompts for L in table[i]) / r.wall_s, 1
                     ),
                     "ideal_fleet_tokens_per_s": round(sim.gen_tokens / sim.wall_s, 1),
+                    "engine": engine_figures(r, sim, decode),
+                    "load_avg": round(r.load_avg, 2),
                 },
             )
         )
@@ -619,7 +721,8 @@ def run(ctx: Context) -> list[Result]:
     measured = Measured(decode, train_a, train_b, t_sync)
     w = workload(plan, task, measured)
     ideal = overlap.ideal(w, plan.etas, table)
-    figs = figures(plan, runs, ideal, table)
+    at_once = overlap.ideal(replace(w, abort_lag=0), plan.etas, table)  # the tool's model
+    figs = figures(plan, runs, ideal, table, decode)
     bound = ideal.bound
     ceiling = w.m / (bound.t_sync + max(bound.t_gen_throughput, bound.t_train))
     out_dir = ctx.work_dir if ctx.quick else Path("var/bench")
@@ -643,6 +746,7 @@ def run(ctx: Context) -> list[Result]:
                {"eta": f.eta, "measured_throughput": round(f.measured_throughput, 3),
                 "ideal_throughput": round(f.ideal_throughput, 3),
                 "walls_s": [round(r.wall_s, 3) for r in records[f.eta]],
+                "ideal_speedup_abort_at_once": round(at_once.speedup(f.eta), 3),
                 # every update interrupts the requests in flight (none in sync): re-prefill
                 "resume_stall_s_est": round(plan.steps * decode.resume_stall_s, 3) if f.eta else 0,
                 **f.settings, **common})

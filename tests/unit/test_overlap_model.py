@@ -88,6 +88,8 @@ def test_sync_two_samples_with_alpha_take_the_occupancy_weighted_time():
     r = simulate_sync(w, _table(w, [[1, 3]]))
     assert r.wall_s == 5.0
     assert r.gen_tokens == 4.0
+    assert r.token_steps == 3.0  # an engine's decode steps: the longest sample's length
+    assert r.mean_active == pytest.approx(4 / 3)
     assert r.slot_util == pytest.approx((2 * 2.0 + 1 * 3.0) / (2 * 5.0))
 
 
@@ -121,6 +123,30 @@ def test_async_straggler_is_aborted_when_too_stale_and_frees_capacity():
     assert dict(a.staleness) == {0: 3}
 
 
+def test_async_token_steps_count_only_time_with_a_sample_active():
+    """The straggler case above, token by token (t0 = 1 s): 0-1 g0 g1, 1-2 g0, 2-3 g0 g2, 3-4
+    g0 (aborted at 4 with 4 of its 5 tokens), 4-5 g3 g4, 5-6 nothing active while the last
+    step trains: 8 tokens in 5 decode steps."""
+    w = Workload(slots=2, n=1, batch=1, eta=1, t0=1.0, train_a=1.0, steps=3)
+    a = simulate_async(w, _table(w, [[5]] + [[1]] * 20))
+    assert a.gen_tokens == 8.0
+    assert a.token_steps == 5.0
+    assert a.mean_active == 1.6
+
+
+def test_async_abort_lag_lets_the_straggler_run_a_version_longer_then_drops_it():
+    """The same straggler with abort_lag = 1 (asyncrl's scheduler): at v2 (t = 4) g0 is not
+    aborted; it holds one admission place, so only g3 starts, and both end at t = 5, g0 too
+    stale (admitted at v0 < 2 - 1): dropped, not trained. g4 runs 5-6 beside the last step."""
+    w = Workload(slots=2, n=1, batch=1, eta=1, t0=1.0, train_a=1.0, steps=3, abort_lag=1)
+    a = simulate_async(w, _table(w, [[5]] + [[1]] * 20))
+    assert a.step_end == [2.0, 4.0, 6.0]
+    assert a.dropped == 1
+    assert dict(a.staleness) == {0: 3}
+    assert a.gen_tokens == 9.0
+    assert a.token_steps == 6.0
+
+
 def test_async_eta_zero_equals_sync_step_by_step():
     w = Workload(slots=16, n=4, batch=4, max_groups=4, len_median=20, len_sigma=1.2, max_len=300,
                  t0=0.01, alpha=0.6, train_a=0.2, train_b=1e-3, prompt_len=5, t_sync=0.1,
@@ -132,10 +158,12 @@ def test_async_eta_zero_equals_sync_step_by_step():
         assert a.max_staleness == 0 and a.dropped == 0
 
 
+@pytest.mark.parametrize("abort_lag", [0, 1])
 @pytest.mark.parametrize("eta", [1, 2, 4])
-def test_async_staleness_bounded_and_every_step_trains_b_groups(eta):
+def test_async_staleness_bounded_and_every_step_trains_b_groups(eta, abort_lag):
     w = Workload(slots=32, n=4, batch=4, eta=eta, max_groups=-1, len_median=20, len_sigma=1.5,
-                 max_len=2000, t0=0.01, train_a=0.5, t_sync=0.1, steps=60, seed=1)  # fmt: skip
+                 max_len=2000, t0=0.01, train_a=0.5, t_sync=0.1, steps=60, seed=1,
+                 abort_lag=abort_lag)  # fmt: skip
     a = simulate_async(w)
     assert a.max_staleness <= eta
     assert sum(a.staleness.values()) == w.steps * w.batch
