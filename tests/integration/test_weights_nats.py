@@ -180,3 +180,27 @@ async def test_trainer_publishes_nats_versions_rollout_loads_one(
     assert updated.version == 4 == engine.version
     assert updated.read_s > 0 and updated.load_s > 0  # read_s: the fetch and the read
     assert _files(cache / EXP / "v000004") == _files(tmp_path / "weights" / EXP / "v000004")
+
+
+async def test_resumed_trainer_uploads_its_version_again_when_bucket_lost_it(
+    tiny, js, scheduler, start_trainer, rollout, tmp_path, monkeypatch
+):
+    """The bucket is not the trainer's state: a trainer resuming at a version the bucket no
+    longer holds (a NATS store lost, a bucket purged) uploads it again from its weight store,
+    and StartExperiment answers with its `nats-obj://` URI."""
+    monkeypatch.setenv("ASYNCRL_WEIGHTS_TRANSPORT", "nats")
+    service, stub = await start_trainer()
+    start = trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=_spec(tiny[0]))
+    await stub.StartExperiment(start, timeout=60)
+    for i in range(2):
+        await publish_group(js, _group(tiny, f"g{i}", 0))
+    await _wait_commits(scheduler, 1)
+    await service.stop_experiment(EXP)  # a final checkpoint at version 1
+    await js.purge_stream(f"OBJ_{WEIGHTS_BUCKET}")
+    assert not await uploaded(js, EXP, 1)
+
+    _, stub2 = await start_trainer()
+    resp = await stub2.StartExperiment(start, timeout=60)
+    assert (resp.version, resp.resumed, resp.uri) == (1, True, version_uri(EXP, 1))
+    got = await fetch_version(rollout, resp.uri, tmp_path / "cache")
+    assert _files(got) == _files(tmp_path / "weights" / EXP / "v000001")
