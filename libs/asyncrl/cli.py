@@ -476,10 +476,6 @@ def report_(
     out.print(f"wrote {out_dir / 'summary.json'} and {out_dir / 'reward.png'}")
 
 
-if __name__ == "__main__":
-    sys.exit(app())
-
-
 @app.command()
 def ledger(
     experiment_id: str,
@@ -505,3 +501,7 @@ def ledger(
         for p in got.prompts:
             at = ", ".join(f"step {s} v{v}" for s, v in p.trained)
             out.print(f"e{p.epoch} p{p.index} {p.prompt!r}: {p.fate} {at or p.reason}")
+
+
+if __name__ == "__main__":
+    sys.exit(app())
