@@ -254,7 +254,9 @@ class RolloutService:
             return uri_to_path(uri), 0.0
         t0 = time.perf_counter()
         path = await fetch_version(self.js, uri, self.weights_cache)
-        return path, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        log.info("weights_fetched", uri=uri, path=str(path), seconds=round(seconds, 3))
+        return path, seconds
 
     def _observe(self, experiment_id: str, phases: UpdatePhases) -> None:
         for name, seconds in asdict(phases).items():
