@@ -30,6 +30,9 @@ tests/unit/test_overlap_model.py.
   produced v may have trained a group whose reply is still on its way, so it aborts only what
   even that step could not have trained). Meanwhile the group holds its slots and its place in
   the admission count; if it finishes too stale, the trainer drops it when it reads it.
+- `requeue` (not in the tool's model): a dropped group's prompt is admitted again, with the
+  same lengths, before any new one, as the scheduler re-queues it (no prompt is lost). Without
+  it a dropped group is gone and the next admission is a new group.
 """
 
 from __future__ import annotations
@@ -78,6 +81,9 @@ class Workload:
     abort_lag: int = 0
     """Versions a too-stale running group goes on before it is aborted (see the module
     docstring): 0 in the tool's model, 1 in asyncrl's scheduler."""
+    requeue: bool = False
+    """Dropped groups' prompts are admitted again first (asyncrl's scheduler); not in the
+    tool's model."""
 
     @property
     def m(self) -> int:
@@ -354,6 +360,9 @@ class _AsyncRun:
         self.t = 0.0
         self.version = self.accepted = self.running = self.admitted = 0
         self.group_version: list[int] = []
+        self.row: list[int] = []  # each admitted group's prompt (its row of lengths)
+        self.requeued: deque[int] = deque()  # dropped prompts to admit again, first
+        self.rows_used = 0  # new prompts admitted so far
         self.left: list[int] = []  # samples of each group still generating
         self.live: set[int] = set()  # admitted, not finished, not aborted
         self.buffer: list[int] = []  # finished, untrained (heap: oldest first)
@@ -402,12 +411,13 @@ class _AsyncRun:
             and self.accepted + self.running < (w.eta + self.version + 1) * w.batch
         ):
             g = self.admitted
+            self.row.append(self.requeued.popleft() if self.requeued else self._next_row())
             self.admitted += 1
             self.running += 1
             self.group_version.append(self.version)
             self.left.append(w.n)
             self.live.add(g)
-            for L in self.lengths(g):
+            for L in self.lengths(self.row[g]):
                 self.fleet.submit(g, L)
         self.fleet.fill()
 
@@ -417,7 +427,7 @@ class _AsyncRun:
         batch = [heapq.heappop(self.buffer) for _ in range(self.w.batch)]
         for g in batch:
             self.staleness[self.version - self.group_version[g]] += 1
-        dur = self.w.train_time([L for g in batch for L in self.lengths(g)])
+        dur = self.w.train_time([L for g in batch for L in self.lengths(self.row[g])])
         self.busy += dur
         self.training, self.trainer_until = True, self.t + dur
 
@@ -428,7 +438,7 @@ class _AsyncRun:
                 self.live.discard(g)
                 self.running -= 1
                 if self.group_version[g] < self.version - self.w.eta:  # only with abort_lag
-                    self.dropped += 1  # the trainer drops it when it reads it: a rejection
+                    self._dropped([g])  # the trainer drops it when it reads it: a rejection
                     continue
                 self.accepted += 1
                 heapq.heappush(self.buffer, g)
@@ -447,15 +457,23 @@ class _AsyncRun:
     def _drop_stale(self) -> None:
         oldest_ok = self.version - self.w.eta  # admitted before it: can never be trained
         while self.buffer and self.group_version[self.buffer[0]] < oldest_ok:
-            heapq.heappop(self.buffer)
+            self._dropped([heapq.heappop(self.buffer)])
             self.accepted -= 1  # reported as rejected: frees admission capacity
-            self.dropped += 1
         doomed = {g for g in self.live if self.group_version[g] < oldest_ok - self.w.abort_lag}
         if doomed:
             self.live -= doomed
             self.running -= len(doomed)
-            self.dropped += len(doomed)
+            self._dropped(sorted(doomed))
             self.fleet.abort(doomed)
+
+    def _dropped(self, groups: list[int]) -> None:
+        self.dropped += len(groups)
+        if self.w.requeue:
+            self.requeued.extend(self.row[g] for g in groups)
+
+    def _next_row(self) -> int:
+        self.rows_used += 1
+        return self.rows_used - 1
 
 
 def simulate_async(w: Workload, lengths: GroupLengths | None = None) -> SimResult:

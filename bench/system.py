@@ -21,11 +21,13 @@ Measured in the run:
 
 Those parameters go into `bench.overlap` (the zero-overhead model: analytic bound and a
 discrete-event simulation of sync and async with AReaL's admission, the trainer dropping
-groups staler than eta) with the very lengths the workflow generated, in dispatch order, and
-the scheduler's own abort point (`ABORT_LAG`: a too-stale running group is aborted one version
-later than in the tool's model, see `abort_lag`). One Result per eta: measured speedup against
-the simulated ideal speedup (ratio = measured ÷ ideal); `ideal_speedup_abort_at_once` is the
-tool's model, which aborts at once. A PNG plots throughput against eta beside the ideal (var/bench/system_throughput.png;
+groups staler than eta) with the very lengths the workflow generated, in dispatch order, under
+the scheduler's own rules where they differ from the tool's model: a too-stale running group
+is aborted one version later (`ABORT_LAG`, from `must_abort`) and a dropped group's prompt is
+generated again before new ones (`requeue`: no prompt is lost; the workflow's lengths are a
+function of the prompt, so it has the same lengths again). One Result per eta: measured speedup
+against that ideal speedup (ratio = measured ÷ ideal); `ideal_speedup_tool_model` is the
+tool's model (abort at once, a dropped group is gone): what those two rules cost. A PNG plots throughput against eta beside the ideal (var/bench/system_throughput.png;
 the work dir when --quick). Each eta runs `repeats` times and reports its fastest run.
 
 Settings carry what explains the gap: each service's CPU share (a rollout near 1.0 is
@@ -588,6 +590,7 @@ def workload(plan: Plan, task: Task, m: Measured) -> overlap.Workload:
         steps=plan.steps,
         seed=plan.seed,
         abort_lag=ABORT_LAG,
+        requeue=True,
     )
 
 
@@ -675,7 +678,7 @@ def figures(
     return out
 
 
-def plot(figs: list[EtaFigures], bound_throughput: float, path: Path) -> Path:
+def plot(figs: list[EtaFigures], tool: list[float], bound_throughput: float, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -684,7 +687,8 @@ def plot(figs: list[EtaFigures], bound_throughput: float, path: Path) -> Path:
     etas = [f.eta for f in figs]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(etas, [f.measured_throughput for f in figs], "o-", label="measured (asyncrl)")
-    ax.plot(etas, [f.ideal_throughput for f in figs], "s--", label="ideal (zero-overhead sim)")
+    ax.plot(etas, [f.ideal_throughput for f in figs], "s--", label="ideal, the scheduler's rules")
+    ax.plot(etas, tool, "^:", label="ideal, overlap_bound's model")
     ax.axhline(bound_throughput, color="grey", linestyle=":", label="analytic ceiling")
     ax.set_xlabel("eta (max staleness; 0 = synchronous)")
     ax.set_ylabel("trained samples / s")
@@ -721,12 +725,13 @@ def run(ctx: Context) -> list[Result]:
     measured = Measured(decode, train_a, train_b, t_sync)
     w = workload(plan, task, measured)
     ideal = overlap.ideal(w, plan.etas, table)
-    at_once = overlap.ideal(replace(w, abort_lag=0), plan.etas, table)  # the tool's model
+    tool = overlap.ideal(replace(w, abort_lag=0, requeue=False), plan.etas, table)
     figs = figures(plan, runs, ideal, table, decode)
     bound = ideal.bound
     ceiling = w.m / (bound.t_sync + max(bound.t_gen_throughput, bound.t_train))
     out_dir = ctx.work_dir if ctx.quick else Path("var/bench")
-    png = plot(figs, ceiling, out_dir / "system_throughput.png")
+    tool_throughput = [tool.runs[f.eta].throughput for f in figs]
+    png = plot(figs, tool_throughput, ceiling, out_dir / "system_throughput.png")
     common = {
         "workload": {"n": plan.n, "batch": plan.batch, "steps": plan.steps,
                      "max_groups": plan.max_groups, "slots": plan.slots,
@@ -740,13 +745,13 @@ def run(ctx: Context) -> list[Result]:
                   "speedup_bound": round(bound.speedup, 3)},
         "plot": str(png),
     }  # fmt: skip
-    peer = "ideal speedup (zero-overhead model on the measured parameters)"
+    peer = "ideal speedup (zero-overhead model, measured parameters, the scheduler's rules)"
     return [
         Result(NAME, "system_speedup", f.measured_speedup, "x", peer, f.ideal_speedup,
                {"eta": f.eta, "measured_throughput": round(f.measured_throughput, 3),
                 "ideal_throughput": round(f.ideal_throughput, 3),
                 "walls_s": [round(r.wall_s, 3) for r in records[f.eta]],
-                "ideal_speedup_abort_at_once": round(at_once.speedup(f.eta), 3),
+                "ideal_speedup_tool_model": round(tool.speedup(f.eta), 3),
                 # every update interrupts the requests in flight (none in sync): re-prefill
                 "resume_stall_s_est": round(plan.steps * decode.resume_stall_s, 3) if f.eta else 0,
                 **f.settings, **common})

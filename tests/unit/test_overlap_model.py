@@ -147,6 +147,19 @@ def test_async_abort_lag_lets_the_straggler_run_a_version_longer_then_drops_it()
     assert a.token_steps == 6.0
 
 
+def test_async_requeue_admits_a_dropped_prompt_again_before_new_ones():
+    """The straggler again, its prompt re-queued (requeue, as the scheduler does): aborted at
+    v2 (t = 4) with 4 tokens, it is admitted again at once beside prompt 3 and starts from
+    scratch: 4-5 both, 5-6 it alone, still running when the run ends. 9 tokens in 6 steps
+    (8 in 5 without requeue, where prompts 3 and 4 run 4-5)."""
+    w = Workload(slots=2, n=1, batch=1, eta=1, t0=1.0, train_a=1.0, steps=3, requeue=True)
+    a = simulate_async(w, _table(w, [[5]] + [[1]] * 20))
+    assert a.step_end == [2.0, 4.0, 6.0]
+    assert a.dropped == 1
+    assert a.gen_tokens == 9.0
+    assert a.token_steps == 6.0
+
+
 def test_async_eta_zero_equals_sync_step_by_step():
     w = Workload(slots=16, n=4, batch=4, max_groups=4, len_median=20, len_sigma=1.2, max_len=300,
                  t0=0.01, alpha=0.6, train_a=0.2, train_b=1e-3, prompt_len=5, t_sync=0.1,
@@ -158,12 +171,12 @@ def test_async_eta_zero_equals_sync_step_by_step():
         assert a.max_staleness == 0 and a.dropped == 0
 
 
-@pytest.mark.parametrize("abort_lag", [0, 1])
+@pytest.mark.parametrize(("abort_lag", "requeue"), [(0, False), (1, False), (1, True)])
 @pytest.mark.parametrize("eta", [1, 2, 4])
-def test_async_staleness_bounded_and_every_step_trains_b_groups(eta, abort_lag):
+def test_async_staleness_bounded_and_every_step_trains_b_groups(eta, abort_lag, requeue):
     w = Workload(slots=32, n=4, batch=4, eta=eta, max_groups=-1, len_median=20, len_sigma=1.5,
                  max_len=2000, t0=0.01, train_a=0.5, t_sync=0.1, steps=60, seed=1,
-                 abort_lag=abort_lag)  # fmt: skip
+                 abort_lag=abort_lag, requeue=requeue)  # fmt: skip
     a = simulate_async(w)
     assert a.max_staleness <= eta
     assert sum(a.staleness.values()) == w.steps * w.batch
