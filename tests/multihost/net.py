@@ -148,24 +148,30 @@ def asyncrl(*args: str, env: dict[str, str], ns: str | None = None, timeout: flo
     return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def make_secrets(hosts: list[Host], scheduler: Host) -> None:
-    """The scheduler's host makes the secrets (CA, its certificate for its address, token
-    keys); every other host gets a bundle: its own certificate, the tokens and NATS passwords
-    of the services it runs, and what a NATS node needs (`--nats-node`). No CA key and no token
-    signing key leaves host a."""
-    env = base_env() | {"ASYNCRL_SECRETS": str(scheduler.secrets)}
-    done = asyncrl("secrets", "init", "--host", scheduler.ip, env=env)
-    if done.returncode:
-        raise RuntimeError(f"secrets init: {done.stdout}{done.stderr}")
+def secrets_commands(hosts: list[Host], scheduler: Host) -> list[tuple[Host, list[str]]]:
+    """What makes every host's credentials, all run on the scheduler's host: `secrets init`
+    (CA, its certificate for its address, token keys), then a bundle per other host: its own
+    certificate, the tokens and NATS passwords of the services it runs, and what a NATS node
+    needs (`--nats-node`). No CA key and no token signing key leaves the scheduler's host."""
+    commands = [(scheduler, ["secrets", "init", "--host", scheduler.ip])]
     for host in hosts:
-        if host is scheduler:
-            continue
-        done = asyncrl(
-            "secrets", "bundle", host.ip, "--services", ",".join(host.services),
-            "--nats-node", "--out", str(host.secrets), env=env,
-        )  # fmt: skip
+        if host is not scheduler:
+            bundle = ["secrets", "bundle", host.ip, "--services", ",".join(host.services)]
+            commands.append((host, [*bundle, "--nats-node", "--out", str(host.secrets)]))
+    return commands
+
+
+def make_secrets(hosts: list[Host], scheduler: Host) -> None:
+    env = base_env() | {"ASYNCRL_SECRETS": str(scheduler.secrets)}
+    for host, args in secrets_commands(hosts, scheduler):
+        done = asyncrl(*args, env=env)
         if done.returncode:
-            raise RuntimeError(f"secrets bundle {host.name}: {done.stdout}{done.stderr}")
+            raise RuntimeError(f"{' '.join(args[:2])} {host.name}: {done.stdout}{done.stderr}")
+
+
+def start_args(host: Host) -> list[str]:
+    """The host's `asyncrl.supervisor start` arguments (what `make up SERVICES=...` runs)."""
+    return ["start", "--services", ",".join(host.services)]
 
 
 def supervisor(host: Host, env: dict[str, str], *args: str) -> subprocess.Popen:
@@ -183,8 +189,7 @@ def start_hosts(hosts: list[Host], scheduler: Host, timeout: float = 300) -> Non
     for host in hosts:
         host.var.mkdir(parents=True, exist_ok=True)
         env = host_env(host, hosts, scheduler)
-        services = ",".join(host.services)
-        procs.append((host, supervisor(host, env, "start", "--services", services)))
+        procs.append((host, supervisor(host, env, *start_args(host))))
     deadline = time.monotonic() + timeout
     for host, proc in procs:
         code = proc.wait(max(1.0, deadline - time.monotonic()))
@@ -200,8 +205,7 @@ def start_hosts(hosts: list[Host], scheduler: Host, timeout: float = 300) -> Non
 def restart_host(host: Host, hosts: list[Host], scheduler: Host) -> None:
     """The host boots again: its supervisor starts its services from the same directory."""
     env = host_env(host, hosts, scheduler)
-    services = ",".join(host.services)
-    if supervisor(host, env, "start", "--services", services).wait(300):
+    if supervisor(host, env, *start_args(host)).wait(300):
         raise RuntimeError(f"host {host.name} did not start again")
     if host.rollouts > 1:
         supervisor(host, env, "scale", "rollout", str(host.rollouts)).wait(120)

@@ -482,3 +482,16 @@ def test_nats_auth_is_accepted_by_nats_server_as_the_chart_includes_it(tmp_path)
         [nats_server_binary(), "-t", "-c", str(conf)], capture_output=True, text=True
     )
     assert result.returncode != 0, "a broken auth.conf passed nats-server -t"
+
+
+def test_weights_reach_the_rollouts_through_nats_not_a_shared_volume():
+    """Only the trainer mounts the weight store (ReadWriteOnce is enough); the ConfigMap sends
+    versions through the NATS object store, which the rollouts fetch into their own disk."""
+    config = one("ConfigMap", "asyncrl")["data"]
+    assert config["ASYNCRL_WEIGHTS_TRANSPORT"] == "nats"
+    claims = {c["metadata"]["name"]: c for c in of_kind("PersistentVolumeClaim")}
+    assert claims["asyncrl-weights"]["spec"]["accessModes"] == ["ReadWriteOnce"]
+    for service in ("rollout", "reward", "scheduler"):
+        pod = workload_of(service)["spec"]["template"]["spec"]
+        names = {v.get("persistentVolumeClaim", {}).get("claimName") for v in pod["volumes"]}
+        assert "asyncrl-weights" not in names, service
