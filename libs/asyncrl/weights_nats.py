@@ -215,7 +215,12 @@ async def fetch_version(js, uri: str, cache_root: Path, keep: int = CACHE_KEEP) 
                     await read_object(js, bucket, f"{prefix}/{name}", f, uri)
                 except nats.js.errors.ObjectNotFoundError:
                     raise WeightsFetchError(uri, f"{name} is missing (pruned meanwhile?)") from None
-        os.replace(tmp, final)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+            # another rollout on this host (same cache) put the same version there first
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     prune(Path(cache_root), prefix.partition("/")[0], keep=keep)

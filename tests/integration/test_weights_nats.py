@@ -76,6 +76,20 @@ async def test_upload_fetch_multi_chunk_version_byte_identical(trainer, rollout,
     assert await fetch_version(rollout, uri, cache) == got
 
 
+async def test_two_rollouts_of_one_host_fetch_the_same_version_at_once(trainer, rollout, tmp_path):
+    """Two rollouts on one host share its cache: both fetches return the one directory (the
+    second rename finds the first's and keeps it)."""
+    import asyncio
+
+    src = _version_dir(tmp_path / "store", 5)
+    uri = await upload_version(trainer, src, EXP, 5)
+    cache = tmp_path / "cache"
+    got = await asyncio.gather(*(fetch_version(rollout, uri, cache) for _ in range(3)))
+    assert got == [cache / EXP / "v000005"] * 3
+    assert _files(got[0]) == _files(src)
+    assert [p.name for p in (cache / EXP).iterdir()] == ["v000005"]
+
+
 async def test_fetch_missing_version_raises_naming_uri(trainer, rollout, tmp_path):
     uri = version_uri(EXP, 3)
     with pytest.raises(WeightsFetchError, match="no bucket") as missing_bucket:
