@@ -273,6 +273,7 @@ class Run:
         hold. No file of the trainer's weight store (host a) may be on a rollout host, and every
         version a rollout loaded after the base model came from the object store."""
         uris: dict[str, set[str]] = {}
+        fetches: list[float] = []  # seconds per fetch from the object store (not from cache)
         for host in (self.b, self.c):
             for log in sorted((host.var / "log").glob("rollout-*.log")):
                 for line in log.read_text(errors="replace").splitlines():
@@ -284,6 +285,8 @@ class Run:
                         uri = str(event.get("uri", ""))
                         scheme = uri.split("://", 1)[0] if "://" in uri else "path"
                         uris.setdefault(host.name, set()).add(scheme)
+                        if event["event"] == "weights_fetched" and event.get("seconds"):
+                            fetches.append(float(event["seconds"]))
         trainer_store = self.a.var / "weights"
         leaked = [
             str(p)
@@ -295,10 +298,14 @@ class Run:
             host.name: len(list((host.var / "weights-cache").rglob("config.json")))
             for host in (self.b, self.c)
         }
+        fetches.sort()
         return {
             "uri_schemes": {k: sorted(v) for k, v in uris.items()},
             "cached": cached,
             "leaked": leaked,
+            "fetches": len(fetches),
+            "fetch_s_median": fetches[len(fetches) // 2] if fetches else None,
+            "fetch_s_max": fetches[-1] if fetches else None,
         }
 
 
