@@ -328,6 +328,8 @@ def execute(cfg: Config) -> dict:
         result["wall_s"] = round(run.since(), 1)
         result["ledger"] = run.cli_json("ledger")
         result["status"] = run.cli_json("status")
+        evals = result["status"].get("progress", {}).get("evals", [])
+        result["eval_accuracy"] = [e.get("accuracy", 0.0) for e in evals[:1] + evals[1:][-1:]]
         result["weights"] = run.weights_evidence()
         result["nats"] = asyncio.run(run.cluster_evidence())
     except Exception as e:
