@@ -76,11 +76,13 @@ def publish_version(tmp_dir: Path, final_dir: Path) -> str:
     return path_to_uri(final_dir)
 
 
-def prune(root: Path, experiment_id: str, keep: int = 3) -> None:
-    """Remove all but the newest `keep` versions of an experiment."""
+def prune(root: Path, experiment_id: str, keep: int = 3, protect: Path | None = None) -> None:
+    """Remove all but the newest `keep` versions of an experiment, and never `protect` (the
+    version just put there for a reader: after a rewind it is older than the ones kept)."""
     d = Path(root) / experiment_id
     if not d.exists():
         return
     versions = sorted(p for p in d.iterdir() if p.is_dir() and p.name.startswith("v"))
     for p in versions[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)
+        if protect is None or p != Path(protect):
+            shutil.rmtree(p, ignore_errors=True)

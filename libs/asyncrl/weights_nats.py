@@ -223,5 +223,5 @@ async def fetch_version(js, uri: str, cache_root: Path, keep: int = CACHE_KEEP) 
             # another rollout on this host (same cache) put the same version there first
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    prune(Path(cache_root), prefix.partition("/")[0], keep=keep)
+    prune(Path(cache_root), prefix.partition("/")[0], keep=keep, protect=final)
     return final

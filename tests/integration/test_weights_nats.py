@@ -150,6 +150,20 @@ async def test_prune_keeps_newest_versions_in_bucket_and_cache(trainer, rollout,
     assert [p.name for p in (cache / EXP).iterdir()] == ["v000005"]
 
 
+async def test_fetch_after_a_rewind_keeps_the_older_version_it_fetched(trainer, rollout, tmp_path):
+    """A trainer resumed from a checkpoint sends the fleet back to an older version than the
+    cache's newest: pruning must not delete the version it just fetched (it did: every rollout
+    failed its UpdateWeights with 'no config.json' in make multihost's nats fault)."""
+    cache = tmp_path / "cache"
+    for v in (3, 4, 5, 2):
+        await upload_version(trainer, _version_dir(tmp_path / "store", v, size=100), EXP, v)
+    for v in (3, 4, 5):
+        await fetch_version(rollout, version_uri(EXP, v), cache, keep=3)
+    got = await fetch_version(rollout, version_uri(EXP, 2), cache, keep=3)
+    assert (got / "config.json").is_file()
+    assert sorted(p.name for p in (cache / EXP).iterdir())[0] == "v000002"
+
+
 async def test_trainer_publishes_nats_versions_rollout_loads_one(
     tiny, js, scheduler, start_trainer, rollout, tmp_path, monkeypatch
 ):
