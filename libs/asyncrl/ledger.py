@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import re
 import time
@@ -39,6 +40,7 @@ import nats.js.errors
 from asyncrl import natsutil
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import ensure_file_stream, read_subject
+from asyncrl.retry import jetstream_write
 
 log = get_logger(component="ledger")
 
@@ -83,9 +85,14 @@ class Ledger:
         return {"event": event, "t": round(time.time(), 3), **fields}
 
     async def record(self, event: str, **fields) -> None:
+        """Append one event and wait until it is stored, riding out NATS being away (a retry
+        whose first attempt was stored after all is dropped by JetStream: same message id)."""
         await self.flush()  # keep the order of earlier emits
         body = json.dumps(self._event(event, fields), separators=(",", ":")).encode()
-        await self.js.publish(self.subject, body)
+        headers = {"Nats-Msg-Id": f"{self.subject}-{hashlib.sha1(body).hexdigest()}"}
+        async for attempt in jetstream_write():
+            with attempt:
+                await self.js.publish(self.subject, body, headers=headers)
 
     def emit(self, event: str, **fields) -> None:
         self._queue.put_nowait(self._event(event, fields))

@@ -20,6 +20,7 @@ from nats.js.api import RawStreamMsg, RetentionPolicy, StorageType, StreamConfig
 
 from asyncrl.convert import group_to_bytes
 from asyncrl.net import free_port
+from asyncrl.retry import jetstream_write
 from asyncrl.settings import settings
 from asyncrl.types import TrajectoryGroup
 
@@ -378,12 +379,21 @@ async def ensure_stream(js) -> None:
         await js.update_stream(info.config)
 
 
+PUBLISH_RETRY_S = 30.0
+"""How long a group's publish rides out NATS being away (a node lost, a leader elected) before
+the rollout gives the group up as failed (the scheduler then retries it under the same id)."""
+
+
 async def publish_group(js, group: TrajectoryGroup) -> tuple[int, bool]:
-    """Publish a group with Nats-Msg-Id = group id. Returns (stream seq, was_duplicate)."""
+    """Publish a group with Nats-Msg-Id = group id, retried while NATS is away. Returns
+    (stream seq, was_duplicate)."""
     subject = (
         eval_subject(group.experiment_id) if group.eval else train_subject(group.experiment_id)
     )
-    ack = await js.publish(subject, group_to_bytes(group), headers={"Nats-Msg-Id": group.group_id})
+    data, headers = group_to_bytes(group), {"Nats-Msg-Id": group.group_id}
+    async for attempt in jetstream_write(PUBLISH_RETRY_S):  # a retry is deduplicated by the id
+        with attempt:
+            ack = await js.publish(subject, data, headers=headers)
     return ack.seq, bool(ack.duplicate)
 
 

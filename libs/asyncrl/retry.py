@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import grpc
+import nats.errors
+import nats.js.errors
 from tenacity import (
     AsyncRetrying,
     retry_if_exception,
@@ -31,6 +33,32 @@ def idempotent_rpc(attempts: int = 5, max_delay_s: float = 30.0) -> AsyncRetryin
 def connect_policy(max_delay_s: float = 60.0) -> AsyncRetrying:
     """For connecting to a dependency that may still be starting (nats, scheduler)."""
     return AsyncRetrying(
+        stop=stop_after_delay(max_delay_s),
+        wait=wait_exponential_jitter(initial=0.2, max=2.0),
+        reraise=True,
+    )
+
+
+TRANSIENT_NATS_ERRORS = (
+    nats.errors.TimeoutError,  # no reply in time: a node or a stream leader is being replaced
+    nats.errors.NoRespondersError,  # nobody serves the request yet (no stream leader)
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,  # 503: JetStream temporarily unavailable
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+)
+
+
+def _is_transient_nats_error(exc: BaseException) -> bool:
+    return isinstance(exc, TRANSIENT_NATS_ERRORS)
+
+
+def jetstream_write(max_delay_s: float = 60.0) -> AsyncRetrying:
+    """For idempotent JetStream writes (a publish with a Nats-Msg-Id, an object put that
+    replaces): ride out a NATS node's loss, the reconnect to another node and the election of a
+    new stream leader (seconds on a cluster), instead of failing the work that wrote."""
+    return AsyncRetrying(
+        retry=retry_if_exception(_is_transient_nats_error),
         stop=stop_after_delay(max_delay_s),
         wait=wait_exponential_jitter(initial=0.2, max=2.0),
         reraise=True,

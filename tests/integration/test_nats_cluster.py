@@ -136,3 +136,32 @@ async def test_replicated_stream_and_kv_survive_losing_the_leader(cluster, monke
             await asyncio.sleep(0.5)
     finally:
         await nc.close()
+
+
+async def test_groups_and_ledger_events_ride_out_the_loss_of_the_leader(cluster, monkeypatch):
+    """What the services write goes through `publish_group` and `Ledger.record`, without the
+    test's own retries: both wait out the election of a new leader instead of failing (a
+    rollout used to fail its group with NoRespondersError, a trainer its step)."""
+    from asyncrl.ledger import Ledger, ensure_ledger
+    from asyncrl.natsutil import LEDGER_STREAM, publish_group
+    from tests.integration.test_group_consumer_nats import EXP, _group
+
+    monkeypatch.setenv("ASYNCRL_NATS_REPLICAS", "3")
+    nc = await connect(urls(cluster), identity="scheduler", reconnect_time_wait=0.2)
+    js = nc.jetstream()
+    try:
+        await until(lambda: ensure_stream(js))
+        await until(lambda: ensure_ledger(js))
+        info = await until(lambda: js.stream_info(STREAM))
+        victim = next(n for n in cluster if n.cluster.name == info.cluster.leader)
+        victim.proc.kill()
+        victim.proc.wait()
+        for i in range(20):
+            await publish_group(js, _group(f"g{i}"))
+        await Ledger(js, EXP).record("started", prompts=20, epochs=1)
+        after = await until(lambda: js.stream_info(STREAM))
+        assert after.state.messages == 20
+        ledger = await until(lambda: js.stream_info(LEDGER_STREAM))
+        assert ledger.state.messages == 1
+    finally:
+        await nc.close()
