@@ -301,14 +301,29 @@ class RolloutService:
                 f"experiment_id: this rollout serves {self.experiment_id or 'nothing'!r},"
                 f" not {job.experiment_id!r} (BindExperiment and UpdateWeights first)"
             )
-        if job.group_id in self._groups:
-            raise Conflict(f"group_id: group {job.group_id} is already running here")
+        earlier = self._groups.get(job.group_id)
+        if earlier is not None:
+            await self._supersede(earlier)
         running = _Running(job)
         self._groups[job.group_id] = running
         try:
             return await self._run_group(job, binding, running)
         finally:
-            self._groups.pop(job.group_id, None)
+            if self._groups.get(job.group_id) is running:
+                del self._groups[job.group_id]
+
+    async def _supersede(self, earlier: _Running) -> None:
+        """The scheduler dispatched a group this rollout is still running: it gave the earlier
+        call up (this rollout's lease expired while it was cut off, or the reply was lost) and
+        re-queued the group under the same id. The earlier run is stale: abort it (its call
+        answers FAILED to nobody) and run the group afresh; whatever the earlier run published
+        is deduplicated by the id. Refusing instead fenced the whole rollout."""
+        earlier.aborted = "aborted: the scheduler dispatched this group again"
+        log.info("group_superseded", group=earlier.job.group_id)
+        task = earlier.task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task])
 
     async def _run_group(self, job: GroupJob, binding: Binding, running: _Running) -> GroupSummary:
         t0 = time.perf_counter()

@@ -398,6 +398,31 @@ async def test_bind_new_experiment_aborts_running_groups(
     assert service.experiment_id == "exp2" and service.engine.running == 0
 
 
+async def test_group_dispatched_again_while_running_supersedes_the_earlier_run(
+    rollout, reward_address, js, models, no_eos_tokenizer
+):
+    """A rollout cut off from the scheduler keeps running its groups; the scheduler re-queues
+    them and, once the rollout is back, may dispatch one to it again under the same id. The
+    earlier run is aborted and the group runs afresh (it used to be refused as 'already
+    running', which fenced the whole rollout)."""
+    stub, service = rollout
+    exp = await _serve_long(stub, models, no_eos_tokenizer, n=2, max_new_tokens=60)
+    first = asyncio.ensure_future(
+        stub.GenerateGroup(_request("again", [reward_address], experiment_id=exp), timeout=60)
+    )
+    await wait_until(lambda: service.engine.tokens_generated >= 4, timeout=30, interval=0.001)
+    second = await stub.GenerateGroup(
+        _request("again", [reward_address], experiment_id=exp), timeout=60
+    )
+    earlier = await first
+    assert earlier.status == rollout_pb2.GROUP_STATUS_FAILED and not earlier.published
+    assert "dispatched this group again" in earlier.reason
+    assert second.published and second.status != rollout_pb2.GROUP_STATUS_FAILED
+    assert service.running_groups == 0 and service.engine.running == 0
+    [group] = await _read_back(js, train_subject(exp), 1)
+    assert group.group_id == "again"
+
+
 async def test_plugin_workflow_yields_one_trajectory_system_groups_n_env_tokens_masked(
     rollout, reward_address, js, models, no_eos_tokenizer
 ):
