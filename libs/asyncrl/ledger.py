@@ -40,7 +40,7 @@ import nats.js.errors
 from asyncrl import natsutil
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import ensure_file_stream, read_subject
-from asyncrl.retry import jetstream_write
+from asyncrl.retry import jetstream_call
 
 log = get_logger(component="ledger")
 
@@ -90,9 +90,7 @@ class Ledger:
         await self.flush()  # keep the order of earlier emits
         body = json.dumps(self._event(event, fields), separators=(",", ":")).encode()
         headers = {"Nats-Msg-Id": f"{self.subject}-{hashlib.sha1(body).hexdigest()}"}
-        async for attempt in jetstream_write():
-            with attempt:
-                await self.js.publish(self.subject, body, headers=headers)
+        await jetstream_call(lambda: self.js.publish(self.subject, body, headers=headers))
 
     def emit(self, event: str, **fields) -> None:
         self._queue.put_nowait(self._event(event, fields))

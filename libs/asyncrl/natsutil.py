@@ -20,7 +20,7 @@ from nats.js.api import RawStreamMsg, RetentionPolicy, StorageType, StreamConfig
 
 from asyncrl.convert import group_to_bytes
 from asyncrl.net import free_port
-from asyncrl.retry import jetstream_write
+from asyncrl.retry import jetstream_call
 from asyncrl.settings import settings
 from asyncrl.types import TrajectoryGroup
 
@@ -391,9 +391,9 @@ async def publish_group(js, group: TrajectoryGroup) -> tuple[int, bool]:
         eval_subject(group.experiment_id) if group.eval else train_subject(group.experiment_id)
     )
     data, headers = group_to_bytes(group), {"Nats-Msg-Id": group.group_id}
-    async for attempt in jetstream_write(PUBLISH_RETRY_S):  # a retry is deduplicated by the id
-        with attempt:
-            ack = await js.publish(subject, data, headers=headers)
+    ack = await jetstream_call(  # a retry is deduplicated by the id
+        lambda: js.publish(subject, data, headers=headers), PUBLISH_RETRY_S
+    )
     return ack.seq, bool(ack.duplicate)
 
 

@@ -38,7 +38,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from asyncrl.convert import group_from_bytes
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import STREAM, dead_subject, train_subject
-from asyncrl.retry import jetstream_write
+from asyncrl.retry import jetstream_call
 from asyncrl.types import TrajectoryGroup
 
 log = get_logger()
@@ -191,14 +191,14 @@ class GroupConsumer:
             REASON_HEADER: header_safe(reason),
             SEQ_HEADER: str(pulled.seq),
         }
-        async for attempt in jetstream_write():  # deduplicated by its id
-            with attempt:
-                await self.js.publish(
-                    dead_subject(self.experiment_id),
-                    pulled.data,
-                    headers=headers,
-                    timeout=PUBLISH_TIMEOUT_S,
-                )
+        await jetstream_call(  # deduplicated by its id
+            lambda: self.js.publish(
+                dead_subject(self.experiment_id),
+                pulled.data,
+                headers=headers,
+                timeout=PUBLISH_TIMEOUT_S,
+            )
+        )
 
     async def close(self) -> None:
         self._surplus.clear()

@@ -38,7 +38,7 @@ import grpc
 from asyncrl.errors import Conflict, NotFound
 from asyncrl.ledger import Ledger, ensure_ledger
 from asyncrl.logging import get_logger
-from asyncrl.retry import idempotent_rpc, jetstream_write
+from asyncrl.retry import idempotent_rpc, jetstream_call
 from asyncrl.runtime import freeze_heap
 from asyncrl.settings import settings
 from asyncrl.spec import ExperimentSpec, SpecError, spec_from_json
@@ -529,10 +529,11 @@ class TrainerService:
         as the store is pruned; returns the version's `nats-obj://` URI."""
         src = version_dir(self.weights_root, self.experiment_id, version)
         keep = keep_versions(self.spec.rollout.max_head_offpolicyness)
-        async for attempt in jetstream_write():  # a put replaces: retried while NATS is away
-            with attempt:
-                uri = await upload_version(self.js, src, self.experiment_id, version)
-                await prune_versions(self.js, self.experiment_id, keep)
+        # a put replaces, a prune is idempotent: retried while NATS is away
+        uri = await jetstream_call(
+            lambda: upload_version(self.js, src, self.experiment_id, version)
+        )
+        await jetstream_call(lambda: prune_versions(self.js, self.experiment_id, keep))
         self.log.info("weights_uploaded", version=version, uri=uri)
         return uri
 
