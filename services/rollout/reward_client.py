@@ -95,12 +95,17 @@ class RewardClient:
         deadline = score_deadline(binding.timeout_s, len(items))
         # bounded by time, not by attempts: each attempt after the first waits up to 2 s
         policy = idempotent_rpc(attempts=sys.maxsize, max_delay_s=self.max_wait_s)
-        address = order[0]
+        address = next(tried)
         try:
-            async for attempt in policy:
-                with attempt:
-                    address = next(tried)
-                    resp = await self._score_once(address, binding, req, deadline)
+            try:  # the first attempt outside tenacity: its bookkeeping only after a failure
+                resp = await self._score_once(address, binding, req, deadline)
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in RETRYABLE_CODES:
+                    raise
+                async for attempt in policy:
+                    with attempt:
+                        address = next(tried)
+                        resp = await self._score_once(address, binding, req, deadline)
         except grpc.aio.AioRpcError as e:
             reason = f"reward service {address}: {e.code().name}: {e.details()}"
             log.warning("reward_call_failed", reason=reason, addresses=addresses)
