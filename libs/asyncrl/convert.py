@@ -8,14 +8,18 @@ from asyncrl.v1 import common_pb2, trajectory_pb2
 _STATUS_PREFIX = "REWARD_STATUS_"
 
 
+_TO_PROTO = {s: common_pb2.RewardStatus.Value(_STATUS_PREFIX + s.name) for s in RewardStatus}
+_FROM_PROTO = {value: status for status, value in _TO_PROTO.items()}
+"""Precomputed: the enum wrapper's Name/Value lookups cost ~1 µs each, 2n per group."""
+
+
 def status_to_proto(status: RewardStatus) -> int:
-    return common_pb2.RewardStatus.Value(_STATUS_PREFIX + status.name)
+    return _TO_PROTO[status]
 
 
 def status_from_proto(value: int) -> RewardStatus:
     """An unset or unknown status reads as FAILED: never a silent OK."""
-    name = common_pb2.RewardStatus.Name(value).removeprefix(_STATUS_PREFIX)
-    return RewardStatus.__members__.get(name, RewardStatus.FAILED)
+    return _FROM_PROTO.get(value, RewardStatus.FAILED)
 
 
 def sample_to_proto(s: Sample) -> trajectory_pb2.Sample:
