@@ -22,6 +22,7 @@ from prometheus_client import Histogram
 from asyncrl.errors import BadRequest, Conflict
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import publish_group
+from asyncrl.retry import jetstream_call
 from asyncrl.runtime import freeze_heap
 from asyncrl.settings import settings
 from asyncrl.spec import ExperimentSpec, SamplingParams, SpecError, spec_from_json
@@ -117,6 +118,9 @@ class GroupSummary:
 
 WEIGHTS_CACHE = "weights-cache"
 """Where, under `settings().var`, a rollout keeps the versions it fetched from NATS."""
+FETCH_RETRY_S = 20.0
+"""How long fetching a version rides out NATS being away (this host's node catching up after
+it was cut off answers 503 for a few seconds) before UpdateWeights fails."""
 UPDATE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -253,7 +257,9 @@ class RolloutService:
         if not is_nats_uri(uri):
             return uri_to_path(uri), 0.0
         t0 = time.perf_counter()
-        path = await fetch_version(self.js, uri, self.weights_cache)
+        path = await jetstream_call(  # idempotent: a temporary directory renamed into place
+            lambda: fetch_version(self.js, uri, self.weights_cache), FETCH_RETRY_S
+        )
         seconds = time.perf_counter() - t0
         log.info("weights_fetched", uri=uri, path=str(path), seconds=round(seconds, 3))
         return path, seconds
