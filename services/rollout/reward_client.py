@@ -12,9 +12,10 @@ calls so the load spreads over the replicas.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -67,6 +68,9 @@ class RewardClient:
         self._bound: set[tuple[str, str]] = set()
         """(address, experiment) pairs already bound."""
         self._rr = itertools.count()
+        self._pending: dict[tuple[RewardBinding, tuple[str, ...]], _Batch] = {}
+        """Items asked for in this pass of the event loop, sent together at its end."""
+        self._sending: set[asyncio.Task] = set()
 
     def _stub(self, address: str) -> reward_pb2_grpc.RewardStub:
         if address not in self._channels:
@@ -76,10 +80,36 @@ class RewardClient:
     async def score(
         self, addresses: list[str], binding: RewardBinding, items: list[ScoreItem]
     ) -> list[Score]:
-        """Score `items` with one Score call; results come back in the order of `items`.
-        Raises RewardUnavailable when no address answers within `max_wait_s`."""
+        """Scores of `items`, in their order. Calls made in the same pass of the event loop
+        for the same experiment and replicas share one Score call (the groups that finish
+        together: one RPC, not one per group); each caller gets its own items' scores, or the
+        shared call's failure. Raises RewardUnavailable when no address answers within
+        `max_wait_s`."""
         if not addresses:
             raise RewardUnavailable("no reward service address")
+        key = (binding, tuple(addresses))
+        batch = self._pending.get(key)
+        if batch is None:
+            loop = asyncio.get_running_loop()
+            batch = self._pending[key] = _Batch(list(addresses), binding, loop.create_future())
+            batch.done.add_done_callback(_retrieve)
+            loop.call_soon(self._send, key)
+        start = len(batch.items)
+        batch.items.extend(items)
+        scores = await asyncio.shield(batch.done)  # one caller cancelled cancels no other's
+        return scores[start : start + len(items)]
+
+    def _send(self, key: tuple[RewardBinding, tuple[str, ...]]) -> None:
+        batch = self._pending.pop(key)
+        task = asyncio.ensure_future(self._score_batch(batch.addresses, batch.binding, batch.items))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+        task.add_done_callback(lambda t: _settle(batch.done, t))
+
+    async def _score_batch(
+        self, addresses: list[str], binding: RewardBinding, items: list[ScoreItem]
+    ) -> list[Score]:
+        """Score `items` with one Score call (failing over between `addresses`)."""
         req = reward_pb2.ScoreRequest(
             experiment_id=binding.experiment_id,
             items=[
@@ -145,6 +175,31 @@ class RewardClient:
             await ch.close()
         self._channels.clear()
         self._bound.clear()
+
+
+@dataclass
+class _Batch:
+    addresses: list[str]
+    binding: RewardBinding
+    done: asyncio.Future
+    items: list[ScoreItem] = field(default_factory=list)
+
+
+def _settle(done: asyncio.Future, task: asyncio.Task) -> None:
+    if done.done():
+        return
+    if task.cancelled():
+        done.cancel()
+    elif task.exception() is not None:
+        done.set_exception(task.exception())
+    else:
+        done.set_result(task.result())
+
+
+def _retrieve(done: asyncio.Future) -> None:
+    """Mark a batch's failure as seen even when every caller was cancelled meanwhile."""
+    if not done.cancelled():
+        done.exception()
 
 
 def _score(result: reward_pb2.ScoreResult | None) -> Score:

@@ -1,0 +1,77 @@
+"""The rollout's reward client against a real reward service: groups that ask for scores in
+the same pass of the event loop share one Score call, and each gets its own scores back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from asyncrl.types import RewardStatus
+from services.reward.server import create_reward
+from services.rollout.reward_client import RewardBinding, RewardClient, ScoreItem
+
+SPEC = json.dumps(
+    {
+        "model": {"path": "unused"},
+        "dataset": {"path": "unused.jsonl"},
+        "reward": {"function": "exact_match", "timeout_s": 5.0},
+    }
+)
+BINDING = RewardBinding("exp", SPEC, 5.0)
+
+
+@pytest.fixture
+async def reward():
+    runtime, _ = await create_reward(port=0, workers=1, register=False)
+    yield f"127.0.0.1:{runtime.port}"
+    await runtime.close()
+
+
+@pytest.fixture
+async def counted():
+    """A reward client whose Score calls (each one RPC) are counted by their item counts."""
+    client = RewardClient()
+    calls: list[int] = []
+    score_once = client._score_once
+
+    async def counting(address, binding, req, deadline):
+        calls.append(len(req.items))
+        return await score_once(address, binding, req, deadline)
+
+    client._score_once = counting
+    yield client, calls
+    await client.close()
+
+
+def items(group: str, answers: list[str]) -> list[ScoreItem]:
+    return [ScoreItem(f"{group}:{i}", "q", text, "42") for i, text in enumerate(answers)]
+
+
+async def test_groups_finishing_together_share_one_score_call(reward, counted):
+    address, (client, calls) = reward, counted
+    got = await asyncio.gather(
+        client.score([address], BINDING, items("g1", ["42", "41"])),
+        client.score([address], BINDING, items("g2", ["0"])),
+        client.score([address], BINDING, items("g3", ["42", "42", "x"])),
+    )
+    assert [[s.reward for s in scores] for scores in got] == [
+        [1.0, 0.0],
+        [0.0],
+        [1.0, 1.0, 0.0],
+    ]
+    assert all(s.status is RewardStatus.OK for scores in got for s in scores)
+    assert calls == [6]  # one call for the three groups
+    await client.score([address], BINDING, items("g4", ["42"]))
+    assert calls == [6, 1]  # a later pass: a call of its own
+
+
+async def test_a_cancelled_caller_leaves_the_shared_call_to_the_others(reward, counted):
+    address, (client, calls) = reward, counted
+    first = asyncio.ensure_future(client.score([address], BINDING, items("g1", ["42"])))
+    second = asyncio.ensure_future(client.score([address], BINDING, items("g2", ["42"])))
+    await asyncio.sleep(0)  # both joined the batch
+    first.cancel()
+    assert [s.reward for s in await second] == [1.0]
+    assert calls == [2]
