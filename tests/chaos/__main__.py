@@ -79,9 +79,7 @@ def build_task(task: Path) -> None:
 
 def run_one(args: argparse.Namespace, run: str, scenario: str, seed: int) -> dict:
     """One run in a fresh network namespace; its result.json (or what went wrong)."""
-    var = OUT / run
-    shutil.rmtree(var, ignore_errors=True)
-    var.mkdir(parents=True)
+    var = fresh_dir(OUT / run)
     argv = [
         "unshare", "-n", "bash", "-c", IN_NAMESPACE, sys.executable,
         "--scenario", scenario, "--var", str(var.relative_to(ROOT)),
@@ -89,14 +87,26 @@ def run_one(args: argparse.Namespace, run: str, scenario: str, seed: int) -> dic
         "--steps", str(args.steps), "--batch-size", str(args.batch_size),
         "--n-samples", str(args.n_samples), "--timeout", str(args.timeout),
     ]  # fmt: skip
-    console.print(f"[bold]{run}[/bold] started")
-    with open(var / "runner.log", "wb") as log:
+    return run_isolated(argv, var, run, SCENARIOS[scenario].fault)
+
+
+def fresh_dir(path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def run_isolated(argv: list[str], out: Path, run: str, fault: str) -> dict:
+    """Run a runner (`argv`: in namespaces of its own) that writes <out>/result.json, its
+    output in <out>/runner.log; the result, or a row saying the runner itself broke."""
+    console.print(f"[bold]{run}[/bold] started ({out})")
+    with open(out / "runner.log", "wb") as log:
         done = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        result = json.loads((var / "result.json").read_text())
+        result = json.loads((out / "result.json").read_text())
     except (OSError, ValueError):
-        result = {"run": run, "fault": SCENARIOS[scenario].fault, "faults": [], "timeline": []}
-        result["error"] = f"runner exited {done.returncode}; see {var / 'runner.log'}"
+        result = {"run": run, "fault": fault, "faults": [], "timeline": []}
+        result["error"] = f"runner exited {done.returncode}; see {out / 'runner.log'}"
     console.print(f"[bold]{run}[/bold] ended in {result.get('total_s', '?')}s")
     return result
 

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -23,14 +22,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncrl.client import AsyncrlClient, is_terminal, state_name
 from asyncrl.proc import pid_alive
 from tests.chaos.scenarios import SCENARIOS, Scenario, run_rng
+from tests.chaos.watch import POLL_S, ExperimentWatch
 
 ROOT = Path(__file__).resolve().parents[2]
 NATS_URL = "nats://127.0.0.1:4222"
 SCHEDULER = "127.0.0.1:50051"
-POLL_S = 0.25
 ARITH = ROOT / "examples" / "arith" / "experiment.yaml"
 
 
@@ -69,10 +67,11 @@ class RunConfig:
         ]
 
 
-class Run:
+class Run(ExperimentWatch):
     """The cluster of one run and what the run saw of it."""
 
     def __init__(self, cfg: RunConfig, scenario: Scenario):
+        super().__init__(SCHEDULER, cfg.timeout_s, cfg.stall_s)
         self.cfg = cfg
         self.scenario = scenario
         self.env = {
@@ -83,17 +82,10 @@ class Run:
         # clients (the tracker, the poison) present the credentials found there
         secrets = str((cfg.var / "secrets").resolve())
         self.env["ASYNCRL_SECRETS"] = os.environ["ASYNCRL_SECRETS"] = secrets
-        self.experiment_id = ""
-        self.t0 = 0.0
-        self.version = 0
-        self.state = ""
-        self.timeline: list[tuple[float, int]] = []
         self.seen_pids: set[int] = set()
         self.helpers: list[subprocess.Popen] = []
-        self.faults: list[dict] = []
         self.nats_url = NATS_URL
         self.proxy: subprocess.Popen | None = None
-        self.errors: list[str] = []
         self.skipped: list[str] = []
 
     # ------------------------------------------------------------ processes
@@ -172,41 +164,6 @@ class Run:
 
     # ------------------------------------------------------------ watching the experiment
 
-    def since(self) -> float:
-        return round(time.time() - self.t0, 3)
-
-    async def track(self) -> None:
-        """Poll the experiment until it ends, recording (seconds since submit, version) at each
-        change; a scheduler that is down just means no poll this time."""
-        async with AsyncrlClient(SCHEDULER, timeout_s=2.0) as client:
-            while not is_terminal_name(self.state):
-                try:
-                    exp = await client.get(self.experiment_id)
-                except Exception:  # the scheduler or nats is down: the point of the exercise
-                    await asyncio.sleep(POLL_S)
-                    continue
-                self.state = state_name(exp.state)
-                if not self.timeline or exp.progress.version != self.version:
-                    self.version = exp.progress.version
-                    self.timeline.append((self.since(), self.version))
-                if is_terminal(exp):
-                    return
-                if self.since() - self.timeline[-1][0] > self.cfg.stall_s:
-                    self.errors.append(
-                        f"hung: {self.state} at v{self.version} for {self.cfg.stall_s:.0f}s"
-                    )
-                    return
-                await asyncio.sleep(POLL_S)
-
-    async def reach(self, version: int, timeout: float = 240) -> bool:
-        """Wait until the experiment is at `version` or past it; False if it ended or stalled."""
-        deadline = time.monotonic() + timeout
-        while self.version < version:
-            if is_terminal_name(self.state) or time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(POLL_S / 2)
-        return True
-
     async def reach_in_time(self, version: int) -> bool:
         """`reach`, and False (noted in `skipped`) when the run got so close to its end on the
         way that a fault there would leave nothing to recover in."""
@@ -216,12 +173,6 @@ class Run:
             self.skipped.append(f"fault at v{version} skipped: already at v{self.version}")
             return False
         return True
-
-    def mark(self, what: str, **extra) -> dict:
-        """Record a fault happening now, at the current version."""
-        fault = {"what": what, "at_version": self.version, "at_s": self.since(), **extra}
-        self.faults.append(fault)
-        return fault
 
     async def advance(self) -> bool:
         """Wait for new progress: a version past every one seen so far; False if none came."""
@@ -245,23 +196,6 @@ class Run:
         return False
 
 
-def is_terminal_name(state: str) -> bool:
-    return state in ("COMPLETED", "FAILED", "CANCELLED")
-
-
-async def drive(run: Run, rng: random.Random) -> None:
-    """Track the experiment while the scenario injects its faults; wait for the end."""
-    tracker = asyncio.create_task(run.track())
-    try:
-        await run.scenario.inject(run, rng)
-    except Exception as e:  # recorded; the experiment is still watched to its end
-        run.errors.append(f"inject: {type(e).__name__}: {e}")
-    try:
-        await asyncio.wait_for(tracker, max(1.0, run.cfg.timeout_s - run.since()))
-    except TimeoutError:
-        run.errors.append(f"experiment not ended after {run.cfg.timeout_s:.0f}s")
-
-
 def execute(cfg: RunConfig) -> dict:
     scenario = SCENARIOS[cfg.scenario]
     run = Run(cfg, scenario)
@@ -275,7 +209,7 @@ def execute(cfg: RunConfig) -> dict:
         run.up()
         run.submit()
         result["experiment"] = run.experiment_id
-        asyncio.run(drive(run, rng))
+        asyncio.run(run.watch(run.scenario.inject(run, rng)))
         result["wall_s"] = round(run.since(), 1)
         result["ledger"] = run.cli_json("ledger")
         result["status"] = run.cli_json("status")

@@ -9,7 +9,6 @@ import json
 import pytest
 
 from asyncrl.types import RewardStatus
-from services.reward.server import create_reward
 from services.rollout.reward_client import RewardBinding, RewardClient, ScoreItem
 
 SPEC = json.dumps(
@@ -20,13 +19,6 @@ SPEC = json.dumps(
     }
 )
 BINDING = RewardBinding("exp", SPEC, 5.0)
-
-
-@pytest.fixture
-async def reward():
-    runtime, _ = await create_reward(port=0, workers=1, register=False)
-    yield f"127.0.0.1:{runtime.port}"
-    await runtime.close()
 
 
 @pytest.fixture
@@ -49,8 +41,8 @@ def items(group: str, answers: list[str]) -> list[ScoreItem]:
     return [ScoreItem(f"{group}:{i}", "q", text, "42") for i, text in enumerate(answers)]
 
 
-async def test_groups_finishing_together_share_one_score_call(reward, counted):
-    address, (client, calls) = reward, counted
+async def test_groups_finishing_together_share_one_score_call(reward_address, counted):
+    address, (client, calls) = reward_address, counted
     got = await asyncio.gather(
         client.score([address], BINDING, items("g1", ["42", "41"])),
         client.score([address], BINDING, items("g2", ["0"])),
@@ -67,8 +59,8 @@ async def test_groups_finishing_together_share_one_score_call(reward, counted):
     assert calls == [6, 1]  # a later pass: a call of its own
 
 
-async def test_a_cancelled_caller_leaves_the_shared_call_to_the_others(reward, counted):
-    address, (client, calls) = reward, counted
+async def test_a_cancelled_caller_leaves_the_shared_call_to_the_others(reward_address, counted):
+    address, (client, calls) = reward_address, counted
     first = asyncio.ensure_future(client.score([address], BINDING, items("g1", ["42"])))
     second = asyncio.ensure_future(client.score([address], BINDING, items("g2", ["42"])))
     await asyncio.sleep(0)  # both joined the batch

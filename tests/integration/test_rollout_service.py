@@ -46,13 +46,6 @@ def no_eos_tokenizer(models, tmp_path_factory):
 
 
 @pytest.fixture
-async def reward_address():
-    runtime, _ = await create_reward(port=0, workers=1, register=False)
-    yield f"127.0.0.1:{runtime.port}"
-    await runtime.close()
-
-
-@pytest.fixture
 async def rollout(nats_server, models):
     runtime, service = await create_rollout(
         nats_server.url, TorchEngine(seed=0), port=0, register=False

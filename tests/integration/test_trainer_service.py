@@ -88,14 +88,22 @@ async def scheduler(js):
     """The recording scheduler, serving; like the real one it creates the ledger stream (the
     trainer's NATS user may append to it but not create it)."""
     await ensure_ledger(js)
-    servicer = RecordingScheduler()
+    async with serving(RecordingScheduler()) as servicer:
+        yield servicer
+
+
+@contextlib.asynccontextmanager
+async def serving(servicer: RecordingScheduler):
+    """`servicer` as a Scheduler gRPC server on a free port; its `address` is set."""
     runtime = ServiceRuntime("fake-scheduler", grace_s=0)
     port = await runtime.serve(
         [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer)], ["asyncrl.v1.Scheduler"]
     )
     servicer.address = f"127.0.0.1:{port}"
-    yield servicer
-    await runtime.close()
+    try:
+        yield servicer
+    finally:
+        await runtime.close()
 
 
 @pytest.fixture

@@ -17,26 +17,27 @@ from prometheus_client import generate_latest
 from prometheus_client.registry import CollectorRegistry
 from safetensors.torch import load, load_file
 
-from asyncrl.grpcutil import channel
 from asyncrl.ledger import ensure_ledger
 from asyncrl.natsutil import publish_group, wait_until
-from asyncrl.runtime import ServiceRuntime
 from asyncrl.spec import ExperimentSpec, ModelSpec, RolloutSpec, spec_to_json
-from asyncrl.v1 import rollout_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from asyncrl.v1 import rollout_pb2, trainer_pb2
 from services.rollout.server import RolloutCollector, RolloutServicer
 from services.rollout.service import RolloutService
 from services.rollout.torch_engine import TorchEngine
 from services.trainer.backends.torch_backend import TorchBackend
-from services.trainer.server import TrainerCollector, create_trainer
+from services.trainer.server import TrainerCollector
+from tests.integration import test_trainer_service
 from tests.integration.test_trainer_service import (
     EXP,
     RecordingScheduler,
     _group,
     _spec,
     _wait_commits,
+    serving,
 )
 
 COMMIT_DELAY_S = 0.3
+start_trainer = test_trainer_service.start_trainer  # its trainers commit to `scheduler` below
 
 
 def _samples(collector, name: str) -> dict[tuple, float]:
@@ -63,27 +64,18 @@ class SlowScheduler(RecordingScheduler):
 
 
 @pytest.fixture
-async def trainer(js, nats_server, tmp_path):
-    """(trainer service, its stub, the slow scheduler it commits to), all serving."""
+async def scheduler(js):
+    """The recording scheduler with a slow CommitWeights (start_trainer's trainers commit to it)."""
     await ensure_ledger(js)  # as the real scheduler does (the trainer may not create it)
-    scheduler = SlowScheduler()
-    sched_rt = ServiceRuntime("fake-scheduler", grace_s=0)
-    port = await sched_rt.serve(
-        [(scheduler_pb2_grpc.add_SchedulerServicer_to_server, scheduler)],
-        ["asyncrl.v1.Scheduler"],
-    )
-    runtime, service = await create_trainer(
-        nats_server.url,
-        scheduler=f"127.0.0.1:{port}",
-        var_dir=tmp_path / "var",
-        weights_dir=tmp_path / "weights",
-    )
-    ch = channel(f"127.0.0.1:{runtime.port}", "scheduler")
-    yield service, trainer_pb2_grpc.TrainerStub(ch), scheduler
-    await ch.close()
-    await service.close(checkpoint=False)
-    await runtime.close()
-    await sched_rt.close()
+    async with serving(SlowScheduler()) as servicer:
+        yield servicer
+
+
+@pytest.fixture
+async def trainer(start_trainer, scheduler):
+    """(trainer service, its stub, the slow scheduler it commits to), all serving."""
+    service, stub = await start_trainer()
+    return service, stub, scheduler
 
 
 async def _start(stub, tiny, **trainer) -> None:

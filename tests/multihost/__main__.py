@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +25,7 @@ from pathlib import Path
 from rich.console import Console
 
 from tests.chaos import report
-from tests.chaos.__main__ import build_task
+from tests.chaos.__main__ import build_task, fresh_dir, run_isolated, to_row
 from tests.multihost.run import FAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,29 +63,13 @@ def run_args(args: argparse.Namespace) -> list[str]:
 
 def run_one(args: argparse.Namespace, fault: str) -> dict:
     """One run in a fresh network + mount namespace; its result.json (or what went wrong)."""
-    out = args.out / fault
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    out = fresh_dir(args.out / fault)
     argv = [
         "unshare", "-n", "-m", sys.executable, "-m", "tests.multihost.run", "--fault", fault,
         "--out", str(out), "--task", str(args.out / "task"), "--timeout", str(args.timeout),
         *run_args(args),
     ]  # fmt: skip
-    console.print(f"[bold]{fault}[/bold] started ({out})")
-    with open(out / "runner.log", "wb") as log:
-        done = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        result = json.loads((out / "result.json").read_text())
-    except (OSError, ValueError):
-        result = {"run": fault, "fault": fault, "faults": [], "timeline": []}
-        result["error"] = f"runner exited {done.returncode}; see {out / 'runner.log'}"
-    console.print(f"[bold]{fault}[/bold] ended in {result.get('total_s', '?')}s")
-    return result
-
-
-def to_row(result: dict) -> dict:
-    ledger, status = result.pop("ledger", {}), result.pop("status", {})
-    return report.make_row(result, ledger, status)
+    return run_isolated(argv, out, fault, fault)
 
 
 def deployment_problems(row: dict) -> list[str]:

@@ -29,11 +29,11 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncrl.client import AsyncrlClient, is_terminal, state_name
+from asyncrl.client import AsyncrlClient
+from tests.chaos.watch import ExperimentWatch
 from tests.multihost import net
 
 ARITH = net.ROOT / "examples" / "arith" / "experiment.yaml"
-POLL_S = 0.25
 OUTAGE_S = 20.0
 FAULTS = ("none", "nats", "link", "host")
 
@@ -71,30 +71,17 @@ class Config:
         return sets
 
 
-class Run:
+class Run(ExperimentWatch):
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.hosts = net.layout(cfg.out)
         self.a, self.b, self.c = self.hosts
         self.env = net.operator_env(self.hosts, self.a)
+        super().__init__(self.env["ASYNCRL_SCHEDULER"], cfg.timeout_s, cfg.stall_s)
         os.environ.update(self.env)  # this process's own client presents the admin token
         for key in [k for k in os.environ if k.startswith("ASYNCRL_") and k not in self.env]:
             del os.environ[key]
-        self.experiment_id = ""
-        self.t0 = 0.0
-        self.version = 0
-        self.state = ""
-        self.timeline: list[tuple[float, int]] = []
-        self.faults: list[dict] = []
-        self.errors: list[str] = []
         self.phases: dict[str, float] = {}
-
-    @property
-    def scheduler(self) -> str:
-        return self.env["ASYNCRL_SCHEDULER"]
-
-    def since(self) -> float:
-        return round(time.time() - self.t0, 3)
 
     def cli(self, *args: str, timeout: float = 300):
         return net.asyncrl(*args, env=self.env, timeout=timeout)
@@ -147,49 +134,13 @@ class Run:
         self.t0 = time.time()
         self.experiment_id = id_file.read_text().strip()
 
-    # ---------------------------------------------------------------- watching
-
-    async def track(self) -> None:
-        """Poll the experiment from the operator's address until it ends; a scheduler that
-        cannot be reached just means no poll this time."""
-        async with AsyncrlClient(self.scheduler, timeout_s=2.0) as client:
-            while True:
-                try:
-                    exp = await client.get(self.experiment_id)
-                except Exception:
-                    await asyncio.sleep(POLL_S)
-                    continue
-                self.state = state_name(exp.state)
-                if not self.timeline or exp.progress.version != self.version:
-                    self.version = exp.progress.version
-                    self.timeline.append((self.since(), self.version))
-                if is_terminal(exp):
-                    return
-                if self.since() - self.timeline[-1][0] > self.cfg.stall_s:
-                    self.errors.append(f"hung: {self.state} at v{self.version}")
-                    return
-                await asyncio.sleep(POLL_S)
-
-    async def reach(self, version: int, timeout: float = 600) -> bool:
-        deadline = time.monotonic() + timeout
-        while self.version < version:
-            if self.state in ("COMPLETED", "FAILED", "CANCELLED") or time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(POLL_S / 2)
-        return True
-
-    def mark(self, what: str, **extra) -> dict:
-        fault = {"what": what, "at_version": self.version, "at_s": self.since(), **extra}
-        self.faults.append(fault)
-        return fault
-
     # ---------------------------------------------------------------- faults
 
     async def inject(self) -> None:
         if self.cfg.fault == "none":
             return
         total = self.cfg.steps or 250
-        if not await self.reach(max(2, total // 3)):
+        if not await self.reach(max(2, total // 3), timeout=600):
             self.errors.append(f"fault {self.cfg.fault}: the run ended before it")
             return
         await getattr(self, f"fault_{self.cfg.fault}")()
@@ -255,17 +206,6 @@ class Run:
         finally:
             await nc.close()
 
-    async def drive(self) -> None:
-        tracker = asyncio.create_task(self.track())
-        try:
-            await self.inject()
-        except Exception as e:
-            self.errors.append(f"inject: {type(e).__name__}: {e}")
-        try:
-            await asyncio.wait_for(tracker, max(1.0, self.cfg.timeout_s - self.since()))
-        except TimeoutError:
-            self.errors.append(f"experiment not ended after {self.cfg.timeout_s:.0f}s")
-
     # ---------------------------------------------------------------- evidence
 
     def weights_evidence(self) -> dict:
@@ -324,7 +264,7 @@ def execute(cfg: Config) -> dict:
         run.up()
         run.submit()
         result["experiment"] = run.experiment_id
-        asyncio.run(run.drive())
+        asyncio.run(run.watch(run.inject()))
         result["wall_s"] = round(run.since(), 1)
         result["ledger"] = run.cli_json("ledger")
         result["status"] = run.cli_json("status")
