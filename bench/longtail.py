@@ -6,9 +6,12 @@ generation-dominated workload with a heavy tail, like long reasoning rollouts.
 
     rollout.workflow: {name: "bench.longtail:LongTail", args: {median: 32, sigma: 1.5, max_len: 1024}}
 
-The target is a pure function of (seed, prompt, sample index), so every run of the benchmark,
-at any eta, generates the same lengths for the same prompt, and the benchmark can hand the very
-same lengths to its model of the ideal (`target_lengths`).
+The target is a pure function of (seed, prompt, attempt, sample index), so every run of the
+benchmark, at any eta, generates the same lengths for the same dispatch of a prompt, and the
+benchmark can hand the very same lengths to its model of the ideal (`target_lengths`). The
+attempt comes from the group id (`...-a<k>`, `WorkflowContext.request_id`): a prompt dropped
+as too stale is sampled again, as a policy would, with new lengths; with the first attempt's
+lengths again, a straggler that cannot finish within eta steps would be dropped again and again.
 
 Ignoring EOS: the engine contract has no `ignore_eos` flag for the torch engine (the service
 always adds the tokenizer's EOS as a stop token). The benchmark therefore serves a tokenizer
@@ -21,21 +24,33 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 from asyncrl.workflow import Trajectory, Workflow, WorkflowContext
 
+_ATTEMPT = re.compile(r"-a(\d+):\d+$")
 
-def target_length(seed: int, prompt: str, index: int, median: float, sigma: float, cap: int) -> int:
+
+def target_length(
+    seed: int, prompt: str, index: int, median: float, sigma: float, cap: int, attempt: int = 0
+) -> int:
     """round(median * exp(sigma * Z)) clipped to [1, cap], Z ~ N(0, 1) seeded by the arguments."""
-    z = random.Random(f"{seed}|{prompt}|{index}").gauss(0.0, 1.0)
+    key = f"{seed}|{prompt}|{index}" + (f"|a{attempt}" if attempt else "")
+    z = random.Random(key).gauss(0.0, 1.0)
     return int(min(max(round(median * math.exp(sigma * z)), 1), cap))
 
 
 def target_lengths(
-    seed: int, prompt: str, n: int, median: float, sigma: float, cap: int
+    seed: int, prompt: str, n: int, median: float, sigma: float, cap: int, attempt: int = 0
 ) -> list[int]:
-    """The n target lengths of one group (sample i of prompt `prompt`)."""
-    return [target_length(seed, prompt, i, median, sigma, cap) for i in range(n)]
+    """The n target lengths of one dispatch (sample i of attempt `attempt` of `prompt`)."""
+    return [target_length(seed, prompt, i, median, sigma, cap, attempt) for i in range(n)]
+
+
+def attempt_of(request_id: str) -> int:
+    """The attempt of a training group's sample `<experiment>-e<e>-p<i>-a<k>:<j>`; 0 else."""
+    m = _ATTEMPT.search(request_id)
+    return int(m.group(1)) if m else 0
 
 
 class LongTail(Workflow):
@@ -52,8 +67,9 @@ class LongTail(Workflow):
         self.max_len, self.seed = int(max_len), int(seed)
 
     async def run(self, ctx: WorkflowContext) -> Trajectory:
+        attempt = attempt_of(ctx.request_id)
         target = target_length(
-            self.seed, ctx.prompt, ctx.index, self.median, self.sigma, self.max_len
+            self.seed, ctx.prompt, ctx.index, self.median, self.sigma, self.max_len, attempt
         )
         traj = Trajectory()
         while len(traj.output_ids) < target:

@@ -30,9 +30,10 @@ tests/unit/test_overlap_model.py.
   produced v may have trained a group whose reply is still on its way, so it aborts only what
   even that step could not have trained). Meanwhile the group holds its slots and its place in
   the admission count; if it finishes too stale, the trainer drops it when it reads it.
-- `requeue` (not in the tool's model): a dropped group's prompt is admitted again, with the
-  same lengths, before any new one, as the scheduler re-queues it (no prompt is lost). Without
-  it a dropped group is gone and the next admission is a new group.
+- `requeue` (not in the tool's model): a dropped group's prompt is admitted again before any
+  new one, as the scheduler re-queues it (no prompt is lost), as its next attempt: with the
+  same lengths, or with `resample` new ones (a policy samples a prompt afresh; `GroupLengths`
+  says which). Without it a dropped group is gone and the next admission is a new group.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -84,6 +85,8 @@ class Workload:
     requeue: bool = False
     """Dropped groups' prompts are admitted again first (asyncrl's scheduler); not in the
     tool's model."""
+    resample: bool = False
+    """A re-queued prompt's next attempt draws new lengths (else it repeats its first ones)."""
 
     @property
     def m(self) -> int:
@@ -110,19 +113,33 @@ class Workload:
 
 class GroupLengths:
     """Group g -> its n output lengths: `table[g % len(table)]`, or row g of one seeded
-    lognormal stream (drawn in fixed chunks, so a row never depends on who asks first)."""
+    lognormal stream (drawn in fixed chunks, so a row never depends on who asks first).
+    Attempt k >= 1 of a re-queued row, with `w.resample`: `retry(g, k)`, or by default a
+    lognormal draw seeded by (seed, g, k)."""
 
     CHUNK = 512
 
-    def __init__(self, w: Workload, table: Sequence[Sequence[int]] | None = None):
+    def __init__(
+        self,
+        w: Workload,
+        table: Sequence[Sequence[int]] | None = None,
+        retry: Callable[[int, int], Sequence[int]] | None = None,
+    ):
         self.w = w
+        self.retry = retry
         self.table = [tuple(int(x) for x in row) for row in table] if table else None
         if self.table and any(len(row) != w.n for row in self.table):
             raise ValueError(f"every row of the length table needs n={w.n} lengths")
         self._rng = np.random.default_rng(w.seed)
         self._rows: list[tuple[int, ...]] = []
 
-    def __call__(self, g: int) -> tuple[int, ...]:
+    def __call__(self, g: int, attempt: int = 0) -> tuple[int, ...]:
+        if attempt and self.w.resample:
+            return (
+                tuple(int(x) for x in self.retry(g, attempt))
+                if self.retry
+                else self._draw(g, attempt)
+            )
         if self.table:
             return self.table[g % len(self.table)]
         while g >= len(self._rows):
@@ -131,6 +148,12 @@ class GroupLengths:
             rows = np.clip(np.rint(draw), 1, w.max_len).astype(int)
             self._rows.extend(tuple(int(x) for x in row) for row in rows)
         return self._rows[g]
+
+    def _draw(self, g: int, attempt: int) -> tuple[int, ...]:
+        w = self.w
+        rng = np.random.default_rng([w.seed, g, attempt])
+        draw = w.len_median * np.exp(w.len_sigma * rng.standard_normal(w.n))
+        return tuple(int(x) for x in np.clip(np.rint(draw), 1, w.max_len))
 
 
 # ---------------------------------------------------------------------------- analytic
@@ -360,8 +383,8 @@ class _AsyncRun:
         self.t = 0.0
         self.version = self.accepted = self.running = self.admitted = 0
         self.group_version: list[int] = []
-        self.row: list[int] = []  # each admitted group's prompt (its row of lengths)
-        self.requeued: deque[int] = deque()  # dropped prompts to admit again, first
+        self.row: list[tuple[int, int]] = []  # each admitted group's (prompt row, attempt)
+        self.requeued: deque[tuple[int, int]] = deque()  # dropped prompts' next attempts, first
         self.rows_used = 0  # new prompts admitted so far
         self.left: list[int] = []  # samples of each group still generating
         self.live: set[int] = set()  # admitted, not finished, not aborted
@@ -411,13 +434,13 @@ class _AsyncRun:
             and self.accepted + self.running < (w.eta + self.version + 1) * w.batch
         ):
             g = self.admitted
-            self.row.append(self.requeued.popleft() if self.requeued else self._next_row())
+            self.row.append(self.requeued.popleft() if self.requeued else (self._next_row(), 0))
             self.admitted += 1
             self.running += 1
             self.group_version.append(self.version)
             self.left.append(w.n)
             self.live.add(g)
-            for L in self.lengths(self.row[g]):
+            for L in self.lengths(*self.row[g]):
                 self.fleet.submit(g, L)
         self.fleet.fill()
 
@@ -427,7 +450,7 @@ class _AsyncRun:
         batch = [heapq.heappop(self.buffer) for _ in range(self.w.batch)]
         for g in batch:
             self.staleness[self.version - self.group_version[g]] += 1
-        dur = self.w.train_time([L for g in batch for L in self.lengths(self.row[g])])
+        dur = self.w.train_time([L for g in batch for L in self.lengths(*self.row[g])])
         self.busy += dur
         self.training, self.trainer_until = True, self.t + dur
 
@@ -469,7 +492,9 @@ class _AsyncRun:
     def _dropped(self, groups: list[int]) -> None:
         self.dropped += len(groups)
         if self.w.requeue:
-            self.requeued.extend(self.row[g] for g in groups)
+            self.requeued.extend(
+                (row, attempt + 1) for row, attempt in (self.row[g] for g in groups)
+            )
 
     def _next_row(self) -> int:
         self.rows_used += 1
@@ -495,8 +520,13 @@ class Ideal:
         return self.sync.wall_s / self.runs[eta].wall_s
 
 
-def ideal(w: Workload, etas: Sequence[int], table: Sequence[Sequence[int]] | None = None) -> Ideal:
+def ideal(
+    w: Workload,
+    etas: Sequence[int],
+    table: Sequence[Sequence[int]] | None = None,
+    retry: Callable[[int, int], Sequence[int]] | None = None,
+) -> Ideal:
     """Sync and async at each eta on the same groups, and the analytic bound."""
     flat = [L for row in table for L in row] if table else None
-    runs = {eta: simulate_async(replace(w, eta=eta), GroupLengths(w, table)) for eta in etas}
+    runs = {eta: simulate_async(replace(w, eta=eta), GroupLengths(w, table, retry)) for eta in etas}
     return Ideal(analytic(w, flat), simulate_sync(w, GroupLengths(w, table)), runs, w)

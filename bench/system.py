@@ -24,8 +24,8 @@ discrete-event simulation of sync and async with AReaL's admission, the trainer 
 groups staler than eta) with the very lengths the workflow generated, in dispatch order, under
 the scheduler's own rules where they differ from the tool's model: a too-stale running group
 is aborted one version later (`ABORT_LAG`, from `must_abort`) and a dropped group's prompt is
-generated again before new ones (`requeue`: no prompt is lost; the workflow's lengths are a
-function of the prompt, so it has the same lengths again). One Result per eta: measured speedup
+generated again before new ones (`requeue`: no prompt is lost), as its next attempt, with the
+new lengths the workflow draws for that attempt (`resample`). One Result per eta: measured speedup
 against the ideal speedup of the tool's zero-overhead model (abort at once, a dropped group is
 gone; ratio = measured ÷ ideal: what the workload allows); `ideal_speedup_scheduler_rules` and
 `ratio_scheduler_rules` are the same model under the two rules above: the part of the gap those
@@ -52,6 +52,7 @@ the machine's 1-minute load average when the run ended (2 cores here).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import socket
@@ -59,7 +60,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -134,6 +135,9 @@ def plan_for(ctx: Context) -> Plan:
 
 # ---------------------------------------------------------------------------- the task
 
+Lengths = Callable[[int, int], Sequence[int]]
+"""(dataset index, attempt) -> the n target lengths the workflow generates for that dispatch."""
+
 
 @dataclass(frozen=True)
 class Task:
@@ -145,11 +149,14 @@ class Task:
     prompt_len: int
 
     def lengths(self, plan: Plan) -> list[list[int]]:
-        """Each prompt's n target lengths, in dataset order (= dispatch order)."""
-        return [
-            target_lengths(plan.seed, p, plan.n, plan.median, plan.sigma, plan.max_len)
-            for p in self.prompts
-        ]
+        """Each prompt's n target lengths (first attempt), in dataset order (= dispatch order)."""
+        return [self.attempt_lengths(plan, i, 0) for i in range(len(self.prompts))]
+
+    def attempt_lengths(self, plan: Plan, index: int, attempt: int) -> list[int]:
+        """The n target lengths of attempt `attempt` of prompt `index` (the workflow's)."""
+        return target_lengths(
+            plan.seed, self.prompts[index], plan.n, plan.median, plan.sigma, plan.max_len, attempt
+        )
 
 
 def build_task(root: Path, plan: Plan) -> Task:
@@ -346,14 +353,14 @@ class RunRecord:
     train_end_t: dict[int, float]
     """Version -> end of its train_step (trainer log)."""
     step_time_s: dict[int, float]
-    step_prompts: dict[int, list[int]]
-    """Version -> the dataset indices of the groups it trained."""
+    step_prompts: dict[int, list[tuple[int, int]]]
+    """Version -> (dataset index, attempt) of the groups it trained."""
     staleness_max: int
     dropped: int
     cpu_share: dict[str, float] = field(default_factory=dict)
     """CPU seconds of each service over the experiment's duration (1.0 = one core busy)."""
-    finished_prompts: list[int] = field(default_factory=list)
-    """Dataset indices of the groups that finished generating before the N-th commit."""
+    finished_prompts: list[tuple[int, int]] = field(default_factory=list)
+    """(dataset index, attempt) of the groups that finished generating before the N-th commit."""
     engine: dict[str, float] = field(default_factory=dict)
     """The rollout engine's counters over the experiment (see LocalCluster.engine_counters)."""
     duration_s: float = 0.0
@@ -418,7 +425,7 @@ def run_experiment(cluster: LocalCluster, spec: dict, eta: int, timeout_s: float
         trained_t={e["version"]: e["t"] for e in trained},
         train_end_t={r["version"]: _iso(r["timestamp"]) for r in steps},
         step_time_s={h.version: h.step_time_s for h in exp.history},
-        step_prompts={e["version"]: [prompt_of(g)[1] for g in e["groups"]] for e in trained},
+        step_prompts={e["version"]: [dispatch_of(g) for g in e["groups"]] for e in trained},
         staleness_max=max(h.staleness_max for h in exp.history),
         dropped=exp.progress.stale_dropped,
         cpu_share=cpu_share,
@@ -429,10 +436,15 @@ def run_experiment(cluster: LocalCluster, spec: dict, eta: int, timeout_s: float
     )
 
 
-def _finished(events: list[dict], until: float) -> list[int]:
-    """Dataset indices of the groups accepted (fully generated) up to `until`."""
+def dispatch_of(group_id: str) -> tuple[int, int]:
+    """(dataset index, attempt) of a training group id `<experiment>-e<e>-p<index>-a<attempt>`."""
+    return prompt_of(group_id)[1], int(group_id.rpartition("-a")[2])
+
+
+def _finished(events: list[dict], until: float) -> list[tuple[int, int]]:
+    """(dataset index, attempt) of the groups accepted (fully generated) up to `until`."""
     return [
-        prompt_of(e["group"])[1]
+        dispatch_of(e["group"])
         for e in events
         if e["event"] == "settled" and e["status"] == "accepted" and e["t"] <= until
     ]
@@ -562,12 +574,12 @@ class Measured:
     t_sync: float
 
 
-def measure_train(syncs: list[RunRecord], table: list[list[int]], task: Task, plan: Plan):
+def measure_train(syncs: list[RunRecord], lengths: Lengths, task: Task, plan: Plan):
     """(train_a, train_b) over padded tokens, from the synchronous runs' steps."""
     padded, seconds = [], []
     for sync in syncs:
         for v, prompts in sorted(sync.step_prompts.items()):
-            longest = max(L for i in prompts for L in table[i])
+            longest = max(L for i, a in prompts for L in lengths(i, a))
             padded.append(len(prompts) * plan.n * (longest + task.prompt_len))
             seconds.append(sync.step_time_s[v])
     return fit_line(padded, seconds)
@@ -593,6 +605,7 @@ def workload(plan: Plan, task: Task, m: Measured) -> overlap.Workload:
         seed=plan.seed,
         abort_lag=ABORT_LAG,
         requeue=True,
+        resample=True,
     )
 
 
@@ -609,10 +622,15 @@ class EtaFigures:
     settings: dict = field(default_factory=dict)
 
 
-def predicted_train_s(w: overlap.Workload, r: RunRecord, table: list[list[int]]) -> float:
+def predicted_train_s(w: overlap.Workload, r: RunRecord, lengths: Lengths) -> float:
     """Mean train step the fitted cost predicts for the batches this run actually trained."""
     return float(
-        np.mean([w.train_time([L for i in ps for L in table[i]]) for ps in r.step_prompts.values()])
+        np.mean(
+            [
+                w.train_time([L for i, a in ps for L in lengths(i, a)])
+                for ps in r.step_prompts.values()
+            ]
+        )
     )
 
 
@@ -639,7 +657,7 @@ def figures(
     plan: Plan,
     runs: dict[int, RunRecord],
     ideal: overlap.Ideal,
-    table: list[list[int]],
+    lengths: Lengths,
     decode: Decode,
 ) -> list[EtaFigures]:
     m = plan.steps * plan.batch * plan.n
@@ -664,12 +682,13 @@ def figures(
                     "dropped": r.dropped,
                     "ideal_dropped": sim.dropped,
                     "train_step_s_mean": round(float(np.mean(list(r.step_time_s.values()))), 4),
-                    "train_step_s_predicted": round(predicted_train_s(w, r, table), 4),
+                    "train_step_s_predicted": round(predicted_train_s(w, r, lengths), 4),
                     "ideal_train_step_s_mean": round(sim.train_busy_s / plan.steps, 4),
                     "update_s_median": round(float(np.median(r.update_s())), 4),
                     "cpu_share": r.cpu_share,
                     "fleet_tokens_per_s_finished": round(
-                        sum(L for i in r.finished_prompts for L in table[i]) / r.wall_s, 1
+                        sum(L for i, a in r.finished_prompts for L in lengths(i, a)) / r.wall_s,
+                        1,
                     ),
                     "ideal_fleet_tokens_per_s": round(sim.gen_tokens / sim.wall_s, 1),
                     "engine": engine_figures(r, sim, decode),
@@ -714,6 +733,11 @@ def run(ctx: Context) -> list[Result]:
     plan = plan_for(ctx)
     task = build_task(ctx.work_dir / "system", plan)
     table = task.lengths(plan)
+
+    @functools.cache
+    def lengths(index: int, attempt: int) -> tuple[int, ...]:
+        return tuple(task.attempt_lengths(plan, index, attempt))
+
     decode = measure_decode(task, plan, table, updates=ctx.size(6, 1))
     records: dict[int, list[RunRecord]] = {eta: [] for eta in plan.etas}
     with LocalCluster(ctx.work_dir / "system" / "var") as cluster:
@@ -722,13 +746,13 @@ def run(ctx: Context) -> list[Result]:
                 spec = experiment_spec(task, plan, eta)
                 records[eta].append(run_experiment(cluster, spec, eta, plan.timeout_s))
     runs = {eta: min(rs, key=lambda r: r.wall_s) for eta, rs in records.items()}  # best of
-    train_a, train_b = measure_train(records[0], table, task, plan)
+    train_a, train_b = measure_train(records[0], lengths, task, plan)
     t_sync = float(np.median([u for r in records[0] for u in r.update_s()]))
     measured = Measured(decode, train_a, train_b, t_sync)
     w = workload(plan, task, measured)
-    ideal = overlap.ideal(w, plan.etas, table)
+    ideal = overlap.ideal(w, plan.etas, table, lengths)
     tool = overlap.ideal(replace(w, abort_lag=0, requeue=False), plan.etas, table)
-    figs = figures(plan, runs, ideal, table, decode)
+    figs = figures(plan, runs, ideal, lengths, decode)
     bound = ideal.bound
     ceiling = w.m / (bound.t_sync + max(bound.t_gen_throughput, bound.t_train))
     out_dir = ctx.work_dir if ctx.quick else Path("var/bench")

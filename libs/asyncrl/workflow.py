@@ -76,6 +76,12 @@ class WorkflowContext:
         """The policy version the engine serves now."""
         return self._version()
 
+    @property
+    def request_id(self) -> str:
+        """`<group id>:<sample index>`: which dispatch of which prompt this sample belongs to
+        (a training group id ends `-a<attempt>`: a prompt sampled again after a drop)."""
+        return self._rid
+
     async def generate(self, input_ids: list[int], **overrides: Any) -> Completion:
         """Sample one completion of `input_ids` with the experiment's sampling settings
         (`overrides`, e.g. max_new_tokens=16, replace single fields). Each call has a stable

@@ -18,7 +18,7 @@ from asyncrl.spec import SamplingParams
 from asyncrl.types import Completion
 from asyncrl.workflow import WorkflowContext
 from bench import overlap
-from bench.longtail import LongTail, target_length, target_lengths
+from bench.longtail import LongTail, attempt_of, target_length, target_lengths
 from bench.overlap import GroupLengths, Workload, simulate_async, simulate_sync
 
 TOOL = (
@@ -294,3 +294,50 @@ def test_longtail_workflow_continues_after_an_early_stop_to_its_target():
     assert len(traj.output_ids) == target == 8
     assert calls == [("g:0", 2, 8), ("g:0:t1", 5, 5), ("g:0:t2", 8, 2)]
     assert traj.reward is None  # scored by the experiment's reward function
+
+
+def test_longtail_a_new_attempt_of_a_prompt_draws_new_lengths():
+    """A prompt dropped as too stale comes back as attempt k (its group id ends -a<k>): the
+    workflow samples it afresh, as a policy would; attempt 0 keeps the first draw."""
+    first = target_lengths(0, "p00001:", 4, 32, 1.5, 1024)
+    assert target_lengths(0, "p00001:", 4, 32, 1.5, 1024, attempt=0) == first
+    again = target_lengths(0, "p00001:", 4, 32, 1.5, 1024, attempt=1)
+    assert again != first
+    assert again == target_lengths(0, "p00001:", 4, 32, 1.5, 1024, attempt=1)
+    assert attempt_of("exp-1-e0-p17-a3:2") == 3
+    assert attempt_of("exp-1-eval-v4-p2-a0:1") == 0  # eval groups: always their first draw
+    assert attempt_of("g:0") == 0
+
+    async def generate(rid, input_ids, params):
+        n = params.max_new_tokens
+        return Completion([5] * n, [-1.0] * n, [0] * n, "length")
+
+    for group, attempt in (("exp-1-e0-p1-a0", 0), ("exp-1-e0-p1-a2", 2)):
+        ctx = WorkflowContext(
+            prompt="p", answer="", prompt_ids=[1], index=3, is_eval=False,
+            params=SamplingParams(max_new_tokens=100), tokenizer=None, generate=generate,
+            score=None, version=lambda: 0, request_id=f"{group}:3",
+        )  # fmt: skip
+        traj = asyncio.run(LongTail(median=32, sigma=1.5, max_len=100).run(ctx))
+        assert len(traj.output_ids) == target_length(0, "p", 3, 32, 1.5, 100, attempt)
+
+
+def test_async_requeue_with_resample_gives_the_prompt_its_next_attempts_lengths():
+    """The straggler of test_async_requeue_admits_a_dropped_prompt_again_before_new_ones, but
+    the re-queued prompt's attempt 1 is 1 token long (`retry`): admitted at t = 4 beside prompt
+    3, both end at 5, and the third step (5-6) trains it. 8 tokens (the straggler's 4 before
+    its abort, then four groups of 1) in 5 decode steps (9 in 6 with its first lengths)."""
+    w = Workload(slots=2, n=1, batch=1, eta=1, t0=1.0, train_a=1.0, steps=3, requeue=True,
+                 resample=True)  # fmt: skip
+    seen = []
+
+    def retry(row, attempt):
+        seen.append((row, attempt))
+        return [1]
+
+    a = simulate_async(w, GroupLengths(w, [[5]] + [[1]] * 20, retry))
+    assert a.step_end == [2.0, 4.0, 6.0]
+    assert a.dropped == 1
+    assert seen[0] == (0, 1)
+    assert a.gen_tokens == 8.0
+    assert a.token_steps == 5.0
