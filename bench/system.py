@@ -23,14 +23,16 @@ Those parameters go into `bench.overlap` (the zero-overhead model: analytic boun
 discrete-event simulation of sync and async with AReaL's admission, the trainer dropping
 groups staler than eta) with the very lengths the workflow generated, in dispatch order, under
 the scheduler's own rules where they differ from the tool's model: a too-stale running group
-is aborted one version later (`ABORT_LAG`, from `must_abort`) and a dropped group's prompt is
-generated again before new ones (`requeue`: no prompt is lost), as its next attempt, with the
-new lengths the workflow draws for that attempt (`resample`). One Result per eta: measured speedup
-against the ideal speedup of the tool's zero-overhead model (abort at once, a dropped group is
-gone; ratio = measured ÷ ideal: what the workload allows); `ideal_speedup_scheduler_rules` and
-`ratio_scheduler_rules` are the same model under the two rules above: the part of the gap those
-rules (the price of losing no prompt) explain. A PNG plots throughput against eta beside the ideal (var/bench/system_throughput.png;
-the work dir when --quick). Each eta runs `repeats` times and reports its fastest run.
+is aborted when the model aborts it unless the rollout is publishing it (`ABORT_LAG` 0, from
+`too_stale`: AbortGroups), and a dropped group's prompt is generated again before new ones
+(`requeue`: no prompt is lost), as its next attempt, with the new lengths the workflow draws
+for that attempt (`resample`): in distribution, the tool's "a dropped group is gone, the next
+admission draws new lengths". One Result per eta: measured speedup against the ideal speedup
+of the tool's zero-overhead model (ratio = measured ÷ ideal: what the workload allows);
+`ideal_speedup_scheduler_rules` and `ratio_scheduler_rules` are the same model under the rules
+above, fed with the very lengths the system generated for each attempt. A PNG plots throughput
+against eta beside the ideal (var/bench/system_throughput.png; the work dir when --quick).
+Each eta runs `repeats` times and reports its fastest run.
 
 Settings carry what explains the gap: each service's CPU share (a rollout near 1.0 is
 engine-bound), the fleet's tokens/s (finished groups only) against the model's, the train step
@@ -83,7 +85,7 @@ from bench.longtail import target_lengths
 from bench.report import Context, Result
 from services.rollout.engine import GenRequest
 from services.rollout.torch_engine import TorchEngine
-from services.scheduler.policy import must_abort
+from services.scheduler.policy import too_stale
 
 NAME = "system"
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,9 +94,10 @@ DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
 ROLLOUT_METRICS_OFFSET = 10
 """The rollout's /metrics port is ASYNCRL_METRICS_PORT + 10 (scheduler + 0, trainer + 1)."""
 ENGINE_PREFIX = "asyncrl_rollout_engine_"
-ABORT_LAG = next(lag for lag in range(4) if must_abort(0, committed_version=2 + lag, eta=1))
+ABORT_LAG = next(lag for lag in range(4) if too_stale(0, committed_version=2 + lag, eta=1))
 """Versions past the model's abort point (v - start > eta) at which the scheduler aborts a
-running group: the first lag at which `must_abort` is true (1: committed - 1 - start > eta)."""
+running group: the first lag at which `too_stale` is true (0: the rollout aborts it at once
+unless it is already being published; `must_abort`, one version later, cancels the rest)."""
 
 
 @dataclass(frozen=True)

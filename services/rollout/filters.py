@@ -18,6 +18,7 @@ class GroupStatus(StrEnum):
     ACCEPTED = "accepted"  # published for training (or an eval group that was scored)
     REJECTED = "rejected"  # dropped by the dynamic filter
     FAILED = "failed"  # reward or generation failed
+    ABORTED = "aborted"  # the scheduler aborted it (AbortGroups) before it was published
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ _STATUS = {
     GroupStatus.ACCEPTED: rollout_pb2.GROUP_STATUS_ACCEPTED,
     GroupStatus.REJECTED: rollout_pb2.GROUP_STATUS_REJECTED,
     GroupStatus.FAILED: rollout_pb2.GROUP_STATUS_FAILED,
+    GroupStatus.ABORTED: rollout_pb2.GROUP_STATUS_ABORTED,
 }
 
 
@@ -82,6 +83,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             # marker tells it this worker is fine (no fence)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e), trailing_metadata=(FAULT,))
         return summary_to_proto(summary)
+
+    async def AbortGroups(self, request, context):
+        aborted = self.service.abort_unpublished(
+            request.experiment_id, list(request.group_ids), request.reason or "aborted"
+        )
+        return rollout_pb2.AbortGroupsResponse(aborted=aborted)
 
     async def UpdateWeights(self, request, context):
         r = await self.service.update_weights(request.experiment_id, request.version, request.uri)

@@ -5,8 +5,10 @@ one engine request) runs n times concurrently for one prompt, each run yielding 
 trajectory; the trajectories the workflow left unscored are scored with one Reward.Score
 call, the filter decides, and an accepted group
 (or any eval group) is published to JetStream with Nats-Msg-Id = group id *before* the summary
-goes back to the scheduler. A cancelled GenerateGroup (the scheduler aborts stale groups)
-cancels its engine requests and publishes nothing.
+goes back to the scheduler. A cancelled GenerateGroup cancels its engine requests and publishes
+nothing; so does AbortGroups (the scheduler found the group too stale) for a group not yet
+being published, which then answers ABORTED: the scheduler learns that the trainer cannot have
+it and samples the prompt again at once.
 """
 
 from __future__ import annotations
@@ -151,6 +153,10 @@ class _Running:
     job: GroupJob
     task: asyncio.Task | None = None
     aborted: str = ""  # set when the service itself aborts the group (experiment switch)
+    abort_status: GroupStatus = GroupStatus.FAILED
+    """What an aborted group answers: ABORTED when the scheduler asked (AbortGroups)."""
+    publishing: bool = False
+    """Past the last point an abort can stop it: it is (being) published."""
 
 
 class RolloutService:
@@ -318,6 +324,25 @@ class RolloutService:
             if self._groups.get(job.group_id) is running:
                 del self._groups[job.group_id]
 
+    def abort_unpublished(self, experiment_id: str, group_ids: list[str], reason: str) -> list[str]:
+        """Abort the named groups of `experiment_id` that have not begun publishing (AbortGroups:
+        the scheduler found them too stale to train); each answers ABORTED with `reason` and
+        publishes nothing. Returns the ids aborted; the others go on as they would."""
+        if experiment_id != self.experiment_id:
+            return []
+        aborted = []
+        for group_id in group_ids:
+            running = self._groups.get(group_id)
+            if running is None or running.publishing or running.aborted:
+                continue
+            running.aborted, running.abort_status = reason, GroupStatus.ABORTED
+            if running.task is not None and not running.task.done():
+                running.task.cancel()  # generating: the engine drops its requests
+            aborted.append(group_id)  # else being scored: it stops before publishing
+        if aborted:
+            log.info("groups_aborted", groups=len(aborted), reason=reason)
+        return aborted
+
     async def _supersede(self, earlier: _Running) -> None:
         """The scheduler dispatched a group this rollout is still running: it gave the earlier
         call up (this rollout's lease expired while it was cut off, or the reply was lost) and
@@ -345,7 +370,7 @@ class RolloutService:
         except asyncio.CancelledError:
             if running.aborted and not asyncio.current_task().cancelling():
                 return self._summary(
-                    job, GroupStatus.FAILED, running.aborted, [], version_at_start, t0
+                    job, running.abort_status, running.aborted, [], version_at_start, t0
                 )
             log.info("group_cancelled", group=job.group_id)
             raise
@@ -359,6 +384,11 @@ class RolloutService:
         for sample in samples:
             self._finish(sample)
         await self._score(job, binding, [s for s in samples if s.reward is None])
+        if running.aborted:  # while it was being scored: nothing is published
+            return self._summary(
+                job, running.abort_status, running.aborted, samples, version_at_start, t0
+            )
+        running.publishing = True  # no await since the check above: an abort sees it
         decision = decide(samples, binding.filter(job.eval), job.eval)
         summary = self._summary(
             job, decision.status, decision.reason, samples, version_at_start, t0

@@ -59,6 +59,8 @@ class InFlight:
     eval_index: int = 0
     eval_attempt: int = 0
     task: asyncio.Task | None = None
+    abort_sent: bool = False
+    """AbortGroups was sent for it (too stale unless already published)."""
 
 
 class WorkerCalls:
@@ -120,6 +122,17 @@ class WorkerCalls:
     ) -> rollout_pb2.GroupSummary:
         stub = rollout_pb2_grpc.RolloutStub(self.channels.get(worker.address))
         return await stub.GenerateGroup(request, timeout=self.spec.rollout.group_timeout_s)
+
+    async def abort_groups(
+        self, worker: Worker, group_ids: list[str], reason: str, timeout: float
+    ) -> list[str]:
+        """Ask `worker` to abort these groups unless they are being published; the ids it
+        aborted (each answers its GenerateGroup ABORTED)."""
+        stub = rollout_pb2_grpc.RolloutStub(self.channels.get(worker.address))
+        request = rollout_pb2.AbortGroupsRequest(
+            experiment_id=self.experiment_id, group_ids=group_ids, reason=reason
+        )
+        return list((await stub.AbortGroups(request, timeout=timeout)).aborted)
 
     async def update_weights(
         self, worker: Worker, version: int, uri: str, timeout: float

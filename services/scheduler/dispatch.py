@@ -23,12 +23,22 @@ from asyncrl.v1 import rollout_pb2
 from services.scheduler.calls import InFlight, WorkerCalls
 from services.scheduler.dataset import DatasetCursor, Prompt, Ticket
 from services.scheduler.evaluation import EvalRound, Evaluator
-from services.scheduler.policy import RolloutLoad, StalenessManager, must_abort, pick_rollout
+from services.scheduler.policy import (
+    RolloutLoad,
+    StalenessManager,
+    must_abort,
+    pick_rollout,
+    too_stale,
+)
 from services.scheduler.records import ExperimentRecord
 from services.scheduler.registry import Worker
 
 THROUGHPUT_WINDOW_S = 30.0
 FAULT_KEY = "asyncrl-fault"
+ABORT_TIMEOUT_S = 5.0
+"""Deadline of an AbortGroups call; one that fails changes nothing (the next commit cancels
+the groups it named, `must_abort`)."""
+STALE = "aborted: too stale"
 
 
 @dataclass
@@ -105,6 +115,8 @@ class Dispatcher:
         """Training groups the scheduler ended itself (aborted as too stale, cancelled at the
         end of the run): a drop report for one changes nothing."""
         self._drops_seen: set[str] = set()
+        self._aborts: set[asyncio.Task] = set()
+        """AbortGroups calls in flight."""
         self.throughput = Throughput(THROUGHPUT_WINDOW_S)
         """Tokens the fleet generated for this experiment."""
 
@@ -235,6 +247,9 @@ class Dispatcher:
     def _done(self, item: InFlight, summary: rollout_pb2.GroupSummary) -> None:
         item.worker.groups_done += 1
         self.throughput.add(summary.tokens)
+        if summary.status == rollout_pb2.GROUP_STATUS_ABORTED and item.ticket is not None:
+            self._stale(item)  # AbortGroups stopped it before anything was published
+            return
         if item.ticket is not None:
             self.ledger.emit(
                 "settled",
@@ -313,10 +328,7 @@ class Dispatcher:
             elif how == "requeue":
                 self._requeue(item, "its rollout was lost or fenced")
             elif how == "abort":
-                self.staleness.on_abort()
-                self.cursor.requeue(item.ticket, new_attempt=True)
-                self._aborted.add(item.group_id)
-                self.ledger.emit("dropped", group=item.group_id, reason="aborted: too stale")
+                self._stale(item)
             elif item.ticket is not None:
                 self.staleness.on_cancel()
                 self._aborted.add(item.group_id)
@@ -326,15 +338,59 @@ class Dispatcher:
             self.ledger.emit("left_over", groups=cancelled, reason="in flight when the run ended")
         return len(items)
 
+    def _stale(self, item: InFlight) -> None:
+        """A training group ended as too stale without being published: its prompt is
+        re-queued as a new attempt."""
+        self.staleness.on_abort()
+        self.cursor.requeue(item.ticket, new_attempt=True)
+        self._aborted.add(item.group_id)
+        self.ledger.emit("dropped", group=item.group_id, reason=STALE)
+
     def requeue_worker(self, worker: Worker) -> int:
         """`worker` is gone or fenced: its groups count as failed calls, prompts re-queued."""
         return self._end(lambda i: i.worker is worker, "requeue")
 
     def abort_stale(self, new_version: int) -> int:
-        """Abort training groups that can no longer be trained within eta at `new_version`."""
-        return self._end(
+        """Training groups that can no longer be trained within eta at `new_version`: cancel
+        those that even the step that produced it could not have trained (`must_abort`), and
+        ask the rollouts to abort the others unless they are already being published
+        (`too_stale`; AbortGroups, in the background): those answer ABORTED and are re-queued
+        then (`_done`), a published one the trainer trains or drops. Returns the cancelled."""
+        ended = self._end(
             lambda i: i.ticket is not None and must_abort(i.start_version, new_version, self.eta),
             "abort",
+        )
+        by_worker: dict[str, tuple[Worker, list[str]]] = {}
+        for item in self.inflight.values():
+            if item.ticket is None or item.abort_sent:
+                continue
+            if too_stale(item.start_version, new_version, self.eta):
+                item.abort_sent = True
+                by_worker.setdefault(item.worker.worker_id, (item.worker, []))[1].append(
+                    item.group_id
+                )
+        for worker, group_ids in by_worker.values():
+            task = asyncio.create_task(self._abort_unpublished(worker, group_ids))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
+        return ended
+
+    async def _abort_unpublished(self, worker: Worker, group_ids: list[str]) -> None:
+        try:
+            aborted = await self.calls.abort_groups(worker, group_ids, STALE, ABORT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            self.log.info(
+                "abort_groups_failed",
+                worker=worker.worker_id,
+                groups=len(group_ids),
+                code=e.code().name,
+            )
+            return
+        self.log.info(
+            "groups_abort_requested",
+            worker=worker.worker_id,
+            requested=len(group_ids),
+            aborted=len(aborted),
         )
 
     def cancel(self, training_only: bool) -> int:
@@ -386,7 +442,7 @@ class Dispatcher:
         )
 
     def tasks(self) -> list[asyncio.Task]:
-        return [i.task for i in self.inflight.values() if i.task is not None]
+        return [i.task for i in self.inflight.values() if i.task is not None] + list(self._aborts)
 
 
 def _fault(error: grpc.aio.AioRpcError) -> str:

@@ -100,6 +100,14 @@ class StalenessManager:
         self.running -= 1
 
 
+def too_stale(start_version: int, committed_version: int, eta: int) -> bool:
+    """A group started at `start_version` can no longer be trained by any step after
+    `committed_version` is committed (the trainer's next step runs at that version). Unless it
+    is already on its way to the trainer (the step that produced `committed_version` may have
+    trained it), it can be aborted: the rollout says which it is (AbortGroups)."""
+    return committed_version - start_version > eta
+
+
 def must_abort(start_version: int, committed_version: int, eta: int) -> bool:
     """An in-flight group started at `start_version` can no longer be trained within eta once
     `committed_version` is committed. "In flight" is the scheduler's view: the rollout may have

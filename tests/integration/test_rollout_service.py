@@ -368,6 +368,35 @@ async def test_cancelled_generate_group_stops_engine_requests_and_publishes_noth
     assert (await js.stream_info(STREAM)).state.messages == 0
 
 
+async def test_abort_groups_stops_an_unpublished_group_and_spares_the_rest(
+    rollout, reward_address, js, models, no_eos_tokenizer
+):
+    """AbortGroups (the scheduler found the group too stale): a group still generating answers
+    ABORTED with the reason and publishes nothing; another experiment's ids, unknown ids and a
+    finished group are left alone."""
+    stub, service = rollout
+    exp = await _serve_long(stub, models, no_eos_tokenizer, n=2, max_new_tokens=200)
+    call = asyncio.ensure_future(
+        stub.GenerateGroup(_request("stale", [reward_address], experiment_id=exp), timeout=60)
+    )
+    await wait_until(lambda: service.engine.tokens_generated >= 4, timeout=30, interval=0.001)
+
+    async def abort(experiment_id, *ids):
+        request = rollout_pb2.AbortGroupsRequest(
+            experiment_id=experiment_id, group_ids=list(ids), reason="aborted: too stale"
+        )
+        return list((await stub.AbortGroups(request, timeout=5)).aborted)
+
+    assert await abort("another", "stale") == []
+    assert await abort(exp, "stale", "unknown") == ["stale"]
+    summary = await call
+    assert summary.status == rollout_pb2.GROUP_STATUS_ABORTED
+    assert summary.reason == "aborted: too stale" and not summary.published
+    assert service.running_groups == 0 and service.engine.running == 0
+    assert await abort(exp, "stale") == []  # finished: nothing to abort
+    assert (await js.stream_info(STREAM)).state.messages == 0
+
+
 async def test_bind_new_experiment_aborts_running_groups(
     rollout, reward_address, models, no_eos_tokenizer
 ):

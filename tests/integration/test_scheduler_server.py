@@ -43,9 +43,17 @@ IDENTITY = {ROLLOUT: "rollout", REWARD: "reward", TRAINER: "trainer"}
 
 class FakeRollout(rollout_pb2_grpc.RolloutServicer):
     """Answers GenerateGroup with a fixed status; `hold` keeps training groups open until
-    `release` is set; records requests, weight updates and cancelled calls."""
+    `release` is set; records requests, weight updates, cancelled calls and AbortGroups
+    requests. A held group named by AbortGroups answers ABORTED, unless `published` (as if
+    it were being published already)."""
 
-    def __init__(self, hold: bool = False, rewards=(1.0, 0.0), fail_reason: str = ""):
+    def __init__(
+        self,
+        hold: bool = False,
+        rewards=(1.0, 0.0),
+        fail_reason: str = "",
+        published: bool = False,
+    ):
         self.hold = hold
         self.rewards = list(rewards)
         self.fail_reason = fail_reason  # answer every training group FAILED with this reason
@@ -57,6 +65,9 @@ class FakeRollout(rollout_pb2_grpc.RolloutServicer):
         self.served: list[int] = []  # the version loaded when each request came
         self.cancelled: list[str] = []
         self.fail_next = 0
+        self.published = published
+        self.abort_requests: list[list[str]] = []
+        self._aborts: dict[str, asyncio.Event] = {}
 
     async def BindExperiment(self, request, context):
         self.bound.append(request.spec_json)
@@ -68,12 +79,22 @@ class FakeRollout(rollout_pb2_grpc.RolloutServicer):
         if self.fail_next:
             self.fail_next -= 1
             await context.abort(grpc.StatusCode.INTERNAL, "engine crashed")
+        aborted = self._aborts.setdefault(request.group_id, asyncio.Event())
         try:
             if self.hold and not request.eval:
-                await self.release.wait()
+                wake = [asyncio.ensure_future(e.wait()) for e in (self.release, aborted)]
+                try:
+                    await asyncio.wait(wake, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in wake:
+                        w.cancel()
         except asyncio.CancelledError:
             self.cancelled.append(request.group_id)
             raise
+        if aborted.is_set():
+            return rollout_pb2.GroupSummary(
+                group_id=request.group_id, status=rollout_pb2.GROUP_STATUS_ABORTED
+            )
         if self.fail_reason and not request.eval:
             return rollout_pb2.GroupSummary(
                 group_id=request.group_id,
@@ -89,6 +110,15 @@ class FakeRollout(rollout_pb2_grpc.RolloutServicer):
             end_version=self.version,
             published=True,
         )
+
+    async def AbortGroups(self, request, context):
+        self.abort_requests.append(list(request.group_ids))
+        if self.published:
+            return rollout_pb2.AbortGroupsResponse()
+        held = [g for g in request.group_ids if g in self._aborts]
+        for g in held:
+            self._aborts[g].set()
+        return rollout_pb2.AbortGroupsResponse(aborted=held)
 
     async def UpdateWeights(self, request, context):
         self.updates.append((request.version, request.uri))
@@ -442,15 +472,37 @@ async def test_admission_bounded_by_eta_and_grows_with_commits(cluster, files):
     assert (exp.progress.version, exp.progress.dispatched) == (1, 6)
 
 
-async def test_commit_aborts_stale_inflight_groups_and_requeues(cluster, files):
+async def test_commit_aborts_unpublished_stale_groups_at_once(cluster, files):
+    """eta = 0, v1 committed: the groups started at v0 can no longer be trained unless the step
+    that produced v1 has them; the rollout says it has not published them (AbortGroups), so
+    they are re-queued as new attempts at once, without waiting for v2."""
     await cluster.start_scheduler()
     rollout = FakeRollout(hold=True)
     exp_id = await running_experiment(cluster, files, rollout)  # eta = 0
     await wait_until(lambda: len(rollout.group_ids()) == 2)
     first = rollout.group_ids()
     await cluster.commit(exp_id, 1)
-    # the step that produced v1 (trainer at v0) may have trained them already: kept
+    await wait_until(lambda: sum(g.endswith("-a1") for g in rollout.group_ids()) == 2)
+    assert [sorted(r) for r in rollout.abort_requests] == [sorted(first)]
+    assert rollout.cancelled == []  # answered ABORTED, not cancelled
+    retried = [g for g in rollout.group_ids() if g.endswith("-a1")]
+    assert sorted(g.replace("-a1", "-a0") for g in retried) == sorted(first)
+    exp = await cluster.experiment(exp_id)
+    assert exp.progress.stale_dropped == 2
+    assert set(rollout.served[2:]) == {1}  # at v1, beside new prompts up to (0 + 1 + 1) * 2
+
+
+async def test_commit_aborts_stale_inflight_groups_and_requeues(cluster, files):
+    await cluster.start_scheduler()
+    rollout = FakeRollout(hold=True, published=True)
+    exp_id = await running_experiment(cluster, files, rollout)  # eta = 0
+    await wait_until(lambda: len(rollout.group_ids()) == 2)
+    first = rollout.group_ids()
+    await cluster.commit(exp_id, 1)
+    # the step that produced v1 (trainer at v0) may have trained them already, and the
+    # rollout says they are being published (AbortGroups aborts none): kept
     await wait_until(lambda: len(rollout.group_ids()) == 4)  # (0 + 1 + 1) * 2
+    assert [sorted(r) for r in rollout.abort_requests] == [sorted(first)]
     assert rollout.cancelled == []
     await cluster.commit(exp_id, 2)
     # started at v0, v2 committed: too stale even for the step that produced v2 -> aborted
