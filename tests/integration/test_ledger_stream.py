@@ -9,8 +9,15 @@ import json
 from typer.testing import CliRunner
 
 from asyncrl.cli import app
-from asyncrl.ledger import Ledger, ensure_ledger, fetch_report, read_events
-from asyncrl.natsutil import connect
+from asyncrl.ledger import (
+    LEDGER_STREAM,
+    Ledger,
+    ensure_ledger,
+    fetch_report,
+    ledger_subject,
+    read_events,
+)
+from asyncrl.natsutil import connect, read_subject
 
 
 async def _write_run(js) -> None:
@@ -58,3 +65,14 @@ async def test_emitted_events_are_stored_in_order_after_flush(js):
     events = await read_events(js, "exp-c")
     assert [e.get("index") for e in events[:50]] == list(range(50))
     assert events[-1]["event"] == "left_over" and len(events) == 51
+
+
+async def test_events_emitted_together_are_stored_as_one_message(js):
+    await ensure_ledger(js)
+    ledger = Ledger(js, "exp-d")
+    for i in range(10):
+        ledger.emit("dispatched", group=f"g{i}", prompt="p", epoch=0, index=i)
+        await asyncio.sleep(0)  # separate passes of the loop, within the linger
+    await ledger.flush()
+    messages = await read_subject(js, LEDGER_STREAM, ledger_subject("exp-d"))
+    assert len(messages) == 1 and len(json.loads(messages[0])) == 10
