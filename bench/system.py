@@ -72,7 +72,7 @@ import psutil
 import torch
 
 from asyncrl.client import AsyncrlClient, is_terminal, state_name
-from asyncrl.ledger import prompt_of, read_events
+from asyncrl.ledger import prompt_of, read_events, summarize
 from asyncrl.natsutil import connect
 from asyncrl.net import free_port
 from asyncrl.proc import kill_tree, pid_alive
@@ -370,6 +370,9 @@ class RunRecord:
     """Submit to end, the window of `cpu_share` and `engine`."""
     load_avg: float = 0.0
     """The machine's 1-minute load average at the end."""
+    fates: dict[str, int] = field(default_factory=dict)
+    """The ledger's count of prompts by fate (asyncrl.ledger.summarize): the aborts and drops
+    lost nothing and trained nothing twice."""
 
     @property
     def steps(self) -> int:
@@ -436,6 +439,7 @@ def run_experiment(cluster: LocalCluster, spec: dict, eta: int, timeout_s: float
         engine={k: engine1[k] - engine0[k] for k in engine1 if k in engine0},
         duration_s=duration,
         load_avg=os.getloadavg()[0],
+        fates={k: v for k, v in summarize(events).totals.items() if v},
     )
 
 
@@ -696,6 +700,7 @@ def figures(
                     "ideal_fleet_tokens_per_s": round(sim.gen_tokens / sim.wall_s, 1),
                     "engine": engine_figures(r, sim, decode),
                     "load_avg": round(r.load_avg, 2),
+                    "ledger": r.fates,
                 },
             )
         )
