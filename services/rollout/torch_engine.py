@@ -16,7 +16,11 @@ The new weights are copied into the live model (a state-dict load, no re-instant
 version is bumped, every in-flight request's KV cache is dropped, and the next step recomputes
 prompt + partial output under the new weights, in forwards of similar lengths
 (`kv_pool.prefill_buckets`) rather than one batch padded to the longest. Per-token `versions`
-record the switch.
+record the switch. With `keep_kv_on_update` the caches are kept instead (PipelineRL's in-flight
+update): the rest of the output is sampled by the new weights on top of the old weights' KV, no
+prefix is recomputed, and the recorded logprobs stay those of the distribution actually sampled
+from (what the importance weight needs); it trades that mix for the re-prefill after every
+update, which on a long-tailed workload costs more than the update itself (bench `system`).
 `last_update` times it: reading the files (generation goes on), the pause until the loop reaches
 the boundary (the step in progress ends), the copy, and the resume (dropping the caches; their
 recomputation is part of the next step).
@@ -150,14 +154,22 @@ class TorchEngine(Engine):
     `kv_cache=False` recomputes the full forward of every sequence each step (right-padded,
     no cache): slower, but works for any architecture; the default keeps every request's KV
     cache in a preallocated pool (`kv_pool.KVPool`, written in place) and runs one batched
-    single-token forward per step, each row attending to its own context only."""
+    single-token forward per step, each row attending to its own context only.
+    `keep_kv_on_update=True` keeps in-flight requests' caches across a weight update (see the
+    module docstring); the default recomputes them under the new weights."""
 
     name = "torch"
 
     def __init__(
-        self, device: str = "cpu", seed: int = 0, kv_cache: bool = True, max_batch: int = 256
+        self,
+        device: str = "cpu",
+        seed: int = 0,
+        kv_cache: bool = True,
+        max_batch: int = 256,
+        keep_kv_on_update: bool = False,
     ):
         self.device = torch.device(device)
+        self.keep_kv_on_update = keep_kv_on_update
         self.seed = seed
         self.kv_cache = kv_cache
         self.max_batch = max_batch
@@ -332,7 +344,8 @@ class TorchEngine(Engine):
                 loaded = time.perf_counter()
                 result = len(self._slots)
                 for slot in self._slots.values():
-                    slot.cached = 0  # recompute the prefix under the new weights
+                    if not self.keep_kv_on_update:
+                        slot.cached = 0  # recompute the prefix under the new weights
                     slot.interruptions += 1
                 self.last_update = UpdatePhases(
                     read_s=op.read_s,

@@ -191,6 +191,39 @@ async def test_update_weights_mid_generation_versions_switch_in_order(models):
         assert (_reference_logprobs(old, prompt, out.output_ids)[k:] - got[k:]).abs().max() > 1e-2
 
 
+async def test_update_weights_keeping_the_kv_cache_recomputes_nothing(models):
+    """keep_kv_on_update: an update interrupts the requests at a token boundary, nothing is
+    re-prefilled, the versions switch in order, nothing is lost, and the tokens after the
+    switch are sampled by the new weights on top of the old weights' cache: their logprobs are
+    neither the old model's nor the new one's alone."""
+    engine = await _engine(models / "v0", seed=3, keep_kv_on_update=True)
+    params = SamplingParams(temperature=1.0, max_new_tokens=150)
+    prompts = PROMPTS[:2]
+    try:
+        task = asyncio.gather(
+            *[engine.generate(GenRequest(f"k{i}", p, params)) for i, p in enumerate(prompts)]
+        )
+        await wait_until(lambda: engine.tokens_generated >= 2 * 5, timeout=30, interval=0.001)
+        prefilled = engine.counters.prefill_tokens
+        interrupted = await engine.update_weights(str(models / "v1"), 1)
+        outs = await task
+    finally:
+        await engine.stop()
+    assert interrupted == 2 and engine.version == 1
+    assert engine.counters.prefill_tokens == prefilled  # no prefix recomputed
+    old, new = _hf(models / "v0"), _hf(models / "v1")
+    for prompt, out in zip(prompts, outs, strict=True):
+        k = out.versions.count(0)
+        assert 5 <= k < 150 and len(out.output_ids) == 150
+        assert out.versions == [0] * k + [1] * (150 - k)
+        got = torch.tensor(out.logprobs)
+        before = _reference_logprobs(old, prompt, out.output_ids)[:k]
+        assert (before - got[:k]).abs().max().item() < 1e-4
+        after = got[k:]
+        assert (_reference_logprobs(new, prompt, out.output_ids)[k:] - after).abs().max() > 1e-3
+        assert (_reference_logprobs(old, prompt, out.output_ids)[k:] - after).abs().max() > 1e-3
+
+
 async def test_generate_short_requests_beside_a_very_long_one_decode_as_alone(models):
     """Greedy: a long request (700-token prompt) in the batch, short ones joining and leaving
     around it (rows freed and compacted), each sample is what it would be alone."""
