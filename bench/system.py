@@ -114,6 +114,10 @@ class Plan:
     max_len: int
     etas: tuple[int, ...] = (0, 1, 2, 4)
     repeats: int = 1
+    keep_kv: bool = False
+    """The rollout's engine keeps in-flight requests' KV caches across weight updates
+    (`--engine-opt keep_kv_on_update=true`, ASYNCRL_BENCH_KEEP_KV=1) instead of recomputing
+    them: the re-prefill after each update is the cost the model leaves out."""
     """Runs of every eta; each eta reports its fastest (the least disturbed)."""
     seed: int = 0
     timeout_s: float = 600.0
@@ -129,11 +133,12 @@ class Plan:
 
 
 def plan_for(ctx: Context) -> Plan:
+    keep_kv = os.environ.get("ASYNCRL_BENCH_KEEP_KV", "") not in ("", "0")
     if ctx.quick:
         return Plan(n=2, batch=2, steps=3, max_groups=8, median=8, sigma=1.5, max_len=64,
-                    timeout_s=60)  # fmt: skip
+                    timeout_s=60, keep_kv=keep_kv)  # fmt: skip
     return Plan(n=4, batch=2, steps=30, max_groups=12, median=32, sigma=1.5, max_len=1024,
-                repeats=2)  # fmt: skip
+                repeats=2, keep_kv=keep_kv)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- the task
@@ -209,7 +214,7 @@ def experiment_spec(task: Task, plan: Plan, eta: int) -> dict:
 class LocalCluster:
     """nats + the four services under the supervisor on a temporary var dir (`make up`)."""
 
-    def __init__(self, var: Path):
+    def __init__(self, var: Path, keep_kv: bool = False):
         self.var = var
         self.scheduler_port, nats_port = free_port(), free_port()
         self.nats_url = f"nats://127.0.0.1:{nats_port}"
@@ -222,6 +227,7 @@ class LocalCluster:
             "ASYNCRL_METRICS_PORT": str(self.metrics_port),
             "OMP_NUM_THREADS": "1",  # one core each: rollout and trainer overlap on two cores
             "ASYNCRL_TRAINER_ARGS": "--threads 1",
+            "ASYNCRL_ROLLOUT_ARGS": f"--engine-opt keep_kv_on_update={str(keep_kv).lower()}",
         }
         if not settings().insecure:
             from asyncrl.security import ensure_secrets
@@ -464,8 +470,8 @@ class _TimedEngine(TorchEngine):
     """The torch engine, recording every step: (active streams, seconds, whether it is the
     first step after a weight update, i.e. re-prefills every interrupted request)."""
 
-    def __init__(self):
-        super().__init__(seed=0)
+    def __init__(self, keep_kv: bool = False):
+        super().__init__(seed=0, keep_kv_on_update=keep_kv)
         self.step_log: list[tuple[int, float, bool]] = []
         self._resumed = False
 
@@ -481,10 +487,17 @@ class _TimedEngine(TorchEngine):
         return finished
 
 
-async def _replay(model: Path, prompt_ids: list[int], lengths: list[int], slots: int, updates: int):
+async def _replay(
+    model: Path,
+    prompt_ids: list[int],
+    lengths: list[int],
+    slots: int,
+    updates: int,
+    keep_kv: bool = False,
+):
     """Generate `lengths` with at most `slots` in flight; `updates` weight updates (the same
     weights, a new version) at even shares of the tokens, as the fleet gets them mid-run."""
-    engine = _TimedEngine()
+    engine = _TimedEngine(keep_kv)
     await engine.start()
     try:
         await engine.load(str(model), 0)
@@ -535,7 +548,9 @@ def measure_decode(task: Task, plan: Plan, table: list[list[int]], updates: int)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the rollout service runs here (OMP_NUM_THREADS=1)
     try:
-        log = asyncio.run(_replay(task.model, prompt_ids, lengths, plan.slots, updates))
+        log = asyncio.run(
+            _replay(task.model, prompt_ids, lengths, plan.slots, updates, plan.keep_kv)
+        )
     finally:
         torch.set_num_threads(threads)
     plain = [(a, dt) for a, dt, resumed in log if not resumed]
@@ -748,7 +763,7 @@ def run(ctx: Context) -> list[Result]:
 
     decode = measure_decode(task, plan, table, updates=ctx.size(6, 1))
     records: dict[int, list[RunRecord]] = {eta: [] for eta in plan.etas}
-    with LocalCluster(ctx.work_dir / "system" / "var") as cluster:
+    with LocalCluster(ctx.work_dir / "system" / "var", plan.keep_kv) as cluster:
         for _ in range(plan.repeats):
             for eta in plan.etas:
                 spec = experiment_spec(task, plan, eta)
@@ -769,6 +784,7 @@ def run(ctx: Context) -> list[Result]:
     common = {
         "workload": {"n": plan.n, "batch": plan.batch, "steps": plan.steps,
                      "max_groups": plan.max_groups, "slots": plan.slots,
+                     "keep_kv_on_update": plan.keep_kv,
                      "lengths": f"lognormal median {plan.median:g} sigma {plan.sigma:g} "
                                 f"cap {plan.max_len}", "prompt_len": task.prompt_len},
         "measured_parameters": _rounded(asdict(measured)),
