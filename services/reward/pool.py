@@ -83,7 +83,7 @@ def score_one(function: str, kwargs: dict[str, str], item: Item) -> tuple[bool, 
         value = rewards.resolve(function)(item.completion, item.answer, item.prompt, **kwargs)
     except Exception as e:  # noqa: BLE001 - reported as the item's FAILED reason
         return False, f"{type(e).__name__}: {e}"
-    if isinstance(value, numbers.Real):
+    if type(value) is float or isinstance(value, numbers.Real):  # float: no ABC check
         reward = float(value)
         if math.isfinite(reward):
             return True, reward
@@ -112,11 +112,10 @@ def score_items(
     return out
 
 
-def inline(function: str, item: Item) -> bool:
-    """Whether `item` is scored on the event loop (see the module docstring)."""
+def _short(item: Item) -> bool:
+    """Whether `item`'s texts are short enough to be scored inline (see the module docstring)."""
     return (
-        function in rewards.INLINE
-        and len(item.completion) <= rewards.INLINE_MAX_CHARS
+        len(item.completion) <= rewards.INLINE_MAX_CHARS
         and len(item.answer) <= rewards.INLINE_MAX_CHARS
     )
 
@@ -144,8 +143,9 @@ class ScoringPool:
         """Score `items` with the reward function called `function`; results in item order."""
         results: list[Score | None] = [None] * len(items)
         pooled = []
+        builtin = function in rewards.INLINE
         for i, item in enumerate(items):
-            if inline(function, item):
+            if builtin and _short(item):
                 results[i] = _score(*score_one(function, kwargs, item))
             else:
                 pooled.append(i)

@@ -25,10 +25,18 @@ def items_from_proto(request: reward_pb2.ScoreRequest) -> list[Item]:
     return [Item(i.id, i.completion, i.answer, i.prompt) for i in request.items]
 
 
-def result_to_proto(item: Item, score: Score) -> reward_pb2.ScoreResult:
-    return reward_pb2.ScoreResult(
-        id=item.id, reward=score.reward, status=status_to_proto(score.status), reason=score.reason
-    )
+def response_to_proto(items: list[Item], scores: list[Score]) -> reward_pb2.ScoreResponse:
+    """The results in item order, each added in place (no ScoreResult copied into the list)."""
+    response = reward_pb2.ScoreResponse()
+    add = response.results.add
+    for item, score in zip(items, scores, strict=True):
+        add(
+            id=item.id,
+            reward=score.reward,
+            status=status_to_proto(score.status),
+            reason=score.reason,
+        )
+    return response
 
 
 class RewardCollector(Collector):
@@ -45,6 +53,32 @@ class RewardCollector(Collector):
         yield from (workers, in_flight)
 
 
+class Tally:
+    """Score calls since the last summary line, which is written every `every_s` seconds. A
+    line per call (one per group) was ~10 CPU-µs of the ~300 a Score call costs the service
+    (bench/control_plane.py); a call with a failed item still gets its own line."""
+
+    def __init__(self, every_s: float = 10.0):
+        self.every_s = every_s
+        self._since = time.perf_counter()
+        self.calls = self.items = self.failed = 0
+
+    def add(self, items: int, failed: int, now: float) -> None:
+        self.calls += 1
+        self.items += items
+        self.failed += failed
+        if now - self._since >= self.every_s:
+            log.info(
+                "scored",
+                calls=self.calls,
+                items=self.items,
+                failed=self.failed,
+                seconds=round(now - self._since, 1),
+            )
+            self._since = now
+            self.calls = self.items = self.failed = 0
+
+
 class RewardService(reward_pb2_grpc.RewardServicer):
     """Scores items with the reward function of the experiment they belong to; each
     experiment's function is loaded once, when a rollout binds it here."""
@@ -55,6 +89,7 @@ class RewardService(reward_pb2_grpc.RewardServicer):
     def __init__(self, pool: ScoringPool):
         self.pool = pool
         self._bound: collections.OrderedDict[str, RewardSpec] = collections.OrderedDict()
+        self._tally = Tally()
 
     async def BindExperiment(self, request, context):
         if not request.experiment_id:
@@ -80,18 +115,18 @@ class RewardService(reward_pb2_grpc.RewardServicer):
         items = items_from_proto(request)
         results = await self.pool.score(reward.function, reward.kwargs, items, reward.timeout_s)
         failed = [r for r in results if r.status is RewardStatus.FAILED]
-        log.info(
-            "batch_scored",
-            experiment=request.experiment_id,
-            function=reward.function,
-            items=len(results),
-            failed=len(failed),
-            seconds=round(time.perf_counter() - start, 4),
-            first_failure=failed[0].reason if failed else None,
-        )
-        return reward_pb2.ScoreResponse(
-            results=[result_to_proto(i, r) for i, r in zip(items, results, strict=True)]
-        )
+        if failed:
+            log.info(
+                "batch_scored",
+                experiment=request.experiment_id,
+                function=reward.function,
+                items=len(results),
+                failed=len(failed),
+                seconds=round(time.perf_counter() - start, 4),
+                first_failure=failed[0].reason,
+            )
+        self._tally.add(len(results), len(failed), start)
+        return response_to_proto(items, results)
 
     async def ListRewardFunctions(self, request, context):
         return reward_pb2.ListRewardFunctionsResponse(names=list(rewards.REWARD_FUNCTIONS))
