@@ -46,19 +46,23 @@ def _tokens_reason(name: str, ids: list[int], vocab_size: int) -> str:
 
 
 def _sample_reason(i: int, s: Sample, a: Admission) -> str:
+    """Checked for every sample of every group pulled, so the common case is kept to a few C
+    calls: min/max per list, and one float sum for the logprobs (NaN or inf make it so; only a
+    non-finite sum is checked element by element, since finite values can overflow it)."""
     n = len(s.output_ids)
-    lengths = {"logprobs": len(s.logprobs), "versions": len(s.versions)}
-    if s.loss_mask:
-        lengths["loss_mask"] = len(s.loss_mask)
-    for name, length in lengths.items():
-        if length != n:
-            return f"sample {i}: {length} {name} for {n} output_ids"
-    if reason := _tokens_reason(f"sample {i} output_ids", s.output_ids, a.vocab_size):
-        return reason
-    if s.versions and (min(s.versions) < 0 or max(s.versions) > a.trainer_version):
+    for name, values in (("logprobs", s.logprobs), ("versions", s.versions)):
+        if len(values) != n:
+            return f"sample {i}: {len(values)} {name} for {n} output_ids"
+    if s.loss_mask and len(s.loss_mask) != n:
+        return f"sample {i}: {len(s.loss_mask)} loss_mask for {n} output_ids"
+    if n == 0:
+        return ""
+    if min(s.output_ids) < 0 or max(s.output_ids) >= a.vocab_size:
+        return _tokens_reason(f"sample {i} output_ids", s.output_ids, a.vocab_size)
+    if min(s.versions) < 0 or max(s.versions) > a.trainer_version:
         bad = next(v for v in s.versions if not 0 <= v <= a.trainer_version)
         return f"sample {i}: version {bad} outside [0, trainer version {a.trainer_version}]"
-    if not all(math.isfinite(lp) for lp in s.logprobs):
+    if not math.isfinite(sum(s.logprobs)) and not all(map(math.isfinite, s.logprobs)):
         return f"sample {i}: a logprob is not finite"
     return ""
 

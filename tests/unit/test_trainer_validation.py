@@ -48,6 +48,10 @@ def test_invalid_reason_well_formed_group_empty():
     assert invalid_reason(_group([_sample(out=(0, 9), versions=[0, 3])]), A) == ""
 
 
+def test_invalid_reason_finite_logprobs_whose_sum_overflows_well_formed():
+    assert invalid_reason(_group([_sample(lps=[-1e308, -1e308])]), A) == ""
+
+
 @pytest.mark.parametrize(
     ("group", "reason"),
     [
@@ -74,6 +78,8 @@ def test_invalid_reason_well_formed_group_empty():
             "sample 0: version -1 outside [0, trainer version 3]",
         ),
         (_group([_sample(lps=[-1.0, math.nan])]), "sample 0: a logprob is not finite"),
+        (_group([_sample(lps=[-math.inf, -1.0])]), "sample 0: a logprob is not finite"),
+        (_group([_sample(lps=[math.inf, -math.inf])]), "sample 0: a logprob is not finite"),
     ],
 )
 def test_invalid_reason_bad_group_names_exact_reason(group, reason):
