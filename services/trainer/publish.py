@@ -11,12 +11,13 @@ version's bytes at most wait in memory), and its failure is raised to the loop b
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import uuid
 from collections.abc import Coroutine
 from pathlib import Path
 
-from asyncrl.weights import copy_tokenizer, prune, publish_version, version_dir
+from asyncrl.weights import TOKENIZER_FILES, prune, publish_version, version_dir
 
 
 def write_version(
@@ -37,12 +38,27 @@ def write_version(
         tmp.mkdir()
         for name, data in files.items():
             (tmp / name).write_bytes(data)
-        copy_tokenizer(tokenizer_dir, tmp)
+        _add_tokenizer(Path(tokenizer_dir), version_dir(root, experiment_id, version - 1), tmp)
         uri = publish_version(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     prune(root, experiment_id, keep=keep)
     return uri
+
+
+def _add_tokenizer(tokenizer_dir: Path, previous: Path, dst: Path) -> None:
+    """The tokenizer's files into `dst`: hard links to those of the `previous` version where it
+    has them (a version is never changed in place, so they hold the same bytes), else copies.
+    A copy creates a file per tokenizer file per step: on the machine bench/control_plane.py
+    ran on, ~340 CPU-µs each against 15 for a link."""
+    for name in TOKENIZER_FILES:
+        src = tokenizer_dir / name
+        if not src.exists():
+            continue
+        try:
+            os.link(previous / name, dst / name)
+        except OSError:  # no previous version (the first, a rewind), another file system
+            shutil.copy2(src, dst / name)
 
 
 class InFlight:
