@@ -73,6 +73,13 @@ class ZeroEngine(Engine):
         return 0
 
     async def generate(self, req: GenRequest) -> GenOutput:
+        return self._answer(req)
+
+    async def generate_many(self, reqs: list[GenRequest]) -> list[GenOutput]:
+        """At once, as `generate` (the torch engine queues a group's requests in one call)."""
+        return [self._answer(req) for req in reqs]
+
+    def _answer(self, req: GenRequest) -> GenOutput:
         n = min(self.output_len, req.params.max_new_tokens)
         return GenOutput(
             output_ids=self._ids[:n],

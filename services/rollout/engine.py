@@ -8,6 +8,7 @@ the request.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,6 +78,18 @@ class Engine(ABC):
 
     @abstractmethod
     async def generate(self, req: GenRequest) -> GenOutput: ...
+
+    async def generate_many(self, reqs: list[GenRequest]) -> list[GenOutput]:
+        """The outputs of `reqs` (a group's samples), in order, generated concurrently as
+        `generate` would: cancelling aborts every request; the first failure aborts the others
+        and is raised. Here, one task per request; an engine that can take a batch at once
+        overrides it (a group is then one call, not n tasks)."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self.generate(req)) for req in reqs]
+        except ExceptionGroup as eg:
+            raise eg.exceptions[0] from eg
+        return [t.result() for t in tasks]
 
     @property
     def running(self) -> int:

@@ -1,9 +1,9 @@
 """The rollout service logic: weights, group generation, scoring, filtering, publishing.
 
-A group is the unit of work: the experiment's workflow (asyncrl.workflow; `single_turn` is
-one engine request) runs n times concurrently for one prompt, each run yielding one
-trajectory; the trajectories the workflow left unscored are scored with one Reward.Score
-call, the filter decides, and an accepted group
+A group is the unit of work: the experiment's workflow (asyncrl.workflow) runs n times
+concurrently for one prompt, each run yielding one trajectory (the built-in `single_turn`, one
+engine request per run, is one engine call for the n samples); the trajectories the workflow
+left unscored are scored with one Reward.Score call, the filter decides, and an accepted group
 (or any eval group) is published to JetStream with Nats-Msg-Id = group id *before* the summary
 goes back to the scheduler. A cancelled GenerateGroup cancels its engine requests and publishes
 nothing; so does AbortGroups (the scheduler found the group too stale) for a group not yet
@@ -32,7 +32,14 @@ from asyncrl.throughput import Throughput
 from asyncrl.types import Completion, RewardStatus, Sample, Score, TrajectoryGroup
 from asyncrl.weights import uri_to_path
 from asyncrl.weights_nats import fetch_version, is_nats_uri
-from asyncrl.workflow import Workflow, WorkflowContext, make_workflow, resolve_workflow
+from asyncrl.workflow import (
+    SingleTurn,
+    Workflow,
+    WorkflowContext,
+    make_workflow,
+    resolve_workflow,
+)
+from services.rollout.codec import Codec
 from services.rollout.engine import Engine, GenRequest, UpdatePhases
 from services.rollout.filters import GroupStatus, decide, failed_samples
 from services.rollout.openai_api import OpenAIEndpoint
@@ -177,6 +184,8 @@ class RolloutService:
         self.experiment_id = ""
         """The experiment whose model is loaded (set once UpdateWeights loaded it)."""
         self.tokenizer = None
+        self.codec: Codec | None = None
+        """`tokenizer`'s encode and decode, on the Rust tokenizer where that is the same."""
         self.rewards = RewardClient()
         self.throughput = Throughput()
         self._groups: dict[str, _Running] = {}
@@ -284,7 +293,7 @@ class RolloutService:
         if binding.spec.rollout.workflow.chat_template and not tokenizer.chat_template:
             raise SpecError("rollout.workflow.chat_template", "the tokenizer has no chat template")
         await self.engine.load(str(path), version)
-        self.tokenizer = tokenizer
+        self.tokenizer, self.codec = tokenizer, Codec(tokenizer)
         self.experiment_id = binding.experiment_id
         freeze_heap()  # the model and tokenizer: never scanned by the collector again
         log.info("experiment_loaded", experiment=binding.experiment_id, version=version)
@@ -360,11 +369,7 @@ class RolloutService:
         t0 = time.perf_counter()
         version_at_start = self.engine.version
         prompt_ids, chat_prompt = self._prompt(job, binding)
-        contexts = [
-            self._context(job, binding, prompt_ids, i, chat_prompt)
-            for i in range(binding.n(job.eval))
-        ]
-        running.task = asyncio.create_task(_run_all(binding.workflow(), contexts))
+        running.task = asyncio.create_task(self._samples(job, binding, prompt_ids, chat_prompt))
         try:
             samples = await running.task
         except asyncio.CancelledError:
@@ -381,8 +386,7 @@ class RolloutService:
             return self._summary(
                 job, GroupStatus.FAILED, f"generation failed: {exc}", [], version_at_start, t0
             )
-        for sample in samples:
-            self._finish(sample)
+        self._finish(samples)
         await self._score(job, binding, [s for s in samples if s.reward is None])
         if running.aborted:  # while it was being scored: nothing is published
             return self._summary(
@@ -418,8 +422,48 @@ class RolloutService:
                 add_generation_prompt=True,
                 tokenize=False,
             )
-        ids = self.tokenizer(chat_prompt or job.prompt, add_special_tokens=False).input_ids
-        return list(ids), chat_prompt
+        return self.codec.encode(chat_prompt or job.prompt), chat_prompt
+
+    async def _samples(
+        self, job: GroupJob, binding: Binding, prompt_ids: list[int], chat_prompt: str | None
+    ) -> list[Sample]:
+        """The group's n trajectories: the workflow run once per sample, concurrently, each
+        with its own context (one failure cancels the others). The built-in single_turn is one
+        engine call for the n samples instead: what n runs of it would do, without a context,
+        a task and a second decode per sample."""
+        n = binding.n(job.eval)
+        if binding.workflow_cls is SingleTurn:
+            return await self._single_turn(job, binding, prompt_ids, n)
+        contexts = [self._context(job, binding, prompt_ids, i, chat_prompt) for i in range(n)]
+        return await _run_all(binding.workflow(), contexts)
+
+    async def _single_turn(
+        self, job: GroupJob, binding: Binding, prompt_ids: list[int], n: int
+    ) -> list[Sample]:
+        """n completions of the prompt, request ids `<group>:<sample>` as
+        `WorkflowContext.generate` gives them, left for `_score`."""
+        params = binding.params(job.eval)
+        stops, decode = self._stops(params), self.codec.decode
+        outs = await self.engine.generate_many(
+            [GenRequest(f"{job.group_id}:{i}", prompt_ids, params, stops, decode) for i in range(n)]
+        )
+        samples = []
+        for out in outs:
+            sample = Sample()
+            sample.add_policy(
+                Completion(out.output_ids, out.logprobs, out.versions, out.finish_reason)
+            )
+            sample.text = decode(out.output_ids)  # all of it is the policy's
+            samples.append(sample)
+        self.throughput.add(sum(len(out.output_ids) for out in outs))
+        return samples
+
+    def _stops(self, params: SamplingParams) -> list[int]:
+        """The token ids that end a sample: the spec's, and EOS unless `ignore_eos`."""
+        eos = self.codec.eos_token_id
+        if eos is None or params.ignore_eos:
+            return list(params.stop_token_ids)
+        return [*params.stop_token_ids, eos]
 
     async def _publish(
         self, job: GroupJob, prompt_ids: list[int], samples: list[Sample], summary: GroupSummary
@@ -442,9 +486,6 @@ class RolloutService:
         _, summary.duplicate = await publish_group(self.js, group)
         summary.published = True
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
     def _context(
         self,
         job: GroupJob,
@@ -455,17 +496,14 @@ class RolloutService:
     ) -> WorkflowContext:
         """Sample `index`'s view of the system: the engine (interruptible, per-token
         versions) and the experiment's reward function."""
-        params = binding.params(job.eval)
-        stop_ids = list(params.stop_token_ids)
-        eos = self.tokenizer.eos_token_id
+        decode = self.codec.decode
 
         async def generate(rid: str, input_ids: list[int], params: SamplingParams) -> Completion:
-            stops = stop_ids if eos is None or params.ignore_eos else [*stop_ids, eos]
             out = await self.engine.generate(
-                GenRequest(rid, input_ids, params, stops, decode=self._decode)
+                GenRequest(rid, input_ids, params, self._stops(params), decode)
             )
             self.throughput.add(len(out.output_ids))
-            text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+            text = decode(out.output_ids)
             return Completion(out.output_ids, out.logprobs, out.versions, out.finish_reason, text)
 
         async def score(prompt: str, text: str) -> Score:
@@ -479,7 +517,7 @@ class RolloutService:
             prompt_ids=prompt_ids,
             index=index,
             is_eval=job.eval,
-            params=params,
+            params=binding.params(job.eval),
             tokenizer=self.tokenizer,
             generate=generate,
             score=score,
@@ -489,11 +527,15 @@ class RolloutService:
             openai_session=self.openai.session,
         )
 
-    def _finish(self, sample: Sample) -> None:
-        """What to score when the workflow left `text` empty: the policy's tokens, decoded."""
-        if not sample.text:
-            policy = [t for t, m in zip(sample.output_ids, sample.trained_mask(), strict=True) if m]
-            sample.text = self.tokenizer.decode(policy, skip_special_tokens=True)
+    def _finish(self, samples: list[Sample]) -> None:
+        """What to score when a workflow left `text` empty: the policy's tokens, decoded."""
+        for sample in samples:
+            if sample.text:
+                continue
+            ids = sample.output_ids
+            if sample.loss_mask and not all(sample.loss_mask):
+                ids = [t for t, m in zip(ids, sample.loss_mask, strict=True) if m]
+            sample.text = self.codec.decode(ids)
 
     async def _score(self, job: GroupJob, binding: Binding, samples: list[Sample]) -> None:
         """Score the samples the workflow left unscored (one Score call). An unreachable reward

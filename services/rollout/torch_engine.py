@@ -243,10 +243,36 @@ class TorchEngine(Engine):
         )
 
     async def generate(self, req: GenRequest) -> GenOutput:
+        [slot] = self._queue([req])
+        try:
+            return await slot.future
+        except asyncio.CancelledError:
+            self._discard(slot)
+            raise
+
+    async def generate_many(self, reqs: list[GenRequest]) -> list[GenOutput]:
+        """A group's requests queued together: one call, no task per request."""
+        slots = self._queue(reqs)
+        try:
+            return list(await asyncio.gather(*(slot.future for slot in slots)))
+        except BaseException:  # cancelled, or one failed: the others are aborted
+            for slot in slots:
+                self._discard(slot)
+            raise
+
+    def _queue(self, reqs: list[GenRequest]) -> list[_Slot]:
+        """Check every request (ValueError: none is queued), then queue them all."""
         if self.model is None:
             raise RuntimeError("no model loaded")
         if self._task is None:
             raise RuntimeError("engine not started")
+        slots = [self._slot(req) for req in reqs]
+        self._waiting.extend(slots)
+        self._news = True
+        self._wake.set()
+        return slots
+
+    def _slot(self, req: GenRequest) -> _Slot:
         if not req.input_ids:
             raise ValueError("input_ids: empty prompt")
         if any(req.params.stop) and req.decode is None:
@@ -257,21 +283,13 @@ class TorchEngine(Engine):
                 f"model's {self.max_positions} positions"
             )
         seed = (self.seed * 1_000_003 + zlib.crc32(req.rid.encode())) % (2**63)
-        slot = _Slot(
+        return _Slot(
             req=req,
             future=self._new_future(),
             gen=torch.Generator().manual_seed(seed),
             stop_ids=frozenset(req.stop_token_ids) | frozenset(req.params.stop_token_ids),
             stop_strings=tuple(s for s in req.params.stop if s),
         )
-        self._waiting.append(slot)
-        self._news = True
-        self._wake.set()
-        try:
-            return await slot.future
-        except asyncio.CancelledError:
-            self._discard(slot)
-            raise
 
     # ---------------------------------------------------------------- the loop
     def _new_future(self) -> asyncio.Future:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -21,6 +22,7 @@ from asyncrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from asyncrl.weights import path_to_uri
 from services.reward.server import create_reward
 from services.rollout.server import create_rollout
+from services.rollout.service import Binding, GroupJob
 from services.rollout.torch_engine import TorchEngine
 
 EXP = "exp1"
@@ -443,6 +445,28 @@ async def test_group_dispatched_again_while_running_supersedes_the_earlier_run(
     assert service.running_groups == 0 and service.engine.running == 0
     [group] = await _read_back(js, train_subject(exp), 1)
     assert group.group_id == "again"
+
+
+async def test_single_turn_group_is_what_one_workflow_run_per_sample_gives(rollout, models):
+    """The built-in single_turn runs as one engine call for the whole group; the same workflow
+    under a plugin name (a SingleTurn subclass) runs once per sample, each with its own
+    context. Both give the same trajectories (request ids `<group>:<sample>` seed them)."""
+    _, service = rollout
+    job = GroupJob(EXP, "same", "p-same", "1+1=", "2")
+    runs = []
+    for workflow in ("single_turn", "tests.fixtures_plugins.marker:Marker"):
+        spec_json = _spec_json(models, n=4, max_new_tokens=8, workflow=workflow)
+        binding = Binding.create(EXP, spec_json)
+        prompt_ids, chat_prompt = service._prompt(job, binding)
+        samples = await service._samples(job, binding, prompt_ids, chat_prompt)
+        service._finish(samples)  # the text to score
+        runs.append(samples)
+    together, per_sample = runs
+    assert len(together) == 4 and len({tuple(s.output_ids) for s in together}) > 1
+    for x, y in zip(together, per_sample, strict=True):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+        assert replace(x, logprobs=y.logprobs) == y
+        assert x.text and x.text == service.tokenizer.decode(x.output_ids, skip_special_tokens=True)
 
 
 async def test_plugin_workflow_yields_one_trajectory_system_groups_n_env_tokens_masked(

@@ -315,6 +315,53 @@ async def test_cancel_generate_removes_request_from_batch(models):
         await engine.stop()
 
 
+async def test_generate_many_samples_as_one_generate_per_request(models):
+    """A group's requests in one call: the same samples as n concurrent `generate` calls."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=12)
+    reqs = [GenRequest(f"g:{i}", PROMPTS[0], params) for i in range(4)]
+    a = await _engine(models / "v0", seed=3)
+    b = await _engine(models / "v0", seed=3)
+    try:
+        together = await a.generate_many(reqs)
+        one_by_one = await asyncio.gather(*[b.generate(r) for r in reqs])
+    finally:
+        await a.stop()
+        await b.stop()
+    assert [o.output_ids for o in together] == [o.output_ids for o in one_by_one]
+    assert len({tuple(o.output_ids) for o in together}) > 1  # each request its own sample
+    for x, y in zip(together, one_by_one, strict=True):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+
+
+async def test_generate_many_cancelled_aborts_every_request(models):
+    engine = await _engine(models / "v0")
+    long = SamplingParams(temperature=1.0, max_new_tokens=200)
+    try:
+        call = asyncio.create_task(
+            engine.generate_many([GenRequest(f"c:{i}", PROMPTS[i], long) for i in range(3)])
+        )
+        await wait_until(lambda: engine.tokens_generated >= 6, timeout=30, interval=0.001)
+        assert engine.running == 3
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert engine.running == 0
+    finally:
+        await engine.stop()
+
+
+async def test_generate_many_bad_request_queues_none(models):
+    engine = await _engine(models / "v0")
+    try:
+        with pytest.raises(ValueError, match="empty prompt"):
+            await engine.generate_many(
+                [GenRequest("b:0", PROMPTS[0], GREEDY), GenRequest("b:1", [], GREEDY)]
+            )
+        assert engine.running == 0 and engine.tokens_generated == 0
+    finally:
+        await engine.stop()
+
+
 def test_sample_token_logprob_is_unscaled_log_softmax():
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
     gen = torch.Generator().manual_seed(0)
