@@ -6,19 +6,27 @@ from `start_seq` (DeliverPolicy.BY_START_SEQUENCE): the checkpoint decides where
 resumes.
 
 Acks only stop the server from delivering a message again while this consumer lives, so they
-are cheap: AckPolicy.ALL, and one ack without waiting for the newest message of each fetch.
-That is sound only if every delivery before it reached us, so each fetch is checked: the
+are cheap: AckPolicy.ALL, and one ack without waiting for the newest message of each pull.
+That is sound only if every delivery before it reached us, so each pull is checked: the
 consumer's delivery sequence must go on by one from message to message, and nothing may come a
 second time. A delivery lost on the way (a reconnect, a slow-consumer drop, a nats-server that
 restarted and redelivers) breaks that chain; the messages from the break on are discarded and
 the consumer is re-created right after the last message taken in order, so the stream is read
 in order again, nothing skipped (an ack of a later message would have covered the lost one).
 
-`pull(n)` hands out at most n messages, in stream order. A fetch can return more than it asked
-for (nats-py drains everything its subscription already holds, e.g. what a pull request left
-over from a timed-out fetch delivered); the surplus waits here for the next `pull`. It is
-acked but not consumed: the trainer's position (the last sequence it handed to a step) stays
-below it, so after a crash the re-created consumer delivers it again.
+Messages come by pull requests this consumer makes itself (the JetStream protocol: a request on
+`$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>` asks for a batch, delivered to an inbox of
+ours as it is published, until the batch is full or the request expires). One request asks for
+what the trainer still needs for its step and stays open across `pull`s, which take what it
+brought so far: about one request per step, where nats-py's `fetch` made one or two per `pull`,
+each bringing the few groups published since the last and a status reply (bench/control_plane.py:
+trainer ~55 and nats-server ~30 CPU-µs per group more). A re-created consumer gets a new inbox,
+so nothing a request of the old one brings reaches it.
+
+`pull(n)` hands out at most n messages, in stream order. A request can bring more than a
+`pull` asked for (one made for an earlier, larger `pull`); the surplus waits here for the next
+`pull`. It is acked but not consumed: the trainer's position (the last sequence it handed to a
+step) stays below it, so after a crash the re-created consumer delivers it again.
 
 A message the trainer will not train is dead-lettered on `dead_subject(experiment)`, with the
 reason and its stream sequence in headers (deduplicated by that sequence).
@@ -26,14 +34,17 @@ reason and its stream sequence in headers (deduplicated by that sequence).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import re
+import time
 from collections import deque
 from dataclasses import dataclass
 
 import nats
 from google.protobuf.message import DecodeError
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
 
 from asyncrl.convert import group_from_bytes
 from asyncrl.logging import get_logger
@@ -44,6 +55,9 @@ from asyncrl.types import TrajectoryGroup
 log = get_logger()
 
 PUBLISH_TIMEOUT_S = 10.0
+EXPIRY_SHARE = 0.9
+"""A request expires on the server after this share of the `pull` timeout it was made for: its
+408 reply then comes while the `pull` still waits, so the next `pull` knows to ask again."""
 REASON_HEADER = "Asyncrl-Reason"
 SEQ_HEADER = "Asyncrl-Stream-Seq"
 MAX_REASON_CHARS = 1000
@@ -84,14 +98,24 @@ class GroupConsumer:
         self.js = js
         self.experiment_id = experiment_id
         self.name = durable_name(experiment_id)
+        self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{self.name}"
         self._sub = None
+        """The subscription on this consumer's inbox (None before `open`)."""
+        self._inbox = ""
+        self._arrivals: deque = deque()
+        """What the inbox received and no `pull` took yet: messages and status replies."""
+        self._arrived = asyncio.Event()
+        self._owed = 0
+        """Messages the open request may still bring (0: none is open)."""
+        self._open_until = 0.0
+        """Monotonic time the open request has expired by."""
         self._surplus: deque[Pulled] = deque()
         self._last_seq = 0
         """Stream sequence of the last message taken in order (0: before the first)."""
         self._next_delivery = 1
         """The consumer's delivery sequence the next message must carry."""
         self._broken = False
-        """A delivery went missing: re-create the consumer before the next fetch."""
+        """A delivery went missing: re-create the consumer before the next pull."""
         self.reopened = 0
         """Times the consumer was re-created after a broken delivery chain."""
 
@@ -116,7 +140,11 @@ class GroupConsumer:
             ack_wait=60.0,
         )
         await self.js.add_consumer(STREAM, config=cfg)
-        self._sub = await self.js.pull_subscribe_bind(durable=self.name, stream=STREAM)
+        nc = self.js._nc  # nats-py keeps the connection there; a pull request is a publish
+        self._inbox = nc.new_inbox()
+        self._sub = await nc.subscribe(self._inbox, cb=self._receive)
+        self._arrivals.clear()
+        self._owed = 0
         self._last_seq, self._next_delivery, self._broken = start_seq - 1, 1, False
         log.info(
             "consumer_opened",
@@ -125,19 +153,73 @@ class GroupConsumer:
             start_seq=start_seq,
         )
 
+    async def _receive(self, msg) -> None:
+        self._arrivals.append(msg)
+        self._arrived.set()
+
     async def pull(self, n: int, timeout: float) -> list[Pulled]:
         """Take up to n messages in stream order (waiting at most `timeout` for the first when
-        none is held back from an earlier fetch), acking each fetch as it arrives."""
+        none is held back from an earlier one), acking what arrived as it is taken."""
         if not self._surplus:
             if self._broken and not await self._reopen():
                 return []
             assert self._sub is not None, "open() first"
-            try:
-                msgs = await self._sub.fetch(n, timeout=timeout)
-            except (TimeoutError, nats.errors.TimeoutError):
-                return []
-            await self._take(msgs)
+            msgs = await self._messages(n, timeout)
+            if msgs:
+                await self._take(msgs)
         return [self._surplus.popleft() for _ in range(min(n, len(self._surplus)))]
+
+    async def _messages(self, n: int, timeout: float) -> list:
+        """The messages that arrived, waiting up to `timeout` for the first; asks for n when no
+        request is open (once: when the request made here expires, the wait is over)."""
+        deadline = time.monotonic() + timeout
+        asked = False
+        while True:
+            msgs = self._drain()
+            now = time.monotonic()
+            if msgs or self._broken or now >= deadline:
+                return msgs
+            if self._owed <= 0 or now >= self._open_until:
+                if asked:
+                    return []
+                await self._ask(n, deadline - now)
+                asked = True
+            if not self._arrivals:
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), deadline - now)
+                except TimeoutError:
+                    return []
+
+    async def _ask(self, n: int, timeout: float) -> None:
+        """Open a request for n messages that expires within `timeout`."""
+        expires_ns = max(1_000_000, int(timeout * EXPIRY_SHARE * 1e9))
+        body = json.dumps({"batch": n, "expires": expires_ns}).encode()
+        await self.js._nc.publish(self._next_subject, body, reply=self._inbox)
+        self._owed, self._open_until = n, time.monotonic() + timeout
+
+    def _drain(self) -> list:
+        """The messages among what arrived. A status reply ends the open request (404/408:
+        expired) or, for any other (409: the consumer was deleted, its leader changed), has the
+        consumer re-created."""
+        self._arrived.clear()
+        msgs = []
+        while self._arrivals:
+            msg = self._arrivals.popleft()
+            status = msg.headers.get(Header.STATUS) if msg.headers else None
+            if status is None:
+                msgs.append(msg)
+                self._owed -= 1
+            elif status in ("404", "408"):
+                self._owed = 0
+            elif status != "100":  # 100: an idle heartbeat
+                self._owed, self._broken = 0, True
+                log.warning(
+                    "consumer_request_failed",
+                    experiment=self.experiment_id,
+                    status=status,
+                    description=msg.headers.get(Header.DESCRIPTION, ""),
+                )
+        return msgs
 
     async def _take(self, msgs: list) -> None:
         """Keep the unbroken run of deliveries at the head of `msgs` and ack its newest (which
@@ -181,7 +263,7 @@ class GroupConsumer:
 
     @property
     def held(self) -> int:
-        """Messages fetched but not yet handed out."""
+        """Messages received but not yet handed out."""
         return len(self._surplus)
 
     async def dead_letter(self, pulled: Pulled, reason: str) -> None:

@@ -377,12 +377,12 @@ async def test_trainer_model_fails_to_load_failed_names_load(tiny, start_trainer
 
 
 async def _orphan_pull_request(nc, service, batch: int) -> None:
-    """A pull request on the trainer's consumer whose client gave up, as a timed-out fetch
-    leaves one on the server: what it delivers waits in the trainer's subscription queue, and
-    nats-py's next fetch returns all of it, however few messages that fetch asked for."""
-    sub = service._consumer._sub
+    """A pull request for more than the trainer's steps ask for, delivering to the trainer's
+    inbox (as one the consumer made for an earlier, larger pull): the consumer takes all it
+    brings, however few messages the pull asked for."""
+    consumer = service._consumer
     request = {"batch": batch, "expires": 20_000_000_000}
-    await nc.publish(sub._nms, json.dumps(request).encode(), reply=sub._deliver)
+    await nc.publish(consumer._next_subject, json.dumps(request).encode(), reply=consumer._inbox)
     await nc.flush()
 
 

@@ -1,9 +1,11 @@
-"""GroupConsumer.pull over a fake subscription: never more than asked, the surplus of an
-over-full fetch handed out next, in stream order; garbage decodes to an error, not a raise;
-one ack per fetch, never past a delivery that did not arrive."""
+"""GroupConsumer.pull over a fake connection: one pull request serves the pulls until it is
+filled or expires; never more than asked, the surplus handed out next, in stream order;
+garbage decodes to an error, not a raise; one ack per pull, never past a delivery that did not
+arrive; a status reply other than an expiry has the consumer re-created."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 from asyncrl.convert import group_to_bytes
@@ -16,24 +18,39 @@ class FakeMsg:
         sequence = SimpleNamespace(stream=seq, consumer=seq if delivery is None else delivery)
         self.metadata = SimpleNamespace(sequence=sequence, num_delivered=delivered)
         self.data = data
+        self.headers = None
         self.acked = False
 
     async def ack(self) -> None:
         self.acked = True
 
 
-class OverFullSub:
-    """A fetch that returns everything it holds, whatever the batch asked (as nats-py does
-    when a pull request left over from a timed-out fetch filled its queue)."""
+def _status(code: str, description: str = "") -> SimpleNamespace:
+    return SimpleNamespace(headers={"Status": code, "Description": description}, data=b"")
 
-    def __init__(self, msgs: list[FakeMsg]):
-        self.msgs = msgs
-        self.fetches: list[int] = []
 
-    async def fetch(self, n: int, timeout: float) -> list[FakeMsg]:
-        self.fetches.append(n)
-        out, self.msgs = self.msgs, []
-        return out
+class FakeNats:
+    """Answers each pull request (a publish) with the next of `answers`: what the server
+    delivers to the consumer's inbox for it (nothing once they run out)."""
+
+    def __init__(self, answers: list[list]):
+        self.answers = answers
+        self.requests: list[int] = []
+        self.consumer: GroupConsumer | None = None
+
+    async def publish(self, subject: str, body: bytes, reply: str = "") -> None:
+        assert subject == "$JS.API.CONSUMER.MSG.NEXT.ASYNCRL_TRAJ.trainer-e"
+        self.requests.append(json.loads(body)["batch"])
+        for msg in self.answers.pop(0) if self.answers else []:
+            await self.consumer._receive(msg)
+
+
+def _consumer(answers: list[list]) -> tuple[GroupConsumer, FakeNats]:
+    nc = FakeNats(answers)
+    consumer = GroupConsumer(js=SimpleNamespace(_nc=nc), experiment_id="e")
+    consumer._sub = object()  # opened
+    nc.consumer = consumer
+    return consumer, nc
 
 
 def _bytes(gid: str) -> bytes:
@@ -41,28 +58,52 @@ def _bytes(gid: str) -> bytes:
     return group_to_bytes(g)
 
 
-async def test_pull_fetch_returns_more_than_asked_hands_n_keeps_rest_in_order():
+async def test_pull_request_brings_more_than_asked_hands_n_keeps_rest_in_order():
+    # a request made for an earlier, larger pull brings more than this pull asks for
     msgs = [FakeMsg(seq, _bytes(f"g{seq}")) for seq in range(1, 6)]
-    consumer = GroupConsumer(js=None, experiment_id="e")
-    consumer._sub = OverFullSub(msgs)
-
+    consumer, nc = _consumer([msgs])
     first = await consumer.pull(2, timeout=0.1)
     assert [p.seq for p in first] == [1, 2]
     assert consumer.held == 3
-    # one ack (AckPolicy.ALL) for the newest of the fetch; the position is the checkpoint's
+    # one ack (AckPolicy.ALL) for the newest that arrived; the position is the checkpoint's
     assert [m.acked for m in msgs] == [False, False, False, False, True]
     second = await consumer.pull(2, timeout=0.1)
     third = await consumer.pull(2, timeout=0.1)
     assert [p.seq for p in second] == [3, 4]
     assert [(p.seq, p.group.group_id) for p in third] == [(5, "g5")]
-    assert consumer._sub.fetches == [2]  # the held ones were handed out without a fetch
+    assert nc.requests == [2]  # the held ones were handed out without a request
     assert await consumer.pull(2, timeout=0.1) == []
-    assert consumer._sub.fetches == [2, 2]
+    assert nc.requests == [2, 2]
+
+
+async def test_pull_open_request_serves_later_pulls_without_asking_again():
+    consumer, nc = _consumer([[FakeMsg(1, _bytes("g1"))]])
+    assert [p.seq for p in await consumer.pull(4, timeout=0.1)] == [1]
+    for seq in (2, 3):  # published later: the open request brings them
+        await consumer._receive(FakeMsg(seq, _bytes(f"g{seq}")))
+    assert [p.seq for p in await consumer.pull(3, timeout=0.1)] == [2, 3]
+    assert nc.requests == [4]
+    await consumer._receive(FakeMsg(4, _bytes("g4")))  # the fourth fills the request
+    assert [p.seq for p in await consumer.pull(1, timeout=0.1)] == [4]
+    assert await consumer.pull(5, timeout=0.1) == []
+    assert nc.requests == [4, 5]
+
+
+async def test_pull_expired_request_asked_again():
+    consumer, nc = _consumer([[FakeMsg(1, _bytes("g1")), _status("408", "Request Timeout")]])
+    assert [p.seq for p in await consumer.pull(4, timeout=0.1)] == [1]
+    assert await consumer.pull(3, timeout=0.1) == []
+    assert nc.requests == [4, 3] and not consumer._broken
+
+
+async def test_pull_other_status_marks_broken():
+    consumer, nc = _consumer([[_status("409", "Consumer Deleted")]])
+    assert await consumer.pull(2, timeout=0.1) == []
+    assert consumer._broken and nc.requests == [2]
 
 
 async def test_pull_garbage_payload_pulled_with_error_not_raised():
-    consumer = GroupConsumer(js=None, experiment_id="e")
-    consumer._sub = OverFullSub([FakeMsg(7, b"\xff\xfe not a protobuf", delivery=1)])
+    consumer, _ = _consumer([[FakeMsg(7, b"\xff\xfe not a protobuf", delivery=1)]])
     [p] = await consumer.pull(1, timeout=0.1)
     assert (p.seq, p.group, p.data) == (7, None, b"\xff\xfe not a protobuf")
     assert p.error.startswith("DecodeError: ")
@@ -71,8 +112,7 @@ async def test_pull_garbage_payload_pulled_with_error_not_raised():
 async def test_pull_delivery_gap_keeps_run_before_it_marks_broken():
     # deliveries 1, 2, then 4: delivery 3 was lost on the way
     msgs = [FakeMsg(10, _bytes("a"), 1), FakeMsg(12, _bytes("b"), 2), FakeMsg(15, _bytes("c"), 4)]
-    consumer = GroupConsumer(js=None, experiment_id="e")
-    consumer._sub = OverFullSub(msgs)
+    consumer, _ = _consumer([msgs])
     got = await consumer.pull(3, timeout=0.1)
     assert [p.seq for p in got] == [10, 12]
     assert [m.acked for m in msgs] == [False, True, False]  # never past the gap
@@ -81,8 +121,7 @@ async def test_pull_delivery_gap_keeps_run_before_it_marks_broken():
 
 async def test_pull_redelivery_marks_broken_acks_nothing():
     msgs = [FakeMsg(3, _bytes("a"), 1, delivered=2)]
-    consumer = GroupConsumer(js=None, experiment_id="e")
-    consumer._sub = OverFullSub(msgs)
+    consumer, _ = _consumer([msgs])
     assert await consumer.pull(1, timeout=0.1) == []
     assert consumer._broken and not msgs[0].acked
 
