@@ -206,10 +206,16 @@ def counted_steps(events: Iterable[dict]) -> list[dict]:
 
 
 def summarize(events: list[dict]) -> LedgerReport:
-    """Each prompt's fate from the experiment's events (pure)."""
+    """Each prompt's fate from the experiment's events (pure). Events of one writer are in the
+    order they were made; between writers, a trainer's `trained`, `left_over` or `quarantined`
+    may be stored before the scheduler's `dispatched` or `settled` of the same group (the
+    scheduler's writer batches), so those are applied once every event is read."""
     prompts: dict[tuple[int, int], PromptFate] = {}
     by_group: dict[str, PromptFate] = {}
     counts = Counter()
+    left_groups: list[str] = []
+    left_prompts: list[tuple[int, int]] = []
+    quarantined: list[tuple[str, str]] = []
     for e in events:
         kind, group = e["event"], e.get("group", "")
         if kind == "dispatched":
@@ -222,24 +228,23 @@ def summarize(events: list[dict]) -> LedgerReport:
         elif kind in ("settled", "retried", "dropped") and group in by_group:
             _settle(by_group[group], e)
             counts["duplicates"] += bool(e.get("duplicate"))
-        elif kind == "left_over":
-            for g in e.get("groups", []):
-                if g in by_group:
-                    by_group[g].left_over = True
-            for key in e.get("prompts", []):
-                if tuple(key) in prompts:
-                    prompts[tuple(key)].left_over = True
-        elif kind == "quarantined":
+        elif kind == "left_over":  # applied below: the trainer's may precede the dispatch
+            left_groups.extend(e.get("groups", []))
+            left_prompts.extend(tuple(key) for key in e.get("prompts", []))
+        elif kind == "quarantined":  # applied below, as left_over
             counts["quarantined"] += 1
-            if group in by_group:  # one of ours, set aside by the trainer: its task failed
-                _settle(
-                    by_group[group],
-                    {
-                        "event": "settled",
-                        "status": "failed",
-                        "reason": f"quarantined: {e.get('reason', '')}",
-                    },
-                )
+            quarantined.append((group, e.get("reason", "")))
+    for group, reason in quarantined:
+        if group in by_group:  # one of ours, set aside by the trainer: its task failed
+            failed = {"event": "settled", "status": "failed", "reason": f"quarantined: {reason}"}
+            _settle(by_group[group], failed)
+    for g in left_groups:
+        p = by_group.get(g) or _undispatched(prompts, by_group, g)
+        if p is not None:
+            p.left_over = True
+    for key in left_prompts:
+        if key in prompts:
+            prompts[key].left_over = True
     steps = counted_steps(events)
     trained_times: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for s in steps:

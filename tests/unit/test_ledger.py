@@ -156,3 +156,25 @@ def test_dropped_then_requeued_but_never_dispatched_again_is_left_over():
     ]
     assert summarize(events).totals["left_over"] == 1
     assert summarize(events[:3]).totals["lost"] == 1  # without the report it would be lost
+
+
+def test_left_over_stored_before_the_dispatch_still_counts():
+    # the trainer's report is stored while the scheduler's writer still holds the dispatch
+    events = [
+        {"event": "left_over", "groups": ["exp-e0-p5-a0"], "reason": "not trained when it ended"},
+        dispatched("exp-e0-p5-a0", 5),
+        settled("exp-e0-p5-a0"),
+    ]
+    report = summarize(events)
+    assert report.totals["left_over"] == 1 and report.totals["lost"] == 0
+    assert len(report.prompts) == 1
+
+
+def test_quarantine_stored_before_the_settle_still_fails_the_group():
+    events = [
+        dispatched("g0", 0),
+        {"event": "quarantined", "group": "g0", "reason": "a logprob is not finite"},
+        settled("g0"),
+    ]
+    [p] = summarize(events).prompts
+    assert (p.fate, p.reason) == ("failed", "quarantined: a logprob is not finite")
