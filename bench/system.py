@@ -137,7 +137,7 @@ def plan_for(ctx: Context) -> Plan:
     if ctx.quick:
         return Plan(n=2, batch=2, steps=3, max_groups=8, median=8, sigma=1.5, max_len=64,
                     timeout_s=60, keep_kv=keep_kv)  # fmt: skip
-    return Plan(n=4, batch=2, steps=30, max_groups=12, median=32, sigma=1.5, max_len=1024,
+    return Plan(n=4, batch=2, steps=60, max_groups=12, median=32, sigma=1.5, max_len=1024,
                 repeats=2, keep_kv=keep_kv)  # fmt: skip
 
 
