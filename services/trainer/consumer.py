@@ -6,7 +6,7 @@ from `start_seq` (DeliverPolicy.BY_START_SEQUENCE): the checkpoint decides where
 resumes.
 
 Acks only stop the server from delivering a message again while this consumer lives, so they
-are cheap: AckPolicy.ALL, and one ack without waiting for the newest message of each pull.
+are cheap: AckPolicy.ALL, and one ack without waiting for the newest message of each request.
 That is sound only if every delivery before it reached us, so each pull is checked: the
 consumer's delivery sequence must go on by one from message to message, and nothing may come a
 second time. A delivery lost on the way (a reconnect, a slow-consumer drop, a nats-server that
@@ -110,6 +110,8 @@ class GroupConsumer:
         self._open_until = 0.0
         """Monotonic time the open request has expired by."""
         self._surplus: deque[Pulled] = deque()
+        self._unacked = None
+        """The newest message taken and not acked yet (see `_ack`)."""
         self._last_seq = 0
         """Stream sequence of the last message taken in order (0: before the first)."""
         self._next_delivery = 1
@@ -144,7 +146,7 @@ class GroupConsumer:
         self._inbox = nc.new_inbox()
         self._sub = await nc.subscribe(self._inbox, cb=self._receive)
         self._arrivals.clear()
-        self._owed = 0
+        self._owed, self._unacked = 0, None
         self._last_seq, self._next_delivery, self._broken = start_seq - 1, 1, False
         log.info(
             "consumer_opened",
@@ -192,6 +194,7 @@ class GroupConsumer:
 
     async def _ask(self, n: int, timeout: float) -> None:
         """Open a request for n messages that expires within `timeout`."""
+        await self._ack()
         expires_ns = max(1_000_000, int(timeout * EXPIRY_SHARE * 1e9))
         body = json.dumps({"batch": n, "expires": expires_ns}).encode()
         await self.js._nc.publish(self._next_subject, body, reply=self._inbox)
@@ -245,10 +248,21 @@ class GroupConsumer:
             self._surplus.append(_decode(self._last_seq, msg.data))
             taken = msg
         if taken is not None:
-            try:
-                await taken.ack()
-            except nats.errors.Error as exc:  # lost: the server delivers again, a broken chain
-                log.warning("consumer_ack_failed", experiment=self.experiment_id, error=str(exc))
+            self._unacked = taken
+        if self._owed <= 0 or self._broken:
+            await self._ack()
+
+    async def _ack(self) -> None:
+        """Ack the newest message taken (acking every delivery before it): once a request is
+        over (filled: the step's batch is complete; expired; before the next one), not at each
+        `pull`. Unacked messages are delivered again only after `ack_wait` (60 s)."""
+        msg, self._unacked = self._unacked, None
+        if msg is None:
+            return
+        try:
+            await msg.ack()
+        except nats.errors.Error as exc:  # lost: the server delivers again, a broken chain
+            log.warning("consumer_ack_failed", experiment=self.experiment_id, error=str(exc))
 
     async def _reopen(self) -> bool:
         """Re-create the consumer right after the last message taken in order; False (and

@@ -1,7 +1,7 @@
 """GroupConsumer.pull over a fake connection: one pull request serves the pulls until it is
 filled or expires; never more than asked, the surplus handed out next, in stream order;
-garbage decodes to an error, not a raise; one ack per pull, never past a delivery that did not
-arrive; a status reply other than an expiry has the consumer re-created."""
+garbage decodes to an error, not a raise; one ack per request, never past a delivery that did
+not arrive; a status reply other than an expiry has the consumer re-created."""
 
 from __future__ import annotations
 
@@ -76,22 +76,26 @@ async def test_pull_request_brings_more_than_asked_hands_n_keeps_rest_in_order()
     assert nc.requests == [2, 2]
 
 
-async def test_pull_open_request_serves_later_pulls_without_asking_again():
-    consumer, nc = _consumer([[FakeMsg(1, _bytes("g1"))]])
+async def test_pull_open_request_serves_later_pulls_without_asking_again_acks_when_filled():
+    msgs = [FakeMsg(seq, _bytes(f"g{seq}")) for seq in range(1, 5)]
+    consumer, nc = _consumer([msgs[:1]])
     assert [p.seq for p in await consumer.pull(4, timeout=0.1)] == [1]
-    for seq in (2, 3):  # published later: the open request brings them
-        await consumer._receive(FakeMsg(seq, _bytes(f"g{seq}")))
+    for msg in msgs[1:3]:  # published later: the open request brings them
+        await consumer._receive(msg)
     assert [p.seq for p in await consumer.pull(3, timeout=0.1)] == [2, 3]
-    assert nc.requests == [4]
-    await consumer._receive(FakeMsg(4, _bytes("g4")))  # the fourth fills the request
+    assert nc.requests == [4] and not any(m.acked for m in msgs)
+    await consumer._receive(msgs[3])  # the fourth fills the request: its newest is acked
     assert [p.seq for p in await consumer.pull(1, timeout=0.1)] == [4]
+    assert [m.acked for m in msgs] == [False, False, False, True]
     assert await consumer.pull(5, timeout=0.1) == []
     assert nc.requests == [4, 5]
 
 
-async def test_pull_expired_request_asked_again():
-    consumer, nc = _consumer([[FakeMsg(1, _bytes("g1")), _status("408", "Request Timeout")]])
+async def test_pull_expired_request_acked_asked_again():
+    first = FakeMsg(1, _bytes("g1"))
+    consumer, nc = _consumer([[first, _status("408", "Request Timeout")]])
     assert [p.seq for p in await consumer.pull(4, timeout=0.1)] == [1]
+    assert first.acked
     assert await consumer.pull(3, timeout=0.1) == []
     assert nc.requests == [4, 3] and not consumer._broken
 
