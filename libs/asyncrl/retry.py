@@ -28,7 +28,7 @@ def idempotent_rpc(attempts: int = 5, max_delay_s: float = 30.0) -> AsyncRetryin
     return AsyncRetrying(
         retry=retry_if_exception(_is_transient_rpc_error),
         stop=stop_after_attempt(attempts) | stop_after_delay(max_delay_s),
-        wait=wait_exponential_jitter(initial=0.1, max=2.0),
+        wait=wait_exponential_jitter(multiplier=0.1, max=2.0),
         reraise=True,
     )
 
@@ -37,7 +37,7 @@ def connect_policy(max_delay_s: float = 60.0) -> AsyncRetrying:
     """For connecting to a dependency that may still be starting (nats, scheduler)."""
     return AsyncRetrying(
         stop=stop_after_delay(max_delay_s),
-        wait=wait_exponential_jitter(initial=0.2, max=2.0),
+        wait=wait_exponential_jitter(multiplier=0.2, max=2.0),
         reraise=True,
     )
 
@@ -63,7 +63,7 @@ def jetstream_write(max_delay_s: float = 60.0) -> AsyncRetrying:
     return AsyncRetrying(
         retry=retry_if_exception(_is_transient_nats_error),
         stop=stop_after_delay(max_delay_s),
-        wait=wait_exponential_jitter(initial=0.2, max=2.0),
+        wait=wait_exponential_jitter(multiplier=0.2, max=2.0),
         reraise=True,
     )
 

@@ -65,6 +65,7 @@ class RewardClient:
         dead one in about a second, and the scheduler's next dispatch carries the addresses
         of replicas that registered meanwhile."""
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, reward_pb2_grpc.RewardStub] = {}
         self._bound: set[tuple[str, str]] = set()
         """(address, experiment) pairs already bound."""
         self._rr = itertools.count()
@@ -73,9 +74,11 @@ class RewardClient:
         self._sending: set[asyncio.Task] = set()
 
     def _stub(self, address: str) -> reward_pb2_grpc.RewardStub:
-        if address not in self._channels:
+        stub = self._stubs.get(address)
+        if stub is None:
             self._channels[address] = channel(address, "rollout")
-        return reward_pb2_grpc.RewardStub(self._channels[address])
+            stub = self._stubs[address] = reward_pb2_grpc.RewardStub(self._channels[address])
+        return stub
 
     async def score(
         self, addresses: list[str], binding: RewardBinding, items: list[ScoreItem]
@@ -123,8 +126,6 @@ class RewardClient:
         order = [addresses[(start + k) % len(addresses)] for k in range(len(addresses))]
         tried = itertools.cycle(order)
         deadline = score_deadline(binding.timeout_s, len(items))
-        # bounded by time, not by attempts: each attempt after the first waits up to 2 s
-        policy = idempotent_rpc(attempts=sys.maxsize, max_delay_s=self.max_wait_s)
         address = next(tried)
         try:
             try:  # the first attempt outside tenacity: its bookkeeping only after a failure
@@ -132,6 +133,8 @@ class RewardClient:
             except grpc.aio.AioRpcError as e:
                 if e.code() not in RETRYABLE_CODES:
                     raise
+                # bounded by time, not by attempts: each attempt after the first waits up to 2 s
+                policy = idempotent_rpc(attempts=sys.maxsize, max_delay_s=self.max_wait_s)
                 async for attempt in policy:
                     with attempt:
                         address = next(tried)
@@ -174,6 +177,7 @@ class RewardClient:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        self._stubs.clear()
         self._bound.clear()
 
 
