@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from asyncrl.spec import SamplingParams
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -84,12 +87,7 @@ class Engine(ABC):
         `generate` would: cancelling aborts every request; the first failure aborts the others
         and is raised. Here, one task per request; an engine that can take a batch at once
         overrides it (a group is then one call, not n tasks)."""
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self.generate(req)) for req in reqs]
-        except ExceptionGroup as eg:
-            raise eg.exceptions[0] from eg
-        return [t.result() for t in tasks]
+        return await run_together([self.generate(req) for req in reqs])
 
     @property
     def running(self) -> int:
@@ -99,3 +97,14 @@ class Engine(ABC):
         """Cumulative counters of the engine's work (name: value), for /metrics; empty where
         the engine keeps none."""
         return {}
+
+
+async def run_together(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run `coros` concurrently and return their results in order; the first failure cancels
+    the others and is raised (itself, not an ExceptionGroup)."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(c) for c in coros]
+    except ExceptionGroup as eg:
+        raise eg.exceptions[0] from eg
+    return [t.result() for t in tasks]

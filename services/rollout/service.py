@@ -40,7 +40,7 @@ from asyncrl.workflow import (
     resolve_workflow,
 )
 from services.rollout.codec import Codec
-from services.rollout.engine import Engine, GenRequest, UpdatePhases
+from services.rollout.engine import Engine, GenRequest, UpdatePhases, run_together
 from services.rollout.filters import GroupStatus, decide, failed_samples
 from services.rollout.openai_api import OpenAIEndpoint
 from services.rollout.reward_client import (
@@ -597,9 +597,4 @@ class RolloutService:
 
 async def _run_all(workflow: Workflow, contexts: list[WorkflowContext]) -> list[Sample]:
     """The group: one workflow run per sample, concurrently; one failure cancels the others."""
-    try:
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(workflow.run(ctx)) for ctx in contexts]
-    except ExceptionGroup as eg:
-        raise eg.exceptions[0] from eg
-    return [t.result() for t in tasks]
+    return await run_together([workflow.run(ctx) for ctx in contexts])
