@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from asyncrl.workflow import AgentWorkflow, Trajectory, Workflow, WorkflowContext
+from asyncrl.workflow import AgentWorkflow, SingleTurn, Trajectory, Workflow, WorkflowContext
 
 
 class TwoCalls(Workflow):
@@ -50,3 +50,8 @@ class AskTwice(AgentWorkflow):
                         {"role": "user", "content": follow_up},
                     ]
         return answer
+
+
+class PerSample(SingleTurn):
+    """The built-in single turn under a plugin name: run once per sample, each with its own
+    context (the general path), where `single_turn` itself is one engine call per group."""

@@ -454,7 +454,7 @@ async def test_single_turn_group_is_what_one_workflow_run_per_sample_gives(rollo
     _, service = rollout
     job = GroupJob(EXP, "same", "p-same", "1+1=", "2")
     runs = []
-    for workflow in ("single_turn", "tests.fixtures_plugins.marker:Marker"):
+    for workflow in ("single_turn", "tests.fixtures_plugins.workflows:PerSample"):
         spec_json = _spec_json(models, n=4, max_new_tokens=8, workflow=workflow)
         binding = Binding.create(EXP, spec_json)
         prompt_ids, chat_prompt = service._prompt(job, binding)
