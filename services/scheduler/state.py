@@ -27,8 +27,9 @@ def record_key(experiment_id: str) -> str:
 
 
 class StateStore:
-    def __init__(self, kv, min_interval_s: float = 0.2):
+    def __init__(self, kv, js, min_interval_s: float = 0.2):
         self.kv = kv
+        self.js = js
         self.min_interval_s = min_interval_s
         self._dirty: dict[str, Callable[[], ExperimentRecord]] = {}
         self._event = asyncio.Event()
@@ -49,21 +50,30 @@ class StateStore:
                     replicas=settings().nats_replicas,
                 )
             )
-        return cls(kv, min_interval_s)
+        return cls(kv, js, min_interval_s)
 
     async def load_all(self) -> list[ExperimentRecord]:
-        try:
-            keys = await self.kv.keys()
-        except nats.js.errors.NoKeysError:
-            return []
         records = []
-        for key in sorted(k for k in keys if k.startswith(KEY_PREFIX)):
-            entry = await self.kv.get(key)
+        for key in await self._keys():
+            try:
+                entry = await self.kv.get(key)
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):  # by hand
+                continue
             try:
                 records.append(ExperimentRecord.from_json(entry.value))
             except (ValueError, KeyError, TypeError) as e:
                 log.error("state_record_unreadable", key=key, error=str(e))
         return sorted(records, key=lambda r: r.created_unix_ms)
+
+    async def _keys(self) -> list[str]:
+        """The experiment keys, from the bucket stream's subjects. (nats-py's `kv.keys()` reads
+        them through a watcher that, on a loaded machine, can report the end before the first
+        key: a restarted scheduler then resumed no experiment; the CI suite caught it.)"""
+        prefix = f"$KV.{KV_BUCKET}."
+        info = await self.js.stream_info(
+            f"KV_{KV_BUCKET}", subjects_filter=f"{prefix}{KEY_PREFIX}>"
+        )
+        return sorted(s.removeprefix(prefix) for s in (info.state.subjects or {}))
 
     def mark_dirty(self, experiment_id: str, snapshot: Callable[[], ExperimentRecord]) -> None:
         """Schedule a write of `snapshot()` (taken at write time, so the latest state wins)."""
