@@ -392,10 +392,12 @@ def run(ctx: Context) -> list[Result]:
     except (RuntimeError, subprocess.TimeoutExpired) as e:  # an optional peer: say why
         raise Skip(f"AReaL peer failed ({str(e)[-300:]}); {here}") from None
     if peer is None:
-        raise Skip(
-            f"AReaL peer not run: no venv at {AREAL_PYTHON} (bash {AREAL_TOOL.parent}/"
-            f"setup_venv.sh); {here}"
+        missing = (
+            f"no tool at {AREAL_TOOL} (../shared beside the repository)"
+            if not AREAL_TOOL.exists()
+            else f"no venv at {AREAL_PYTHON} (bash {AREAL_TOOL.parent}/setup_venv.sh)"
         )
+        raise Skip(f"AReaL peer not run: {missing}; {here}")
     who = f"AReaL 1.0.4 WorkflowExecutor in one process, zero-latency engine (n={s.n}, B={s.batch})"
     settings = _settings(s, w, peer)
     return [
