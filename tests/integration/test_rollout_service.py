@@ -300,6 +300,27 @@ async def _serve_long(stub, models, no_eos_tokenizer, **spec) -> str:
     return await _serve(stub, models, "long", no_eos_tokenizer, **spec)
 
 
+async def _group_under_way(
+    stub,
+    service,
+    models,
+    no_eos_tokenizer,
+    group_id: str,
+    reward_address: str,
+    *,
+    tokens: int = 4,
+    max_new_tokens: int = 200,
+) -> tuple[str, asyncio.Future]:
+    """Experiment 'long' (n=2) and one of its groups generating: (experiment id, the call),
+    once the engine has generated `tokens` tokens."""
+    exp = await _serve_long(stub, models, no_eos_tokenizer, n=2, max_new_tokens=max_new_tokens)
+    call = asyncio.ensure_future(
+        stub.GenerateGroup(_request(group_id, [reward_address], experiment_id=exp), timeout=60)
+    )
+    await wait_until(lambda: service.engine.tokens_generated >= tokens, timeout=30, interval=0.001)
+    return exp, call
+
+
 async def test_generate_group_stop_strings_end_samples_at_the_completing_token(
     rollout, reward_address, js, models, no_eos_tokenizer
 ):
@@ -329,11 +350,10 @@ async def test_update_weights_mid_group_interrupts_and_group_spans_versions(
     rollout, reward_address, js, models, no_eos_tokenizer
 ):
     stub, service = rollout
-    exp = await _serve_long(stub, models, no_eos_tokenizer, n=2, max_new_tokens=150)
-    call = asyncio.ensure_future(
-        stub.GenerateGroup(_request("w1", [reward_address], experiment_id=exp), timeout=60)
-    )
-    await wait_until(lambda: service.engine.tokens_generated >= 10, timeout=30, interval=0.001)
+    exp, call = await _group_under_way(
+        stub, service, models, no_eos_tokenizer, "w1", reward_address,
+        tokens=10, max_new_tokens=150,
+    )  # fmt: skip
     resp = await stub.UpdateWeights(
         rollout_pb2.UpdateWeightsRequest(
             experiment_id=exp, version=1, uri=path_to_uri(models / "v1")
@@ -377,11 +397,9 @@ async def test_abort_groups_stops_an_unpublished_group_and_spares_the_rest(
     ABORTED with the reason and publishes nothing; another experiment's ids, unknown ids and a
     finished group are left alone."""
     stub, service = rollout
-    exp = await _serve_long(stub, models, no_eos_tokenizer, n=2, max_new_tokens=200)
-    call = asyncio.ensure_future(
-        stub.GenerateGroup(_request("stale", [reward_address], experiment_id=exp), timeout=60)
+    exp, call = await _group_under_way(
+        stub, service, models, no_eos_tokenizer, "stale", reward_address
     )
-    await wait_until(lambda: service.engine.tokens_generated >= 4, timeout=30, interval=0.001)
 
     async def abort(experiment_id, *ids):
         request = rollout_pb2.AbortGroupsRequest(
@@ -403,11 +421,7 @@ async def test_bind_new_experiment_aborts_running_groups(
     rollout, reward_address, models, no_eos_tokenizer
 ):
     stub, service = rollout
-    exp = await _serve_long(stub, models, no_eos_tokenizer, n=2, max_new_tokens=200)
-    call = asyncio.ensure_future(
-        stub.GenerateGroup(_request("a1", [reward_address], experiment_id=exp), timeout=60)
-    )
-    await wait_until(lambda: service.engine.tokens_generated >= 4, timeout=30, interval=0.001)
+    _, call = await _group_under_way(stub, service, models, no_eos_tokenizer, "a1", reward_address)
     await _bind(stub, models, "exp2")
     resp = await stub.UpdateWeights(
         rollout_pb2.UpdateWeightsRequest(
@@ -430,11 +444,9 @@ async def test_group_dispatched_again_while_running_supersedes_the_earlier_run(
     earlier run is aborted and the group runs afresh (it used to be refused as 'already
     running', which fenced the whole rollout)."""
     stub, service = rollout
-    exp = await _serve_long(stub, models, no_eos_tokenizer, n=2, max_new_tokens=60)
-    first = asyncio.ensure_future(
-        stub.GenerateGroup(_request("again", [reward_address], experiment_id=exp), timeout=60)
+    exp, first = await _group_under_way(
+        stub, service, models, no_eos_tokenizer, "again", reward_address, max_new_tokens=60
     )
-    await wait_until(lambda: service.engine.tokens_generated >= 4, timeout=30, interval=0.001)
     second = await stub.GenerateGroup(
         _request("again", [reward_address], experiment_id=exp), timeout=60
     )
