@@ -148,6 +148,10 @@ class TrainerSpec(_Section):
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     minibatches: int = Field(1, gt=0)
     """Optimizer updates per version (the batch is split into this many minibatches)."""
+    micro_batch_tokens: int = Field(8192, gt=0)
+    """Megatron backend: padded tokens per forward pass (rows x padded length, at least one
+    row); the proximal-logprob recompute and each minibatch run in micro-batches of that size.
+    Larger is fewer passes and more activation memory."""
     eps_clip: float = Field(0.2, gt=0)
     behav_imp_weight_cap: float | None = Field(5.0, gt=1.0)
     """Truncate the behaviour importance weight pi_prox/pi_behav; tokens above it are masked."""

@@ -148,6 +148,28 @@ def test_train_step_micro_batched_matches_hf_reference_step(tiny_models, tmp_pat
     assert moved > 1e-4  # the step really changed the weights
 
 
+def test_micro_batch_tokens_sets_rows_per_pass_same_step(tiny_models, tmp_path):
+    """trainer.micro_batch_tokens: rows per forward pass = tokens // padded length (at least
+    one); one row per pass and the whole batch in one pass train the same step."""
+    src = tiny_models["llama"]
+    groups = make_groups(src, seed=4)
+    width = pack_groups(groups).input_ids.shape[1]
+    results = {}
+    for tokens in (1, 3 * width + 1, 8192):
+        backend = MegatronBackend(make_spec(src, lr=1e-3, micro_batch_tokens=tokens))
+        backend.load(str(src))
+        rows = backend._micro_rows(pack_groups(groups))
+        metrics = backend.train_step(groups)
+        backend.save_hf(tmp_path / str(tokens))
+        results[rows] = metrics, load_file(str(tmp_path / str(tokens) / "model.safetensors"))
+    assert sorted(results) == [1, 3, 8192 // width]
+    (m1, w1), (m_all, w_all) = results[1], results[8192 // width]
+    for key in ("loss", "entropy", "clip_fraction", "grad_norm", "behav_weight_mean"):
+        assert m1[key] == pytest.approx(m_all[key], abs=TOL), key
+        assert results[3][0][key] == pytest.approx(m_all[key], abs=TOL), key
+    assert _max_diff(w1, w_all) <= TOL
+
+
 def test_train_step_minibatches_and_kl_matches_torch_backend(tiny_models, tmp_path):
     torch_backend = pytest.importorskip("services.trainer.backends.torch_backend")
     src = tiny_models["qwen2"]

@@ -3,7 +3,7 @@
 Same objective as the torch backend (decoupled PPO on GRPO advantages, optional k3 KL to the
 initial model, `trainer.minibatches` updates per version), computed with vocab-parallel
 logprobs. Each minibatch's rows are dealt round-robin to the DP ranks and run in micro-batches
-of `micro_batch_size` rows; every micro-batch loss is normalised by the minibatch's *global*
+of `trainer.micro_batch_tokens` padded tokens (rows x padded length); every micro-batch loss is normalised by the minibatch's *global*
 token count, so the summed gradients equal one big batch's exactly.
 
 Under torchrun, rank 0 is the trainer (the service drives it like any backend) and every other
@@ -48,9 +48,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class MegatronBackend(TrainerBackend):
-    def __init__(self, spec, micro_batch_size: int = 8):
+    def __init__(self, spec, micro_batch_size: int | None = None):
         super().__init__(spec)
         self.micro_batch_size = micro_batch_size
+        """Rows per micro-batch; None: as many as `trainer.micro_batch_tokens` holds."""
         self.par: ParallelInfo | None = None
         self.built: mg.BuiltModel | None = None
         self.ref: mg.BuiltModel | None = None
@@ -82,6 +83,13 @@ class MegatronBackend(TrainerBackend):
         self.opt = build_optimizer(self.built, t, self.par)
         self.steps = 0
 
+    def _micro_rows(self, batch: PackedBatch) -> int:
+        """Rows per forward pass: `micro_batch_size`, else as many rows of the batch's padded
+        length as `trainer.micro_batch_tokens` holds (at least one)."""
+        if self.micro_batch_size is not None:
+            return self.micro_batch_size
+        return max(1, self.spec.trainer.micro_batch_tokens // batch.input_ids.shape[1])
+
     def _vocab(self) -> int:
         return self.built.layout.vocab_size
 
@@ -91,7 +99,7 @@ class MegatronBackend(TrainerBackend):
     ) -> torch.Tensor:
         """[N, T-1] logprobs, filled at `rows` (zero elsewhere), micro-batched, no grad."""
         out = torch.zeros_like(batch.loss_mask)
-        for micro in rows.split(self.micro_batch_size):
+        for micro in rows.split(self._micro_rows(batch)):
             mb = batch.select(micro)
             logits = mg.forward_logits(built.model, mb.input_ids, mb.attention_mask)
             out[micro] = mg.token_logprobs(logits, mb.targets, self._vocab(), built.tp_rank)
@@ -147,7 +155,7 @@ class MegatronBackend(TrainerBackend):
         # loss, clip_fraction, behav_weight_mean, entropy, kl: sums of already-normalised parts
         sums = torch.zeros(5, dtype=torch.float64)
         self.opt.zero_grad()
-        for micro in rows.split(self.micro_batch_size):
+        for micro in rows.split(self._micro_rows(batch)):
             mb = batch.select(micro)
             logits = mg.forward_logits(self.opt.module, mb.input_ids, mb.attention_mask)
             logp = mg.token_logprobs(logits, mb.targets, self._vocab(), self.par.tp_rank)
