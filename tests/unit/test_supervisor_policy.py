@@ -54,7 +54,7 @@ def test_command_defaults_no_metrics_single_rank(sup_env, tmp_path):
     assert sup.command("scheduler") == [py, "-m", "services.scheduler", "--port", "50051"]
     assert sup.command("reward") == [py, "-m", "services.reward"]
     assert sup.command("rollout", 2) == [py, "-m", "services.rollout", "--engine", "torch"]
-    assert sup.command("trainer") == [py, "-m", "services.trainer"]
+    assert sup.command("trainer")[:3] == [py, "-m", "services.trainer"]
 
 
 def test_command_metrics_base_9100_fixed_ports_per_replica(sup_env, tmp_path):
@@ -63,7 +63,7 @@ def test_command_metrics_base_9100_fixed_ports_per_replica(sup_env, tmp_path):
     assert sup.command("scheduler") == [
         py, "-m", "services.scheduler", "--port", "50051", "--metrics-port", "9100",
     ]  # fmt: skip
-    assert sup.command("trainer") == [py, "-m", "services.trainer", "--metrics-port", "9101"]
+    assert sup.command("trainer")[:5] == [py, "-m", "services.trainer", "--metrics-port", "9101"]
     assert sup.command("rollout", 0) == [
         py, "-m", "services.rollout", "--engine", "torch", "--metrics-port", "9110",
     ]  # fmt: skip
@@ -78,6 +78,26 @@ def test_command_extra_args_after_supervisor_flags(sup_env, tmp_path):
         sys.executable, "-m", "services.rollout", "--engine", "sglang", "--metrics-port", "9111",
         "--sglang-url", "http://h:30000", "--capacity", "8",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "cores, rollouts, nproc, threads",
+    [(2, 1, 1, 1), (16, 1, 1, 15), (16, 3, 2, 6), (2, 4, 1, 1), (8, 0, 1, 8)],
+)
+def test_command_trainer_threads_cores_left_by_rollouts(
+    sup_env, tmp_path, cores, rollouts, nproc, threads
+):
+    sup_env.setattr("os.cpu_count", lambda: cores)
+    sup = _sup(tmp_path, trainer_nproc=nproc)
+    (tmp_path / "run").mkdir(exist_ok=True)
+    sup.paths.replicas.write_text(f'{{"rollout": {rollouts}}}')
+    assert sup.command("trainer")[-2:] == ["--threads", str(threads)]
+
+
+def test_command_trainer_threads_given_by_caller_kept(sup_env, tmp_path):
+    sup_env.setenv("ASYNCRL_TRAINER_ARGS", "--threads 3")
+    cmd = _sup(tmp_path).command("trainer")
+    assert cmd[cmd.index("--threads") :] == ["--threads", "3"]
 
 
 def test_command_trainer_nproc_2_torchrun_with_free_master_port(sup_env, tmp_path):
