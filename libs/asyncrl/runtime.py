@@ -98,14 +98,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 async def _abort(context, method: str, exc: Exception) -> None:
     if isinstance(exc, grpc.aio.AbortError | grpc.RpcError):
         raise exc
+    await context.abort(*error_status(method, exc))
+
+
+def error_status(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status `exc` maps to and its message; an INTERNAL one is logged with its traceback
+    under an error id the message names."""
     code = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         error_id = secrets.token_hex(4)
         log.error("rpc_internal_error", method=method, error_id=error_id, exc_info=exc)
-        message = f"internal error {error_id}: {type(exc).__name__} (details in the service log)"
-    else:
-        message = str(exc) or code.name.lower()
-    await context.abort(code, message)
+        return code, f"internal error {error_id}: {type(exc).__name__} (details in the service log)"
+    return code, str(exc) or code.name.lower()
 
 
 class ServiceRuntime:

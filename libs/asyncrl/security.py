@@ -540,6 +540,7 @@ POLICY: dict[str, frozenset[str]] = {
         {
             "BindExperiment": ["scheduler"],
             "GenerateGroup": ["scheduler"],
+            "GenerateGroups": ["scheduler"],
             "AbortGroups": ["scheduler"],
             "UpdateWeights": ["scheduler"],
             "GetStatus": ["scheduler", *_VIEW],

@@ -7,6 +7,9 @@ one `ServiceRuntime`; `await runtime.close()` stops it gracefully.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
 import grpc
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
@@ -14,7 +17,7 @@ from prometheus_client.registry import Collector
 from asyncrl.logging import get_logger
 from asyncrl.metrics import gauge
 from asyncrl.natsutil import ensure_stream
-from asyncrl.runtime import ServiceRuntime
+from asyncrl.runtime import ServiceRuntime, error_status
 from asyncrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.rollout.engine import Engine
 from services.rollout.filters import GroupStatus
@@ -35,6 +38,61 @@ _STATUS = {
     GroupStatus.FAILED: rollout_pb2.GROUP_STATUS_FAILED,
     GroupStatus.ABORTED: rollout_pb2.GROUP_STATUS_ABORTED,
 }
+
+
+class GroupCallError(Exception):
+    """A group of GenerateGroups failed where its own GenerateGroup call would have failed with
+    `code`, `details` and the `fault` marker: it is answered as the summary's `error`, and the
+    call goes on for the other groups."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, fault: str = ""):
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details, self.fault = code, details, fault
+
+
+GENERATE_GROUPS = f"/{SERVICE_NAME}/GenerateGroups"
+
+
+async def answer_groups(
+    request: rollout_pb2.GenerateGroupsRequest,
+    one: Callable[[rollout_pb2.GenerateGroupRequest], Awaitable[rollout_pb2.GroupSummary]],
+) -> AsyncIterator[rollout_pb2.GroupSummaries]:
+    """GenerateGroups in terms of one group's coroutine: all of them at once, each summary
+    sent as it is ready (what finished in the same pass of the event loop goes in one
+    message). A group that raises is answered with `error` (GroupCallError's fields, or the
+    status its exception maps to); leaving early (the call was cancelled or failed) cancels
+    the groups still running."""
+    ready: asyncio.Queue[rollout_pb2.GroupSummary] = asyncio.Queue()
+
+    async def run(group: rollout_pb2.GenerateGroupRequest) -> None:
+        try:
+            summary = await one(group)
+        except GroupCallError as e:
+            summary = _failed(group.group_id, e.code, e.details, e.fault)
+        except Exception as e:  # noqa: BLE001 - this group's failure, as its own call would have
+            summary = _failed(group.group_id, *error_status(GENERATE_GROUPS, e))
+        ready.put_nowait(summary)
+
+    tasks = [asyncio.create_task(run(group)) for group in request.groups]
+    try:
+        left = len(tasks)
+        while left:
+            batch = [await ready.get()]
+            while not ready.empty():
+                batch.append(ready.get_nowait())
+            left -= len(batch)
+            yield rollout_pb2.GroupSummaries(summaries=batch)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _failed(
+    group_id: str, code: grpc.StatusCode, details: str, fault: str = ""
+) -> rollout_pb2.GroupSummary:
+    error = rollout_pb2.GroupError(code=code.value[0], details=details, fault=fault)
+    return rollout_pb2.GroupSummary(group_id=group_id, error=error)
 
 
 def job_from_proto(req: rollout_pb2.GenerateGroupRequest) -> GroupJob:
@@ -67,7 +125,26 @@ def summary_to_proto(s: GroupSummary) -> rollout_pb2.GroupSummary:
     )
 
 
-class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+class GroupsServicer(rollout_pb2_grpc.RolloutServicer):
+    """GenerateGroup and GenerateGroups over one group's coroutine, `_group` (which raises
+    GroupCallError to fail its group as its own call would fail)."""
+
+    async def _group(self, request: rollout_pb2.GenerateGroupRequest) -> rollout_pb2.GroupSummary:
+        raise NotImplementedError
+
+    async def GenerateGroup(self, request, context):
+        try:
+            return await self._group(request)
+        except GroupCallError as e:
+            trailing = ((FAULT[0], e.fault),) if e.fault else None
+            await context.abort(e.code, e.details, trailing_metadata=trailing)
+
+    async def GenerateGroups(self, request, context):
+        async for summaries in answer_groups(request, self._group):
+            yield summaries
+
+
+class RolloutServicer(GroupsServicer):
     def __init__(self, service: RolloutService):
         self.service = service
 
@@ -75,13 +152,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         await self.service.bind(request.experiment_id, request.spec_json)
         return common_pb2.BindExperimentResponse()
 
-    async def GenerateGroup(self, request, context):
+    async def _group(self, request: rollout_pb2.GenerateGroupRequest) -> rollout_pb2.GroupSummary:
         try:
             summary = await self.service.generate_group(job_from_proto(request))
         except RewardUnavailable as e:
             # not the group's fate: the scheduler re-queues it under the same id, and the
             # marker tells it this worker is fine (no fence)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e), trailing_metadata=(FAULT,))
+            raise GroupCallError(grpc.StatusCode.UNAVAILABLE, str(e), FAULT[1]) from None
         return summary_to_proto(summary)
 
     async def AbortGroups(self, request, context):

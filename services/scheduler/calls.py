@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -58,9 +58,20 @@ class InFlight:
     eval_round: EvalRound | None = None
     eval_index: int = 0
     eval_attempt: int = 0
-    task: asyncio.Task | None = None
+    call: GroupsCall | None = None
+    """The GenerateGroups call it went out in (None until the dispatch pass sends it)."""
     abort_sent: bool = False
     """AbortGroups was sent for it (too stale unless already published)."""
+
+
+@dataclass
+class GroupsCall:
+    """One GenerateGroups call: the groups one dispatch pass sent to one rollout."""
+
+    worker: Worker
+    open: dict[str, InFlight]
+    """Its groups not answered yet and not withdrawn."""
+    task: asyncio.Task | None = None
 
 
 class WorkerCalls:
@@ -117,11 +128,14 @@ class WorkerCalls:
         stub = reward_pb2_grpc.RewardStub(self.channels.get(address))
         await _bind(stub.BindExperiment, self._bind_request(), timeout)
 
-    async def generate_group(
-        self, worker: Worker, request: rollout_pb2.GenerateGroupRequest
-    ) -> rollout_pb2.GroupSummary:
+    def generate_groups(
+        self, worker: Worker, requests: list[rollout_pb2.GenerateGroupRequest]
+    ) -> AsyncIterator[rollout_pb2.GroupSummaries]:
+        """One GenerateGroups call: the summaries as the groups finish. They started together,
+        so the spec's `rollout.group_timeout_s` bounds the call."""
         stub = rollout_pb2_grpc.RolloutStub(self.channels.get(worker.address))
-        return await stub.GenerateGroup(request, timeout=self.spec.rollout.group_timeout_s)
+        request = rollout_pb2.GenerateGroupsRequest(groups=requests)
+        return stub.GenerateGroups(request, timeout=self.spec.rollout.group_timeout_s)
 
     async def abort_groups(
         self, worker: Worker, group_ids: list[str], reason: str, timeout: float

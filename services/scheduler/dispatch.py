@@ -20,7 +20,7 @@ from asyncrl.spec import ExperimentSpec
 from asyncrl.throughput import Throughput
 from asyncrl.types import EvalResult
 from asyncrl.v1 import rollout_pb2
-from services.scheduler.calls import InFlight, WorkerCalls
+from services.scheduler.calls import GroupsCall, InFlight, WorkerCalls
 from services.scheduler.dataset import DatasetCursor, Prompt, Ticket
 from services.scheduler.evaluation import EvalRound, Evaluator
 from services.scheduler.policy import (
@@ -39,6 +39,9 @@ ABORT_TIMEOUT_S = 5.0
 """Deadline of an AbortGroups call; one that fails changes nothing (the next commit cancels
 the groups it named, `must_abort`)."""
 STALE = "aborted: too stale"
+WITHDRAWN = "aborted: withdrawn by the scheduler"
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+"""grpc.StatusCode by its number (GroupError.code)."""
 
 
 @dataclass
@@ -117,6 +120,8 @@ class Dispatcher:
         self._drops_seen: set[str] = set()
         self._aborts: set[asyncio.Task] = set()
         """AbortGroups calls in flight."""
+        self._outbox: dict[str, list[tuple[InFlight, rollout_pb2.GenerateGroupRequest]]] = {}
+        """Groups dispatched in this pass of the event loop, by rollout: sent at its end."""
         self.throughput = Throughput(THROUGHPUT_WINDOW_S)
         """Tokens the fleet generated for this experiment."""
 
@@ -210,26 +215,64 @@ class Dispatcher:
         return True
 
     def _start(self, item: InFlight, request: rollout_pb2.GenerateGroupRequest) -> None:
+        """Count `item` in flight now; it goes out with the rest of this pass's groups for its
+        rollout, in one GenerateGroups call (`_send`)."""
         assert item.group_id not in self.inflight, f"group {item.group_id} dispatched twice"
         item.worker.running += 1
         self.inflight[item.group_id] = item
-        item.task = asyncio.create_task(self._run(item, request), name=item.group_id)
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._send)
+        self._outbox.setdefault(item.worker.worker_id, []).append((item, request))
         self.hooks.changed()
 
-    async def _run(self, item: InFlight, request: rollout_pb2.GenerateGroupRequest) -> None:
+    def _send(self) -> None:
+        """One GenerateGroups call per rollout for the groups dispatched in this pass (those
+        still in flight: one settled meanwhile, its worker fenced say, is not sent)."""
+        outbox, self._outbox = self._outbox, {}
+        for pending in outbox.values():
+            pending = [(i, r) for i, r in pending if self.inflight.get(i.group_id) is i]
+            if not pending:
+                continue
+            call = GroupsCall(pending[0][0].worker, {i.group_id: i for i, _ in pending})
+            for item, _ in pending:
+                item.call = call
+            requests = [r for _, r in pending]
+            call.task = asyncio.create_task(self._run(call, requests), name="generate-groups")
+
+    async def _run(
+        self, call: GroupsCall, requests: list[rollout_pb2.GenerateGroupRequest]
+    ) -> None:
+        """Settle each group as its summary comes; the call failing fails the groups it has
+        not answered (each as its own failed call would have)."""
         try:
-            summary = await self.calls.generate_group(item.worker, request)
+            async for message in self.calls.generate_groups(call.worker, requests):
+                for summary in message.summaries:
+                    item = call.open.pop(summary.group_id, None)
+                    if item is None or not self.settle(item):
+                        continue  # withdrawn, or ended by someone else
+                    if summary.HasField("error"):
+                        error = summary.error
+                        code = _CODES.get(error.code, grpc.StatusCode.UNKNOWN)
+                        self._rpc_failed(item, code, error.details, error.fault)
+                    else:
+                        self._done(item, summary)
         except grpc.aio.AioRpcError as e:
-            if self.settle(item):
-                self._rpc_failed(item, e.code(), e.details() or "", _fault(e))
+            self._call_failed(call, e.code(), e.details() or "", _fault(e))
             return
         except Exception as e:  # noqa: BLE001 - treated as a failed call, logged with its trace
-            self.log.exception("group_call_error", group=item.group_id)
-            if self.settle(item):
-                self._rpc_failed(item, grpc.StatusCode.UNKNOWN, str(e))
+            self.log.exception("group_call_error", groups=len(call.open))
+            self._call_failed(call, grpc.StatusCode.UNKNOWN, str(e))
             return
-        if self.settle(item):
-            self._done(item, summary)
+        if call.open:  # the stream ended without their summaries
+            self._call_failed(call, grpc.StatusCode.UNKNOWN, "the call ended without a summary")
+
+    def _call_failed(
+        self, call: GroupsCall, code: grpc.StatusCode, details: str, fault: str = ""
+    ) -> None:
+        items, call.open = list(call.open.values()), {}
+        for item in items:
+            if self.settle(item):
+                self._rpc_failed(item, code, details, fault)
 
     def settle(self, item: InFlight) -> bool:
         """End `item` once: False if someone else (abort, fence, finish) already did."""
@@ -318,7 +361,7 @@ class Dispatcher:
             self.hooks.eval_done(result)
 
     def _end(self, pred: Callable[[InFlight], bool], how: str) -> int:
-        """Settle and cancel the matching groups.
+        """Settle the matching groups and withdraw them from their rollouts.
         how: requeue (worker gone) | abort (too stale) | cancel (the run is over)."""
         items = [i for i in self.inflight.values() if pred(i)]
         for item in items:
@@ -332,11 +375,30 @@ class Dispatcher:
             elif item.ticket is not None:
                 self.staleness.on_cancel()
                 self._aborted.add(item.group_id)
-            item.task.cancel()
+        self._withdraw(items)
         cancelled = [i.group_id for i in items if how == "cancel" and i.ticket is not None]
         if cancelled:
             self.ledger.emit("left_over", groups=cancelled, reason="in flight when the run ended")
         return len(items)
+
+    def _withdraw(self, items: list[InFlight]) -> None:
+        """Stop the rollouts working on these settled groups: a call left with none of its
+        groups is cancelled (the rollout cancels their generation); one still carrying others
+        goes on, and the rollout is asked to abort these (AbortGroups, in the background;
+        one already being published goes on, whatever it becomes is no longer counted)."""
+        by_worker: dict[str, tuple[Worker, list[str]]] = {}
+        for item in items:
+            call = item.call
+            if call is None or call.open.pop(item.group_id, None) is None:
+                continue  # not sent yet (`_send` skips it), or answered
+            if not call.open:
+                call.task.cancel()
+            else:
+                by_worker.setdefault(call.worker.worker_id, (call.worker, []))[1].append(
+                    item.group_id
+                )
+        for worker, group_ids in by_worker.values():
+            self._abort_in_background(worker, group_ids, WITHDRAWN)
 
     def _stale(self, item: InFlight) -> None:
         """A training group ended as too stale without being published: its prompt is
@@ -370,14 +432,17 @@ class Dispatcher:
                     item.group_id
                 )
         for worker, group_ids in by_worker.values():
-            task = asyncio.create_task(self._abort_unpublished(worker, group_ids))
-            self._aborts.add(task)
-            task.add_done_callback(self._aborts.discard)
+            self._abort_in_background(worker, group_ids, STALE)
         return ended
 
-    async def _abort_unpublished(self, worker: Worker, group_ids: list[str]) -> None:
+    def _abort_in_background(self, worker: Worker, group_ids: list[str], reason: str) -> None:
+        task = asyncio.create_task(self._abort_unpublished(worker, group_ids, reason))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _abort_unpublished(self, worker: Worker, group_ids: list[str], reason: str) -> None:
         try:
-            aborted = await self.calls.abort_groups(worker, group_ids, STALE, ABORT_TIMEOUT_S)
+            aborted = await self.calls.abort_groups(worker, group_ids, reason, ABORT_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             self.log.info(
                 "abort_groups_failed",
@@ -391,6 +456,7 @@ class Dispatcher:
             worker=worker.worker_id,
             requested=len(group_ids),
             aborted=len(aborted),
+            reason=reason,
         )
 
     def cancel(self, training_only: bool) -> int:
@@ -441,8 +507,12 @@ class Dispatcher:
             (t for t in self.cursor.requeued if t.group_id(experiment_id) == group_id), None
         )
 
-    def tasks(self) -> list[asyncio.Task]:
-        return [i.task for i in self.inflight.values() if i.task is not None] + list(self._aborts)
+    def stop(self) -> list[asyncio.Task]:
+        """The scheduler is stopping: the tasks to cancel (calls, AbortGroups). Groups of this
+        pass not sent yet are not sent (they stay in flight in the saved record)."""
+        self._outbox.clear()
+        calls = {id(i.call): i.call.task for i in self.inflight.values() if i.call is not None}
+        return [*calls.values(), *self._aborts]
 
 
 def _fault(error: grpc.aio.AioRpcError) -> str:

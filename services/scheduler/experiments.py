@@ -176,7 +176,7 @@ class ExperimentRunner:
         """The scheduler is stopping: stop all tasks and keep the state as it is (it resumes,
         and the groups in flight are in the snapshot)."""
         tasks = [t for t in (self._task, *self._background) if t is not None]
-        tasks += self.dispatcher.tasks()
+        tasks += self.dispatcher.stop()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -170,6 +170,41 @@ async def test_generate_group_publishes_group_readable_from_jetstream(
     assert group.rollout_worker == summary.worker != ""
 
 
+async def test_generate_groups_one_call_answers_each_a_bad_one_fails_alone(
+    rollout, reward_address, js
+):
+    """Three groups in one GenerateGroups call: every summary comes back on the stream; the one
+    for an experiment this rollout does not serve answers FAILED_PRECONDITION as its own
+    GenerateGroup would have, and the others are published as usual."""
+    stub, _ = rollout
+    bad = _request("b2", [reward_address])
+    bad.experiment_id = "other"
+    groups = [_request("b1", [reward_address]), bad, _request("b3", [reward_address])]
+    call = stub.GenerateGroups(rollout_pb2.GenerateGroupsRequest(groups=groups), timeout=60)
+    summaries = {s.group_id: s async for message in call for s in message.summaries}
+    assert sorted(summaries) == ["b1", "b2", "b3"]
+    error = summaries["b2"].error
+    assert error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert "not 'other'" in error.details and error.fault == ""
+    for gid in ("b1", "b3"):
+        assert not summaries[gid].HasField("error") and summaries[gid].published
+    published = await _read_back(js, train_subject(EXP), 2)
+    assert sorted(g.group_id for g in published) == ["b1", "b3"]
+
+
+async def test_generate_groups_no_reward_service_answers_fault_not_failed(rollout, js):
+    stub, service = rollout
+    service.rewards.max_wait_s = 0.5
+    groups = [_request(g, [f"127.0.0.1:{free_port()}"]) for g in ("u1", "u2")]
+    call = stub.GenerateGroups(rollout_pb2.GenerateGroupsRequest(groups=groups), timeout=60)
+    summaries = [s async for message in call for s in message.summaries]
+    assert sorted(s.group_id for s in summaries) == ["u1", "u2"]
+    for s in summaries:
+        assert s.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert s.error.fault == "reward-unavailable" and "reward service" in s.error.details
+    assert (await js.stream_info(STREAM)).state.messages == 0
+
+
 async def test_generate_group_constant_reward_is_rejected_and_not_published(
     rollout, reward_address, js, models
 ):
@@ -387,6 +422,19 @@ async def test_cancelled_generate_group_stops_engine_requests_and_publishes_noth
     tokens = service.engine.tokens_generated
     await asyncio.sleep(0.2)
     assert service.engine.tokens_generated <= tokens + 2  # at most the step in flight
+    assert (await js.stream_info(STREAM)).state.messages == 0
+
+
+async def test_cancelled_generate_groups_stops_all_its_groups_publishes_nothing(
+    rollout, reward_address, js, models, no_eos_tokenizer
+):
+    stub, service = rollout
+    exp = await _serve_long(stub, models, no_eos_tokenizer, n=2, max_new_tokens=200)
+    groups = [_request(g, [reward_address], experiment_id=exp) for g in ("k1", "k2")]
+    call = stub.GenerateGroups(rollout_pb2.GenerateGroupsRequest(groups=groups), timeout=60)
+    await wait_until(lambda: service.engine.running == 4, timeout=30, interval=0.001)
+    call.cancel()  # what the scheduler does when it has withdrawn all of a call's groups
+    await wait_until(lambda: service.engine.running == 0 and service.running_groups == 0, timeout=5)
     assert (await js.stream_info(STREAM)).state.messages == 0
 
 

@@ -12,6 +12,7 @@ import grpc
 from asyncrl.natsutil import STREAM, publish_group, wait_until
 from asyncrl.types import TrajectoryGroup
 from asyncrl.v1 import rollout_pb2
+from services.rollout.server import GroupCallError
 from tests.integration import test_scheduler_server as base
 from tests.integration.test_scheduler_server import (
     ROLLOUT,
@@ -36,7 +37,7 @@ class PublishingRollout(FakeRollout):
         self.lose_replies = 0
         self.duplicates: list[str] = []
 
-    async def GenerateGroup(self, request, context):
+    async def _group(self, request):
         self.requests.append(request)
         if request.eval:
             return rollout_pb2.GroupSummary(
@@ -56,7 +57,7 @@ class PublishingRollout(FakeRollout):
             self.duplicates.append(request.group_id)
         if self.lose_replies:
             self.lose_replies -= 1
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset (reply lost)")
+            raise GroupCallError(grpc.StatusCode.UNAVAILABLE, "connection reset (reply lost)")
         if self.hold:
             await self.release.wait()
         return rollout_pb2.GroupSummary(
@@ -71,15 +72,15 @@ class PublishingRollout(FakeRollout):
 class RewardlessRollout(FakeRollout):
     """Answers its first group as a rollout whose reward services were all unreachable."""
 
-    async def GenerateGroup(self, request, context):
+    async def _group(self, request):
         if not self.requests:
             self.requests.append(request)
-            await context.abort(
+            raise GroupCallError(
                 grpc.StatusCode.UNAVAILABLE,
                 "reward service 127.0.0.1:1: UNAVAILABLE: connection refused",
-                trailing_metadata=(("asyncrl-fault", "reward-unavailable"),),
+                "reward-unavailable",
             )
-        return await super().GenerateGroup(request, context)
+        return await super()._group(request)
 
 
 class FrozenRollout(FakeRollout):

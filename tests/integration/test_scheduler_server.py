@@ -28,6 +28,7 @@ from asyncrl.v1 import (
     trainer_pb2_grpc,
 )
 from asyncrl.worker import WorkerAgent
+from services.rollout.server import GroupCallError, GroupsServicer
 from services.scheduler.server import create_scheduler
 from services.scheduler.state import record_key
 
@@ -41,10 +42,10 @@ IDENTITY = {ROLLOUT: "rollout", REWARD: "reward", TRAINER: "trainer"}
 """The identity (token) each kind of worker calls the scheduler with."""
 
 
-class FakeRollout(rollout_pb2_grpc.RolloutServicer):
-    """Answers GenerateGroup with a fixed status; `hold` keeps training groups open until
-    `release` is set; records requests, weight updates, cancelled calls and AbortGroups
-    requests. A held group named by AbortGroups answers ABORTED, unless `published` (as if
+class FakeRollout(GroupsServicer):
+    """Answers GenerateGroup with a fixed status; `hold` keeps training groups (and eval
+    groups too with `hold_eval`) open until `release` is set; records requests, weight
+    updates, cancelled calls and AbortGroups requests. A held group named by AbortGroups answers ABORTED, unless `published` (as if
     it were being published already)."""
 
     def __init__(
@@ -53,8 +54,10 @@ class FakeRollout(rollout_pb2_grpc.RolloutServicer):
         rewards=(1.0, 0.0),
         fail_reason: str = "",
         published: bool = False,
+        hold_eval: bool = False,
     ):
         self.hold = hold
+        self.hold_eval = hold_eval
         self.rewards = list(rewards)
         self.fail_reason = fail_reason  # answer every training group FAILED with this reason
         self.release = asyncio.Event()
@@ -67,21 +70,23 @@ class FakeRollout(rollout_pb2_grpc.RolloutServicer):
         self.fail_next = 0
         self.published = published
         self.abort_requests: list[list[str]] = []
+        self.abort_reasons: list[str] = []
+        self.calls: list[list[str]] = []  # group ids of each GenerateGroups call
         self._aborts: dict[str, asyncio.Event] = {}
 
     async def BindExperiment(self, request, context):
         self.bound.append(request.spec_json)
         return common_pb2.BindExperimentResponse()
 
-    async def GenerateGroup(self, request, context):
+    async def _group(self, request):
         self.requests.append(request)
         self.served.append(self.version)
         if self.fail_next:
             self.fail_next -= 1
-            await context.abort(grpc.StatusCode.INTERNAL, "engine crashed")
+            raise GroupCallError(grpc.StatusCode.INTERNAL, "engine crashed")
         aborted = self._aborts.setdefault(request.group_id, asyncio.Event())
         try:
-            if self.hold and not request.eval:
+            if self.hold and (self.hold_eval or not request.eval):
                 wake = [asyncio.ensure_future(e.wait()) for e in (self.release, aborted)]
                 try:
                     await asyncio.wait(wake, return_when=asyncio.FIRST_COMPLETED)
@@ -111,8 +116,14 @@ class FakeRollout(rollout_pb2_grpc.RolloutServicer):
             published=True,
         )
 
+    async def GenerateGroups(self, request, context):
+        self.calls.append([g.group_id for g in request.groups])
+        async for summaries in super().GenerateGroups(request, context):
+            yield summaries
+
     async def AbortGroups(self, request, context):
         self.abort_requests.append(list(request.group_ids))
+        self.abort_reasons.append(request.reason)
         if self.published:
             return rollout_pb2.AbortGroupsResponse()
         held = [g for g in request.group_ids if g in self._aborts]
@@ -470,6 +481,50 @@ async def test_admission_bounded_by_eta_and_grows_with_commits(cluster, files):
     assert rollout.served[4:] == [1, 1]
     exp = await cluster.experiment(exp_id)
     assert (exp.progress.version, exp.progress.dispatched) == (1, 6)
+
+
+async def test_groups_dispatched_in_one_pass_share_one_generate_groups_call(cluster, files):
+    await cluster.start_scheduler()
+    rollout = FakeRollout(hold=True)
+    exp_id = await running_experiment(
+        cluster, files, rollout, rollout={"max_head_offpolicyness": 1}, trainer={"total_steps": 10}
+    )
+    await wait_until(lambda: len(rollout.group_ids()) == 4)  # (eta + 0 + 1) * B
+    assert rollout.calls == [rollout.group_ids()]
+    rollout.release.set()
+    await wait_until(lambda: cluster.scheduler.get(exp_id).staleness.accepted == 4)
+    await cluster.commit(exp_id, 1)
+    await wait_until(lambda: len(rollout.group_ids()) == 6)
+    assert rollout.calls[1:] == [rollout.group_ids()[4:]]  # the two the commit admitted
+
+
+async def test_finish_withdraws_training_groups_sharing_a_call_with_evals(cluster, files):
+    """The last commit ends training while the final eval's groups run: the training groups
+    dispatched in the same call as eval groups are withdrawn with AbortGroups (the call goes
+    on for the evals), and the run completes once the evals answer."""
+    await cluster.start_scheduler()
+    rollout = FakeRollout(hold=True, hold_eval=True)
+    exp_id = await running_experiment(
+        cluster,
+        files,
+        rollout,
+        rollout={"max_head_offpolicyness": 1},  # v1 leaves them fresh enough: no stale abort
+        trainer={"total_steps": 1},
+        eval={"dataset_path": files["eval"], "every_versions": 1},
+    )
+    await wait_until(lambda: len(rollout.requests) == 7)  # 3 eval prompts, then 2 * B groups
+    [call] = rollout.calls
+    training = rollout.group_ids()
+    assert call == [r.group_id for r in rollout.requests]
+    await cluster.commit(exp_id, 1)  # total_steps: the training groups are cancelled
+    await wait_until(lambda: rollout.abort_requests)
+    assert [sorted(r) for r in rollout.abort_requests] == [sorted(training)]
+    assert rollout.abort_reasons == ["aborted: withdrawn by the scheduler"]
+    assert rollout.cancelled == []  # the call goes on for the eval groups
+    rollout.release.set()
+    await wait_until(lambda: cluster.scheduler.get(exp_id).terminal, timeout=10)
+    exp = await cluster.experiment(exp_id)
+    assert exp.state == scheduler_pb2.EXPERIMENT_STATE_COMPLETED
 
 
 async def test_commit_aborts_unpublished_stale_groups_at_once(cluster, files):
