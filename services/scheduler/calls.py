@@ -1,5 +1,5 @@
 """The calls an experiment runner makes to its workers, each with a deadline: BindExperiment
-(the spec, once per binding, to rollouts and reward workers), GenerateGroup requests,
+(the spec, once per binding, to rollouts and reward workers), GenerateGroups calls,
 UpdateWeights (and the set of rollouts that serve the fleet version), and the trainer's
 StartExperiment / StopExperiment."""
 
@@ -49,7 +49,7 @@ async def _bind(call, request: common_pb2.BindExperimentRequest, timeout: float)
 
 @dataclass
 class InFlight:
-    """One GenerateGroup call in flight: a training group (`ticket`) or an eval group."""
+    """One group in flight: a training group (`ticket`) or an eval group."""
 
     group_id: str
     worker: Worker
@@ -141,7 +141,7 @@ class WorkerCalls:
         self, worker: Worker, group_ids: list[str], reason: str, timeout: float
     ) -> list[str]:
         """Ask `worker` to abort these groups unless they are being published; the ids it
-        aborted (each answers its GenerateGroup ABORTED)."""
+        aborted (each is answered ABORTED)."""
         stub = rollout_pb2_grpc.RolloutStub(self.channels.get(worker.address))
         request = rollout_pb2.AbortGroupsRequest(
             experiment_id=self.experiment_id, group_ids=group_ids, reason=reason

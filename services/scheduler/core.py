@@ -5,7 +5,7 @@ Binding rules (`_reconcile`, run after every registry or experiment change):
   that says (GetStatus) it is already running an experiment goes back to that one;
 - an idle rollout is bound to the live experiment with a trainer that has the fewest rollouts;
   an experiment with none takes one from an experiment that has two or more;
-- reward workers are shared: every GenerateGroup carries all their addresses.
+- reward workers are shared: every group request carries all their addresses.
 """
 
 from __future__ import annotations
