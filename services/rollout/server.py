@@ -69,6 +69,11 @@ async def answer_groups(
             summary = await one(group)
         except GroupCallError as e:
             summary = _failed(group.group_id, e.code, e.details, e.fault)
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # the call is over: nobody waits for this answer
+            # cancelled from inside (not by the call): answered, or the call would never end
+            summary = _failed(group.group_id, grpc.StatusCode.CANCELLED, "group cancelled")
         except Exception as e:  # noqa: BLE001 - this group's failure, as its own call would have
             summary = _failed(group.group_id, *error_status(GENERATE_GROUPS, e))
         ready.put_nowait(summary)
