@@ -109,20 +109,21 @@ def drops(run: Run) -> list[float]:
 
 
 async def lose_reply(run: Run, rng: random.Random) -> None:
-    """KILLS times: arm the proxy (SIGUSR1); the next GenerateGroup reply, sent after the group
-    was published, is lost. The fault is marked when the proxy reports the loss."""
+    """KILLS times: arm the proxy (SIGUSR1); the next GenerateGroup reply, or the next
+    GenerateGroups message that reports a published group (and the rest of its stream), is lost
+    after the publish. The fault is marked when the proxy reports the loss."""
     for version in targets(rng, run.scenario.count, run.cfg.total_steps):
         if not await run.reach_in_time(version):
             return
         before = len(drops(run))
         run.proxy.send_signal(signal.SIGUSR1)
-        for _ in range(600):  # a minute for the next GenerateGroup to come back
+        for _ in range(600):  # a minute for the next group to come back
             if len(drops(run)) > before:
                 break
             await asyncio.sleep(0.1)
         else:
-            raise RuntimeError("the armed proxy saw no GenerateGroup reply in 60s")
-        run.mark("GenerateGroup reply lost after publish")
+            raise RuntimeError("the armed proxy lost no reply in 60s")
+        run.mark("GenerateGroup(s) reply lost after publish")
         if not await run.advance():
             return
 
@@ -170,7 +171,7 @@ def _scenarios() -> dict[str, Scenario]:
         Scenario("stop-trainer", "SIGSTOP trainer 13s, kill -9", stop_trainer),
         Scenario(
             "lost-reply",
-            f"GenerateGroup reply lost x{KILLS}",
+            f"GenerateGroup(s) reply lost x{KILLS}",
             lose_reply,
             count=KILLS,
             env={"ASYNCRL_ROLLOUT_ARGS": f"--host 127.0.0.2 --port {PROXY_PORT}"},
