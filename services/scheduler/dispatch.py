@@ -386,17 +386,18 @@ class Dispatcher:
         groups is cancelled (the rollout cancels their generation); one still carrying others
         goes on, and the rollout is asked to abort these (AbortGroups, in the background;
         one already being published goes on, whatever it becomes is no longer counted)."""
-        by_worker: dict[str, tuple[Worker, list[str]]] = {}
+        withdrawn: dict[int, tuple[GroupsCall, list[str]]] = {}
         for item in items:
             call = item.call
             if call is None or call.open.pop(item.group_id, None) is None:
                 continue  # not sent yet (`_send` skips it), or answered
+            withdrawn.setdefault(id(call), (call, []))[1].append(item.group_id)
+        by_worker: dict[str, tuple[Worker, list[str]]] = {}
+        for call, group_ids in withdrawn.values():
             if not call.open:
                 call.task.cancel()
             else:
-                by_worker.setdefault(call.worker.worker_id, (call.worker, []))[1].append(
-                    item.group_id
-                )
+                by_worker.setdefault(call.worker.worker_id, (call.worker, []))[1].extend(group_ids)
         for worker, group_ids in by_worker.values():
             self._abort_in_background(worker, group_ids, WITHDRAWN)
 
