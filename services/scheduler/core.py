@@ -1,7 +1,8 @@
 """The scheduler: experiments (one runner each), the worker registry, and who is bound where.
 
 Binding rules (`_reconcile`, run after every registry or experiment change):
-- a trainer is bound exclusively to one experiment, oldest waiting experiment first; a trainer
+- a trainer is bound exclusively to one experiment, oldest waiting experiment first, never to one
+  entering its terminal state; a trainer
   that says (GetStatus) it is already running an experiment goes back to that one;
 - an idle rollout is bound to the live experiment with a trainer that has the fewest rollouts;
   an experiment with none takes one from an experiment that has two or more;
@@ -348,7 +349,10 @@ class Scheduler:
             runner.wake()
 
     def _bind_trainers(self, live: list[ExperimentRunner]) -> None:
-        waiting = {r.id: r for r in live if r.trainer() is None}
+        # not one entering its terminal state: it freed its trainer and ends without one (a
+        # trainer bound to it meanwhile stayed bound to a finished experiment: the next one
+        # waited for a trainer for ever, bench system between its eta runs)
+        waiting = {r.id: r for r in live if r.trainer() is None and not r.ending}
         idle = [t for t in self.registry.idle(WorkerKind.TRAINER) if t.probed]
         for trainer in sorted(idle, key=lambda t: t.affinity not in waiting):  # affine first
             runner = waiting.pop(trainer.affinity, None) if trainer.affinity else None

@@ -783,6 +783,23 @@ async def _trainer_committed_v1(cluster, files):
     return exp_id, cluster.scheduler.get(exp_id), agent, kill
 
 
+async def test_trainer_freed_by_an_ending_experiment_stays_free_for_the_next(cluster, files):
+    """`_end` frees the trainer, then awaits the ledger's flush before the state is terminal:
+    a reconcile then must not bind the trainer back to the ending experiment (the next
+    experiment waited for a trainer for ever: bench system between its eta runs)."""
+    await cluster.start_scheduler()
+    exp_id = await running_experiment(
+        cluster, files, FakeRollout(hold=True), trainer={"total_steps": 10}
+    )
+    core = cluster.scheduler
+    runner = core.get(exp_id)
+    trainer = runner.trainer()
+    runner._ending = True  # as `_end` is between freeing its trainer and its terminal state
+    core.registry.unbind(trainer)
+    core._reconcile()
+    assert runner.trainer() is None and trainer.experiment_id is None
+
+
 async def test_trainer_restarted_at_same_address_is_started_again(cluster, files):
     await cluster.start_scheduler(trainer_poll_interval_s=60)  # re-registering triggers it
     exp_id, runner, agent, kill = await _trainer_committed_v1(cluster, files)
