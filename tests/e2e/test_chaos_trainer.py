@@ -17,7 +17,9 @@ from tests.e2e.experiment import run_experiment, small_spec, start_cluster
 
 pytestmark = pytest.mark.timeout(600)
 
-TOTAL_STEPS = 10
+TOTAL_STEPS = 300
+"""Long enough to be seen running at KILL_AT: 10 steps of this tiny experiment can all pass
+between two progress polls (CI saw it end before the kill)."""
 KILL_AT = 3
 B = 2
 

@@ -122,6 +122,7 @@ def test_openai_sdk_agent_experiment_with_chat_template_trains(cluster, task, tm
 
 def test_scale_rollout_and_reward_during_a_run_new_replicas_get_work(cluster, task):
     spec = small_spec(task, total_steps=100_000)  # runs until cancelled
+    spec["dataset"]["epochs"] = 100_000  # 50 epochs ran out before the new replicas started
 
     async def scenario():
         async with AsyncrlClient(cluster.scheduler) as client:
