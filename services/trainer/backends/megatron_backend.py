@@ -4,7 +4,8 @@ Same objective as the torch backend (decoupled PPO on GRPO advantages, optional 
 initial model, `trainer.minibatches` updates per version), computed with vocab-parallel
 logprobs. Each minibatch's rows are dealt round-robin to the DP ranks and run in micro-batches
 of `trainer.micro_batch_tokens` padded tokens (rows x padded length); every micro-batch loss
-is normalised by the minibatch's *global* token count, so the summed gradients equal one big batch's exactly.
+is normalised by the minibatch's *global* token count, so the summed gradients equal one big
+batch's exactly.
 
 Under torchrun, rank 0 is the trainer (the service drives it like any backend) and every other
 rank runs `follow()`: each collective method called on rank 0 first broadcasts its name and
