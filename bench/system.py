@@ -47,7 +47,10 @@ model's (`mean_active`: what the admission rule lets run; the model applies the 
 decode steps taken against the model's token clock (tokens wasted on groups dropped as too
 stale, the tail), and the seconds per step in the run against t(a) from the replay on an
 otherwise idle engine (the difference is CPU the engine did not get: with `busy` near 1 and
-the rollout's CPU share near 0.5, each step waited for a core half of its time). `load_avg` is
+the rollout's CPU share near 0.5, each step waited for a core half of its time); `prefill_s`
+and `prefill_tokens` are the engine's prefills (new prompts, and interrupted requests
+recomputed after each weight update: the model keeps their progress for free) and
+`decode_step_ms` a step without them. `load_avg` is
 the machine's 1-minute load average when the run ended (2 cores here).
 """
 
@@ -672,6 +675,11 @@ def engine_figures(r: RunRecord, sim: overlap.SimResult, decode: Decode) -> dict
         "step_ms": round(1000 * e["step_seconds"] / e["steps"], 3),
         "model_step_ms": round(1000 * (decode.t0 + decode.c1 * active), 3),
         "busy": round(e["step_seconds"] / r.duration_s, 3),
+        "prefill_s": round(e.get("prefill_seconds", 0.0), 3),
+        "prefill_tokens": int(e.get("prefill_tokens", 0)),
+        "decode_step_ms": round(
+            1000 * (e["step_seconds"] - e.get("prefill_seconds", 0.0)) / e["steps"], 3
+        ),
     }
 
 

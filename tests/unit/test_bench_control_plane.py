@@ -10,7 +10,14 @@ import pytest
 
 from asyncrl.spec import SamplingParams, validate_spec
 from asyncrl.types import Sample, TrajectoryGroup
-from bench.control_plane import Sizes, StepWatch, Window, experiment_spec, write_dataset
+from bench.control_plane import (
+    Sizes,
+    StepWatch,
+    Window,
+    best,
+    experiment_spec,
+    write_dataset,
+)
 from bench.zero import NoopBackend, ZeroEngine
 from services.rollout.engine import GenRequest
 
@@ -71,6 +78,12 @@ def test_window_per_group_figures():
     assert w.groups_per_s == 32.0
     assert w.cpu_us_per_group == pytest.approx(1500.0)
     assert w.per_group(w.main_thread_s) == {"a": 500.0}
+
+
+def test_best_window_is_the_one_with_the_fewest_cpu_us_per_group():
+    slow = Window(groups=64, seconds=2.0, cpu_s={"a": 0.064})  # 1000 µs/group, 32 groups/s
+    cheap = Window(groups=32, seconds=2.0, cpu_s={"a": 0.016})  # 500 µs/group, 16 groups/s
+    assert best([slow, cheap, slow]) is cheap
 
 
 def test_experiment_spec_is_valid_with_the_benchmark_sizes(tmp_path):
