@@ -50,13 +50,17 @@ otherwise idle engine (the difference is CPU the engine did not get: with `busy`
 the rollout's CPU share near 0.5, each step waited for a core half of its time); `prefill_s`
 and `prefill_tokens` are the engine's prefills (new prompts, and interrupted requests
 recomputed after each weight update: the model keeps their progress for free) and
-`decode_step_ms` a step without them. `load_avg` is
+`decode_step_ms` a step without them. `contention` re-runs the model with the decode cost
+replayed beside a training load on the other core, for the share of the run the trainer
+computes (see `contention`): what this machine's shared caches and memory bandwidth allow,
+beside the headline ratio. `load_avg` is
 the machine's 1-minute load average when the run ended (2 cores here).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -540,9 +544,52 @@ class Decode:
     """Mean step with at least 90 % of the slots active, as replayed (model: t(C))."""
 
 
-def measure_decode(task: Task, plan: Plan, table: list[list[int]], updates: int) -> Decode:
+TRAINING_LOAD = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+torch.set_num_threads(1)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+ids = torch.randint(0, model.config.vocab_size, (8, 256))
+def step():
+    opt.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+step()
+print("ready", flush=True)
+while True:
+    step()
+"""
+"""What the trainer does beside the engine in an asynchronous run: the workload's model trained
+on one thread (forward, backward, AdamW), without end."""
+
+
+@contextlib.contextmanager
+def training_load(model: Path):
+    """TRAINING_LOAD running in its own process (the other core) while the block runs."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TRAINING_LOAD, str(model)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the training load did not start ({proc.poll()})")
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def measure_decode(
+    task: Task, plan: Plan, table: list[list[int]], updates: int, loaded: bool = False
+) -> Decode:
     """Fit t(a) on the engine replaying 4 C of the workload's lengths at the fleet's
-    concurrency C (full fleet, then the drain down to one stream)."""
+    concurrency C (full fleet, then the drain down to one stream); `loaded`: with a training
+    load on the other core (`training_load`), as in an asynchronous run while the trainer
+    computes."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(task.tokenizer))
@@ -551,9 +598,10 @@ def measure_decode(task: Task, plan: Plan, table: list[list[int]], updates: int)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the rollout service runs here (OMP_NUM_THREADS=1)
     try:
-        log = asyncio.run(
-            _replay(task.model, prompt_ids, lengths, plan.slots, updates, plan.keep_kv)
-        )
+        with training_load(task.model) if loaded else contextlib.nullcontext():
+            log = asyncio.run(
+                _replay(task.model, prompt_ids, lengths, plan.slots, updates, plan.keep_kv)
+            )
     finally:
         torch.set_num_threads(threads)
     plain = [(a, dt) for a, dt, resumed in log if not resumed]
@@ -730,6 +778,38 @@ def figures(
     return out
 
 
+def contention(
+    w: overlap.Workload,
+    tool: overlap.Ideal,
+    idle: Decode,
+    loaded: Decode,
+    f: EtaFigures,
+    table: list[list[int]],
+) -> dict:
+    """What sharing the machine's memory system with the trainer costs the engine, in the
+    model: the decode cost replayed beside a training load (`measure_decode(loaded=True)`),
+    applied for the share of the asynchronous run the model's trainer computes (t0 and c1
+    interpolated by that share; none in sync, where they never overlap). The model's premise is
+    separate hardware for generation and training; here they share two cores' caches and
+    memory bandwidth. An explanation of the gap beside the ratio, not a replacement for it."""
+    if f.eta == 0:
+        return {}
+    sim = tool.runs[f.eta]
+    share = min(1.0, sim.train_busy_s / sim.wall_s)
+    t0 = max(1e-6, idle.t0 + share * (loaded.t0 - idle.t0))
+    c1 = max(0.0, idle.c1 + share * (loaded.c1 - idle.c1))
+    wc = replace(w, t0=t0, alpha=c1 * w.slots / t0, eta=f.eta)
+    speedup = tool.sync.wall_s / overlap.simulate_async(wc, overlap.GroupLengths(wc, table)).wall_s
+    return {
+        "loaded_decode": {"t0": round(loaded.t0, 7), "c1": round(loaded.c1, 8)},
+        "full_fleet_step_s": {"idle": round(idle.full_fleet_step_s, 5),
+                              "loaded": round(loaded.full_fleet_step_s, 5)},
+        "trainer_share": round(share, 3),
+        "ideal_speedup": round(speedup, 3),
+        "ratio": round(f.measured_speedup / speedup, 3),
+    }  # fmt: skip
+
+
 def plot(figs: list[EtaFigures], tool: list[float], bound_throughput: float, path: Path) -> Path:
     import matplotlib
 
@@ -770,6 +850,7 @@ def run(ctx: Context) -> list[Result]:
         return tuple(task.attempt_lengths(plan, index, attempt))
 
     decode = measure_decode(task, plan, table, updates=ctx.size(6, 1))
+    loaded = measure_decode(task, plan, table, updates=0, loaded=True)
     records: dict[int, list[RunRecord]] = {eta: [] for eta in plan.etas}
     with LocalCluster(ctx.work_dir / "system" / "var", plan.keep_kv) as cluster:
         for _ in range(plan.repeats):
@@ -782,7 +863,8 @@ def run(ctx: Context) -> list[Result]:
     measured = Measured(decode, train_a, train_b, t_sync)
     w = workload(plan, task, measured)
     ideal = overlap.ideal(w, plan.etas, table, lengths)
-    tool = overlap.ideal(replace(w, abort_lag=0, requeue=False), plan.etas, table)
+    tool_w = replace(w, abort_lag=0, requeue=False)
+    tool = overlap.ideal(tool_w, plan.etas, table)
     figs = figures(plan, runs, ideal, lengths, decode)
     bound = ideal.bound
     ceiling = w.m / (bound.t_sync + max(bound.t_gen_throughput, bound.t_train))
@@ -814,6 +896,7 @@ def run(ctx: Context) -> list[Result]:
                 "ratio_scheduler_rules": round(f.measured_speedup / f.ideal_speedup, 3),
                 # every update interrupts the requests in flight (none in sync): re-prefill
                 "resume_stall_s_est": round(plan.steps * decode.resume_stall_s, 3) if f.eta else 0,
+                "contention": contention(tool_w, tool, decode, loaded, f, table),
                 **f.settings, **common})
         for f in figs
     ]  # fmt: skip

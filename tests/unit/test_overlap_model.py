@@ -341,3 +341,30 @@ def test_async_requeue_with_resample_gives_the_prompt_its_next_attempts_lengths(
     assert seen[0] == (0, 1)
     assert a.gen_tokens == 8.0
     assert a.token_steps == 5.0
+
+
+# ---------------------------------------------------------------------------- contention
+
+
+def test_contention_with_an_unchanged_decode_cost_is_the_tools_ideal():
+    from bench.system import Decode, EtaFigures, contention
+
+    w = Workload(slots=16, n=4, batch=4, max_groups=4, len_median=20, len_sigma=1.2, max_len=300,
+                 t0=0.01, alpha=0.6, train_a=0.2, train_b=1e-3, prompt_len=5, t_sync=0.1,
+                 steps=25, seed=4)  # fmt: skip
+    table = [[20, 5, 40, 12]] * 200
+    tool = overlap.ideal(w, [0, 2], table)
+    idle = Decode(t0=0.01, c1=0.6 * 0.01 / 16, steps=1, resume_stall_s=0.0, resume_streams=0.0,
+                  full_fleet_step_s=0.016)  # fmt: skip
+    fig = EtaFigures(eta=2, measured_speedup=1.2, ideal_speedup=0.0, measured_throughput=0.0,
+                     ideal_throughput=0.0)  # fmt: skip
+    same = contention(w, tool, idle, idle, fig, table)
+    assert same["ideal_speedup"] == pytest.approx(tool.speedup(2), abs=1e-3)
+    assert same["ratio"] == pytest.approx(1.2 / tool.speedup(2), abs=1e-3)
+    sim = tool.runs[2]
+    assert same["trainer_share"] == pytest.approx(sim.train_busy_s / sim.wall_s, abs=1e-3)
+    slower = replace(idle, t0=0.02, c1=2 * idle.c1)  # twice the cost while the trainer computes
+    loaded = contention(w, tool, idle, slower, fig, table)
+    assert loaded["ideal_speedup"] < same["ideal_speedup"]
+    assert loaded["ratio"] > same["ratio"]
+    assert contention(w, tool, idle, slower, replace(fig, eta=0), table) == {}
