@@ -59,6 +59,9 @@ class Registry:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.clock = clock
         self._workers: dict[str, Worker] = {}
+        self._sorted: dict[WorkerKind | None, list[Worker]] = {}
+        """`workers(kind)` by id, kept until a worker joins or leaves (asked several times per
+        group dispatched)."""
 
     def register(
         self, kind: WorkerKind, address: str, name: str, capacity: int, principal: str = ""
@@ -79,6 +82,7 @@ class Registry:
         )
         self._touch(w)
         self._workers[worker_id] = w
+        self._sorted.clear()
         return w, True
 
     def at(self, kind: WorkerKind, address: str) -> Worker | None:
@@ -105,11 +109,17 @@ class Registry:
         gone = [w for w in self._workers.values() if w.last_seen < deadline]
         for w in gone:
             del self._workers[w.worker_id]
+        if gone:
+            self._sorted.clear()
         return gone
 
     def workers(self, kind: WorkerKind | None = None) -> list[Worker]:
-        ws = [w for w in self._workers.values() if kind is None or w.kind == kind]
-        return sorted(ws, key=lambda w: w.worker_id)
+        """The live workers (of `kind`) by id; a new list each call."""
+        ws = self._sorted.get(kind)
+        if ws is None:
+            ws = [w for w in self._workers.values() if kind is None or w.kind == kind]
+            ws = self._sorted[kind] = sorted(ws, key=lambda w: w.worker_id)
+        return list(ws)
 
     def bound(self, experiment_id: str, kind: WorkerKind) -> list[Worker]:
         return [w for w in self.workers(kind) if w.experiment_id == experiment_id]

@@ -202,6 +202,25 @@ def test_registry_reward_addresses_lists_all_live_reward_workers():
     assert sorted(reg.reward_addresses()) == ["h:2", "h:3"]
 
 
+def test_registry_workers_by_id_follow_joins_and_leases_lapsing():
+    clock = FakeClock()
+    reg = Registry(lease_ttl_s=10, clock=clock)
+    a, _ = reg.register(WorkerKind.ROLLOUT, "h:1", "", 1)
+    t, _ = reg.register(WorkerKind.TRAINER, "h:2", "", 1)
+    assert reg.workers(WorkerKind.ROLLOUT) == [a]
+    reg.workers(WorkerKind.ROLLOUT).clear()  # a copy: the registry's view is not changed
+    clock.t += 6
+    b, _ = reg.register(WorkerKind.ROLLOUT, "h:3", "", 1)
+    assert reg.workers(WorkerKind.ROLLOUT) == sorted([a, b], key=lambda w: w.worker_id)
+    assert reg.workers() == sorted([a, b, t], key=lambda w: w.worker_id)
+    clock.t += 5  # a's and t's leases lapse, b's does not
+    assert {w.worker_id for w in reg.expire()} == {a.worker_id, t.worker_id}
+    assert reg.workers(WorkerKind.ROLLOUT) == [b] and reg.workers() == [b]
+    assert reg.bound("exp", WorkerKind.ROLLOUT) == []
+    reg.bind(b, "exp")
+    assert reg.bound("exp", WorkerKind.ROLLOUT) == [b]
+
+
 @pytest.mark.parametrize(
     ("version", "every", "start", "final", "expected"),
     [
