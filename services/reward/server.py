@@ -10,7 +10,7 @@ from prometheus_client.registry import Collector
 from asyncrl import rewards
 from asyncrl.convert import status_to_proto
 from asyncrl.errors import BadRequest, Conflict
-from asyncrl.logging import get_logger
+from asyncrl.logging import Tally, get_logger
 from asyncrl.metrics import gauge
 from asyncrl.runtime import ServiceRuntime
 from asyncrl.spec import RewardSpec, spec_from_json
@@ -53,32 +53,6 @@ class RewardCollector(Collector):
         yield from (workers, in_flight)
 
 
-class Tally:
-    """Score calls since the last summary line, which is written every `every_s` seconds. A
-    line per call (one per group) was ~10 CPU-µs of the ~300 a Score call costs the service
-    (bench/control_plane.py); a call with a failed item still gets its own line."""
-
-    def __init__(self, every_s: float = 10.0):
-        self.every_s = every_s
-        self._since = time.perf_counter()
-        self.calls = self.items = self.failed = 0
-
-    def add(self, items: int, failed: int, now: float) -> None:
-        self.calls += 1
-        self.items += items
-        self.failed += failed
-        if now - self._since >= self.every_s:
-            log.info(
-                "scored",
-                calls=self.calls,
-                items=self.items,
-                failed=self.failed,
-                seconds=round(now - self._since, 1),
-            )
-            self._since = now
-            self.calls = self.items = self.failed = 0
-
-
 class RewardService(reward_pb2_grpc.RewardServicer):
     """Scores items with the reward function of the experiment they belong to; each
     experiment's function is loaded once, when a rollout binds it here."""
@@ -89,7 +63,10 @@ class RewardService(reward_pb2_grpc.RewardServicer):
     def __init__(self, pool: ScoringPool):
         self.pool = pool
         self._bound: collections.OrderedDict[str, RewardSpec] = collections.OrderedDict()
-        self._tally = Tally()
+        self._tally = Tally("scored", log)
+        """Score calls, their items and failed items: a line per call (one per group) was
+        ~10 CPU-µs of the ~300 a Score call costs the service (bench/control_plane.py); a call
+        with a failed item still gets its own line."""
 
     async def BindExperiment(self, request, context):
         if not request.experiment_id:
@@ -125,7 +102,7 @@ class RewardService(reward_pb2_grpc.RewardServicer):
                 seconds=round(time.perf_counter() - start, 4),
                 first_failure=failed[0].reason,
             )
-        self._tally.add(len(results), len(failed), start)
+        self._tally.add(start, calls=1, items=len(results), failed=len(failed))
         return response_to_proto(items, results)
 
     async def ListRewardFunctions(self, request, context):

@@ -22,7 +22,7 @@ from pathlib import Path
 from prometheus_client import Histogram
 
 from asyncrl.errors import BadRequest, Conflict
-from asyncrl.logging import get_logger
+from asyncrl.logging import Tally, get_logger
 from asyncrl.natsutil import publish_group
 from asyncrl.retry import jetstream_call
 from asyncrl.runtime import freeze_heap
@@ -155,32 +155,6 @@ class StatusInfo:
     engine: str
 
 
-class GroupTally:
-    """Groups finished since the last summary line (`groups_done`, every `every_s` seconds):
-    a line per group was ~15 CPU-µs of the ~240 a group costs the rollout (bench
-    control_plane). Each group's line is still there (a failed group's at WARNING, the others'
-    at DEBUG), and its fate in the ledger."""
-
-    def __init__(self, every_s: float = 10.0):
-        self.every_s = every_s
-        self._since = time.perf_counter()
-        self._counts: dict[str, int] = {}
-        self._tokens = 0
-
-    def add(self, summary: GroupSummary, now: float) -> None:
-        status = summary.status.value
-        self._counts[status] = self._counts.get(status, 0) + 1
-        self._tokens += summary.tokens
-        if now - self._since >= self.every_s:
-            log.info(
-                "groups_done",
-                seconds=round(now - self._since, 1),
-                tokens=self._tokens,
-                **self._counts,
-            )
-            self._since, self._counts, self._tokens = now, {}, 0
-
-
 @dataclass
 class _Running:
     job: GroupJob
@@ -214,7 +188,10 @@ class RolloutService:
         """`tokenizer`'s encode and decode, on the Rust tokenizer where that is the same."""
         self.rewards = RewardClient()
         self.throughput = Throughput()
-        self._tally = GroupTally()
+        self._tally = Tally("groups_done", log)
+        """Groups finished, by status, and their tokens: a line per group was ~15 CPU-µs of the
+        ~240 a group costs the rollout (bench control_plane). Each group's line is still there
+        (a failed group's at WARNING, the others' at DEBUG), and its fate in the ledger."""
         self._groups: dict[str, _Running] = {}
         self._weights_lock = asyncio.Lock()
         self.weights_cache = weights_cache or settings().var / WEIGHTS_CACHE
@@ -427,7 +404,7 @@ class RolloutService:
         if decision.publish or job.eval:
             await self._publish(job, prompt_ids, samples, summary)
             summary.duration_s = time.perf_counter() - t0
-        self._tally.add(summary, time.perf_counter())
+        self._tally.add(time.perf_counter(), tokens=summary.tokens, **{summary.status.value: 1})
         (log.warning if summary.status is GroupStatus.FAILED else log.debug)(
             "group_done",
             group=job.group_id,

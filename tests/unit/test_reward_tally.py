@@ -1,29 +1,62 @@
-"""The reward service's summary line: Score calls are counted, one line per `every_s`."""
+"""The reward service's summary line: its Score calls, items and failed items, every 10 s."""
 
 from __future__ import annotations
 
+import json
+import time
+
 from structlog.testing import capture_logs
 
-from services.reward.server import Tally
+from asyncrl.types import RewardStatus, Score
+from asyncrl.v1 import common_pb2, reward_pb2
+from services.reward.server import RewardService
+
+SPEC = {
+    "model": {"path": "unused"},
+    "dataset": {"path": "unused.jsonl"},
+    "reward": {"function": "exact_match", "timeout_s": 5.0},
+}
 
 
-def test_tally_logs_totals_once_per_period_then_starts_over():
-    tally = Tally(every_s=10.0)
-    start = tally._since
+class FakePool:
+    """Scores an item OK (1.0) unless its completion is "bad"."""
+
+    async def score(self, function, kwargs, items, timeout_s):
+        return [
+            Score(0.0, RewardStatus.FAILED, "scripted") if i.completion == "bad" else Score(1.0)
+            for i in items
+        ]
+
+
+def _request(*completions: str) -> reward_pb2.ScoreRequest:
+    return reward_pb2.ScoreRequest(
+        experiment_id="exp1",
+        items=[
+            reward_pb2.ScoreItem(id=str(i), completion=c, answer="1")
+            for i, c in enumerate(completions)
+        ],
+    )
+
+
+async def test_score_calls_over_10_s_give_one_scored_line_with_calls_items_failed(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    service = RewardService(FakePool())
+    await service.BindExperiment(
+        common_pb2.BindExperimentRequest(experiment_id="exp1", spec_json=json.dumps(SPEC)), None
+    )
     with capture_logs() as logs:
-        tally.add(8, 0, start + 1)
-        tally.add(8, 2, start + 5)
-        assert logs == []
-        tally.add(8, 0, start + 10)
-        tally.add(8, 1, start + 11)
-    assert logs == [
+        now[0] = 101.0
+        await service.Score(_request("1", "1", "bad"), None)
+        now[0] = 110.5
+        await service.Score(_request("1", "1"), None)
+    assert [line for line in logs if line["event"] == "scored"] == [
         {
             "event": "scored",
             "log_level": "info",
-            "calls": 3,
-            "items": 24,
-            "failed": 2,
-            "seconds": 10.0,
+            "calls": 2,
+            "items": 5,
+            "failed": 1,
+            "seconds": 10.5,
         }
     ]
-    assert (tally.calls, tally.items, tally.failed) == (1, 8, 1)
