@@ -14,6 +14,7 @@ from asyncrl.spec import SamplingParams
 from asyncrl.tiny import build_tiny_model
 from services.rollout.engine import GenRequest
 from services.rollout.torch_engine import TorchEngine, sample_token
+from tests.integration.engine_gate import hold_generation
 
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=12)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -167,10 +168,11 @@ async def test_update_weights_mid_generation_versions_switch_in_order(models):
     params = SamplingParams(temperature=1.0, max_new_tokens=150)
     prompts = PROMPTS[:2]
     try:
+        held = hold_generation(engine, lambda: engine.tokens_generated >= 2 * 5)
         task = asyncio.gather(
             *[engine.generate(GenRequest(f"u{i}", p, params)) for i, p in enumerate(prompts)]
         )
-        await wait_until(lambda: engine.tokens_generated >= 2 * 5, timeout=30, interval=0.001)
+        await wait_until(held.is_set, timeout=30, interval=0.001)
         interrupted = await engine.update_weights(str(models / "v1"), 1)
         outs = await task
     finally:
@@ -200,10 +202,11 @@ async def test_update_weights_keeping_the_kv_cache_recomputes_nothing(models):
     params = SamplingParams(temperature=1.0, max_new_tokens=150)
     prompts = PROMPTS[:2]
     try:
+        held = hold_generation(engine, lambda: engine.tokens_generated >= 2 * 5)
         task = asyncio.gather(
             *[engine.generate(GenRequest(f"k{i}", p, params)) for i, p in enumerate(prompts)]
         )
-        await wait_until(lambda: engine.tokens_generated >= 2 * 5, timeout=30, interval=0.001)
+        await wait_until(held.is_set, timeout=30, interval=0.001)
         prefilled = engine.counters.prefill_tokens
         interrupted = await engine.update_weights(str(models / "v1"), 1)
         outs = await task
@@ -241,8 +244,10 @@ async def test_generate_short_requests_beside_a_very_long_one_decode_as_alone(mo
     engine = await _engine(models / "long")
     try:
         alone = [await engine.generate(request(i)) for i in range(-1, len(shorts))]
+        before = engine.tokens_generated
+        held = hold_generation(engine, lambda: engine.tokens_generated >= before + 3)
         long = asyncio.create_task(engine.generate(request(-1)))
-        await wait_until(lambda: engine.tokens_generated >= 3, timeout=30, interval=0.001)
+        await wait_until(held.is_set, timeout=30, interval=0.001)
         first = await asyncio.gather(*[engine.generate(request(i)) for i in range(6)])
         rest = await asyncio.gather(*[engine.generate(request(i)) for i in range(6, 12)])
         together = [await long, *first, *rest]
@@ -266,10 +271,11 @@ async def test_update_weights_reprefills_requests_of_mixed_lengths(models):
     params = SamplingParams(temperature=1.0, max_new_tokens=60)
     engine = await _engine(models / "v0", seed=5)
     try:
+        held = hold_generation(engine, lambda: engine.tokens_generated >= 4 * 10)
         task = asyncio.gather(
             *[engine.generate(GenRequest(f"m{i}", p, params)) for i, p in enumerate(prompts)]
         )
-        await wait_until(lambda: engine.tokens_generated >= 4 * 10, timeout=30, interval=0.001)
+        await wait_until(held.is_set, timeout=30, interval=0.001)
         forwards = engine.counters.prefill_forwards
         assert await engine.update_weights(str(models / "v1"), 1) == 4
         outs = await task
@@ -299,8 +305,9 @@ async def test_cancel_generate_removes_request_from_batch(models):
     engine = await _engine(models / "v0")
     long = SamplingParams(temperature=1.0, max_new_tokens=200)
     try:
+        held = hold_generation(engine, lambda: engine.tokens_generated >= 3)
         doomed = asyncio.create_task(engine.generate(GenRequest("c0", PROMPTS[0], long)))
-        await wait_until(lambda: engine.tokens_generated >= 3, timeout=30, interval=0.001)
+        await wait_until(held.is_set, timeout=30, interval=0.001)
         assert engine.running == 1
         doomed.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -337,10 +344,11 @@ async def test_generate_many_cancelled_aborts_every_request(models):
     engine = await _engine(models / "v0")
     long = SamplingParams(temperature=1.0, max_new_tokens=200)
     try:
+        held = hold_generation(engine, lambda: engine.tokens_generated >= 6)
         call = asyncio.create_task(
             engine.generate_many([GenRequest(f"c:{i}", PROMPTS[i], long) for i in range(3)])
         )
-        await wait_until(lambda: engine.tokens_generated >= 6, timeout=30, interval=0.001)
+        await wait_until(held.is_set, timeout=30, interval=0.001)
         assert engine.running == 3
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
