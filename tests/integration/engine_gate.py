@@ -20,15 +20,17 @@ HOLD_LIMIT_S = 60.0
 
 def hold_generation(engine: TorchEngine, ready: Callable[[], bool]) -> threading.Event:
     """From the first token boundary at which `ready()` holds (read in the worker thread, e.g.
-    `engine.tokens_generated >= n`), `engine` generates nothing until its loop has news (a
-    request queued or dropped, a model change due, the engine stopping); then one more step, as
-    a run in the worker thread ends at its next boundary, and on as before. Once per call.
-    Returns an Event set when the hold begins: the requests are under way and held."""
+    `engine.tokens_generated >= n`) and no news is pending, `engine` generates nothing until its
+    loop has news (a request queued or dropped, a model change due, the engine stopping); then
+    one more step, as a run in the worker thread ends at its next boundary, and on as before.
+    Once per call. Returns an Event set when the hold begins: the requests are under way and
+    held. (News pending at a boundary, e.g. requests queued but not yet in the batch, is the
+    loop's first: the hold waits for the boundary after it.)"""
     step = engine._step
     held = threading.Event()
 
     def gated(batch, version):
-        if not held.is_set() and ready():
+        if not held.is_set() and not engine._news and ready():
             held.set()
             deadline = time.monotonic() + HOLD_LIMIT_S
             while not engine._news and time.monotonic() < deadline:

@@ -24,6 +24,7 @@ from services.reward.server import create_reward
 from services.rollout.server import create_rollout
 from services.rollout.service import Binding, GroupJob
 from services.rollout.torch_engine import TorchEngine
+from tests.integration.engine_gate import hold_generation
 
 EXP = "exp1"
 
@@ -347,12 +348,16 @@ async def _group_under_way(
     max_new_tokens: int = 200,
 ) -> tuple[str, asyncio.Future]:
     """Experiment 'long' (n=2) and one of its groups generating: (experiment id, the call),
-    once the engine has generated `tokens` tokens."""
+    once the engine has generated `tokens` tokens; it holds there until the test's next call
+    reaches the engine (engine_gate), so the group is still under way when it does."""
     exp = await _serve_long(stub, models, no_eos_tokenizer, n=2, max_new_tokens=max_new_tokens)
+    engine = service.engine
+    start = engine.tokens_generated
+    held = hold_generation(engine, lambda: engine.tokens_generated >= start + tokens)
     call = asyncio.ensure_future(
         stub.GenerateGroup(_request(group_id, [reward_address], experiment_id=exp), timeout=60)
     )
-    await wait_until(lambda: service.engine.tokens_generated >= tokens, timeout=30, interval=0.001)
+    await wait_until(held.is_set, timeout=30, interval=0.001)
     return exp, call
 
 
@@ -413,8 +418,9 @@ async def test_cancelled_generate_group_stops_engine_requests_and_publishes_noth
 ):
     stub, service = rollout
     exp = await _serve_long(stub, models, no_eos_tokenizer, n=2, max_new_tokens=200)
+    held = hold_generation(service.engine, lambda: service.engine.tokens_generated >= 4)
     call = stub.GenerateGroup(_request("c1", [reward_address], experiment_id=exp), timeout=60)
-    await wait_until(lambda: service.engine.tokens_generated >= 4, timeout=30, interval=0.001)
+    await wait_until(held.is_set, timeout=30, interval=0.001)
     call.cancel()  # what the scheduler does to a stale group
     with pytest.raises(asyncio.CancelledError):
         await call
@@ -431,8 +437,9 @@ async def test_cancelled_generate_groups_stops_all_its_groups_publishes_nothing(
     stub, service = rollout
     exp = await _serve_long(stub, models, no_eos_tokenizer, n=2, max_new_tokens=200)
     groups = [_request(g, [reward_address], experiment_id=exp) for g in ("k1", "k2")]
+    held = hold_generation(service.engine, lambda: service.engine.running == 4)
     call = stub.GenerateGroups(rollout_pb2.GenerateGroupsRequest(groups=groups), timeout=60)
-    await wait_until(lambda: service.engine.running == 4, timeout=30, interval=0.001)
+    await wait_until(held.is_set, timeout=30, interval=0.001)
     call.cancel()  # what the scheduler does when it has withdrawn all of a call's groups
     await wait_until(lambda: service.engine.running == 0 and service.running_groups == 0, timeout=5)
     assert (await js.stream_info(STREAM)).state.messages == 0
