@@ -311,11 +311,29 @@ async def stack(nats_server, tiny, tmp_path):
     await s.close()
 
 
+def hold_commits_from(trainer, version: int) -> asyncio.Event:
+    """The trainer service's commits of `version` and later wait until the returned Event is
+    set: the run stays at version - 1, RUNNING, for as long as the test acts on it. (A real
+    step of the tiny model takes ~30 ms: six steps were over in 0.25 s, before or during what a
+    test did "mid-run".)"""
+    commit = trainer._commit
+    release = asyncio.Event()
+
+    async def gated(uri, metrics):
+        if metrics.version >= version:
+            await release.wait()
+        return await commit(uri, metrics)
+
+    trainer._commit = gated
+    return release
+
+
 async def test_real_run_imposter_commit_and_forged_drop_refused_run_completes(stack):
     await stack.start()
+    release = hold_commits_from(stack.trainer, 2)
     exp_id = await stack.submit(stack.spec(trainer={"total_steps": 6}))
     runner = stack.scheduler.get(exp_id)
-    await wait_until(lambda: runner.version >= 1 or runner.terminal, timeout=120)
+    await wait_until(lambda: runner.version >= 1, timeout=120)
     version = runner.version
     ch, imposter = stub_as(stack.address, "trainer-imposter", "trainer")
     async with ch:
@@ -325,6 +343,8 @@ async def test_real_run_imposter_commit_and_forged_drop_refused_run_completes(st
         forged = f"{exp_id}-e0-p999999-a0"
         details = await expect(INVALID, trainer.ReportDropped(dropped(exp_id, forged)))
     assert repr(forged) in details
+    assert (runner.state.value, runner.version) == ("RUNNING", 1)  # refused mid-run
+    release.set()
     exp = await stack.finished(exp_id)
     assert exp.state == scheduler_pb2.EXPERIMENT_STATE_COMPLETED, exp.message
     assert [h.version for h in exp.history] == [1, 2, 3, 4, 5, 6]
@@ -334,11 +354,14 @@ async def test_real_run_imposter_commit_and_forged_drop_refused_run_completes(st
 
 async def test_real_run_scheduler_restart_trainer_commits_as_its_new_registration(stack):
     await stack.start()
+    release = hold_commits_from(stack.trainer, 2)
     exp_id = await stack.submit(stack.spec(trainer={"total_steps": 6}))
     runner = stack.scheduler.get(exp_id)
     await wait_until(lambda: runner.version >= 1, timeout=120)
     old_trainer = runner.trainer().worker_id
     await stack.runtime.close()
+    assert (runner.state.value, runner.version) == ("RUNNING", 1)  # restarted mid-run
+    release.set()  # version 2's commit meets the scheduler away, then restarted
     await stack.start_scheduler(port=int(stack.address.rsplit(":", 1)[1]))
     await wait_until(lambda: exp_id in stack.scheduler.runners, timeout=10)
     exp = await stack.finished(exp_id)
