@@ -124,6 +124,18 @@ def test_scale_rollout_and_reward_during_a_run_new_replicas_get_work(cluster, ta
     spec = small_spec(task, total_steps=100_000)  # runs until cancelled
     spec["dataset"]["epochs"] = 100_000  # 50 epochs ran out before the new replicas started
 
+    def reward_logs():
+        return sorted((cluster.var / "log").glob("reward-*.log"))
+
+    def scored_lines() -> dict[str, int]:
+        return {p.name: len(log_events(p, "scored")) for p in reward_logs()}
+
+    before = scored_lines()  # reward-0's lines from the earlier tests
+
+    def both_rewards_scored():
+        now = scored_lines()
+        return len(now) == 2 and all(n > before.get(name, 0) for name, n in now.items())
+
     async def scenario():
         async with AsyncrlClient(cluster.scheduler) as client:
             exp = await client.submit(spec)
@@ -140,14 +152,20 @@ def test_scale_rollout_and_reward_during_a_run_new_replicas_get_work(cluster, ta
                 assert time.monotonic() < deadline, [(w.name, w.groups_done) for w in rollouts]
                 assert not is_terminal(await client.get(exp.id))
                 await asyncio.sleep(0.5)
-            await asyncio.sleep(2.0)  # let both reward replicas see a few Score calls
+            # both reward replicas see Score calls of this run: each logs a `scored` summary at
+            # its first call 10 s or more after its last one or its start (a fixed 2 s here held
+            # only while scaling out took 8 s or more)
+            while not both_rewards_scored():
+                assert time.monotonic() < deadline, [p.read_text()[-500:] for p in reward_logs()]
+                assert not is_terminal(await client.get(exp.id))
+                await asyncio.sleep(0.5)
             exp = await client.cancel(exp.id)
             return exp
 
     exp = asyncio.run(scenario())
     assert state_name(exp.state) == "CANCELLED"
     # both reward replicas scored items: each logs its batches
-    logs = sorted((cluster.var / "log").glob("reward-*.log"))
+    logs = reward_logs()
     assert len(logs) == 2
     assert all("score" in p.read_text() for p in logs), [p.read_text()[-500:] for p in logs]
     wait_for(lambda: len(cluster.workers(common_pb2.WORKER_KIND_REWARD)) == 2)
