@@ -41,7 +41,7 @@ bench: venv protos ## benchmarks with same-run ratios; table + var/bench/report.
 chaos: venv protos ## fault suite, one netns per scenario (root); table + var/chaos/report.json (CHAOS_ARGS="--only trainer --repeat 1")
 	$(PY) -m tests.chaos $(CHAOS_ARGS)
 
-multihost: venv protos ## the demo on 3 hosts (netns, root): NATS cluster R3, weights over NATS (MULTIHOST_ARGS="--faults nats,link,host --steps 40")
+multihost: venv protos ## the demo on 3 hosts (netns, root): NATS cluster R3, weights over NATS (MULTIHOST_ARGS="--faults nats,link,host --steps 80")
 	$(PY) -m tests.multihost $(MULTIHOST_ARGS)
 
 # --- local cluster (asyncrl.supervisor); state, logs and weights live under $(VAR)/
