@@ -31,6 +31,7 @@ from tests.integration.test_scheduler_server import (
     TRAINER,
     FakeRollout,
     FakeTrainer,
+    attempt,
     running_experiment,
 )
 
@@ -204,7 +205,7 @@ async def test_report_dropped_unknown_group_invalid_argument_nothing_changed(clu
     assert state() == before
     assert runner.state.value == "RUNNING"
     await cluster.trainer_stub.ReportDropped(dropped(exp_id, accepted), timeout=5)
-    await wait_until(lambda: accepted.replace("-a0", "-a1") in rollout.group_ids())
+    await wait_until(lambda: attempt(accepted, 1) in rollout.group_ids())
     assert (await cluster.commit(exp_id, 1)).stop is False
     assert runner.committed_version == 1
 
