@@ -5,7 +5,9 @@ gives every sample a target length from a lognormal (capped) and generates exact
 tokens (EOS ignored), on the tiny model with the torch engine and the torch trainer. All
 services run as their own processes, as `make up` starts them (a temporary var dir, TLS and
 tokens, one replica each, one torch thread each), and the same cluster runs the experiment at
-eta = 0 (synchronous), 1, 2 and 4 on the same prompts in the same order.
+eta = 0 (synchronous), 1, 2 and 4 on the same prompts in the same order. The supervisor gives
+the rollout a core to itself and the other processes the other (`ASYNCRL_CPU_AFFINITY=1`, the
+benchmark's default; `ASYNCRL_CPU_AFFINITY=0` leaves placement to the kernel).
 
 Measured in the run:
 - wall time of each experiment: first dispatch to the N-th committed step (the ledger's
@@ -234,6 +236,9 @@ class LocalCluster:
             "ASYNCRL_METRICS_PORT": str(self.metrics_port),
             "OMP_NUM_THREADS": "1",  # one core each: rollout and trainer overlap on two cores
             "ASYNCRL_TRAINER_ARGS": "--threads 1",
+            # the rollout's core to itself, the rest for everything else (Supervisor.cpus): the
+            # benchmark owns the machine, as a deployment on its own would
+            "ASYNCRL_CPU_AFFINITY": os.environ.get("ASYNCRL_CPU_AFFINITY", "1"),
             "ASYNCRL_ROLLOUT_ARGS": f"--engine-opt keep_kv_on_update={str(keep_kv).lower()}",
         }
         if not settings().insecure:
@@ -875,6 +880,7 @@ def run(ctx: Context) -> list[Result]:
         "workload": {"n": plan.n, "batch": plan.batch, "steps": plan.steps,
                      "max_groups": plan.max_groups, "slots": plan.slots,
                      "keep_kv_on_update": plan.keep_kv,
+                     "cpu_affinity": os.environ.get("ASYNCRL_CPU_AFFINITY", "1") not in ("", "0"),
                      "lengths": f"lognormal median {plan.median:g} sigma {plan.sigma:g} "
                                 f"cap {plan.max_len}", "prompt_len": task.prompt_len},
         "measured_parameters": _rounded(asdict(measured)),

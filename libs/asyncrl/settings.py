@@ -78,6 +78,11 @@ class Settings(BaseSettings):
     """`make up` runs each trainer as `torchrun --nproc_per_node N` when N > 1."""
     rollout_engine: str = "torch"
     """Engine of the rollouts `make up` starts."""
+    cpu_affinity: bool = False
+    """`make up` on a machine of its own: each torch rollout replica gets a core to itself and
+    every other process (trainer, scheduler, reward, nats) the cores left (the supervisor's
+    `cpus`). Off by default: supervisors sharing a machine (tests, several "hosts" in network
+    namespaces) would pin their rollouts to the same core."""
     nats_port: int = 4222
     nats_routes: str = ""
     """Comma-separated host:port of the other NATS cluster nodes' route ports: the nats-server

@@ -166,3 +166,36 @@ def test_launch_daemon_command_metrics_flag_only_with_a_base(tmp_path):
     ]  # fmt: skip
     with_metrics = dataclasses.replace(launch, metrics_port=9100).daemon_command()
     assert with_metrics[-2:] == ["--metrics-port", "9100"]
+
+
+@pytest.mark.parametrize(
+    "cores, rollouts, expected",
+    [
+        (2, 1, {"rollout": [{1}], "trainer": {0}, "nats": {0}, "scheduler": {0}}),
+        (8, 3, {"rollout": [{7}, {6}, {5}], "trainer": {0, 1, 2, 3, 4}, "reward": {0, 1, 2, 3, 4}}),
+        (2, 2, {"rollout": [None, None], "trainer": None}),  # nothing left for the others
+        (4, 0, {"trainer": None}),
+    ],
+)
+def test_cpus_a_core_per_rollout_the_rest_for_everything_else(
+    sup_env, tmp_path, cores, rollouts, expected
+):
+    sup_env.setenv("ASYNCRL_CPU_AFFINITY", "1")
+    sup_env.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
+    sup = _sup(tmp_path)
+    (tmp_path / "run").mkdir(exist_ok=True)
+    sup.paths.replicas.write_text(f'{{"rollout": {rollouts}}}')
+    for service, want in expected.items():
+        if service == "rollout":
+            assert [sup.cpus("rollout", i) for i in range(len(want))] == want
+        else:
+            assert sup.cpus(service) == want
+
+
+def test_cpus_none_unless_asked_and_for_a_gpu_engine(sup_env, tmp_path):
+    sup_env.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    sup = _sup(tmp_path)
+    assert sup.cpus("rollout") is None and sup.cpus("trainer") is None  # off by default
+    sup_env.setenv("ASYNCRL_CPU_AFFINITY", "1")
+    sup_env.setenv("ASYNCRL_ROLLOUT_ENGINE", "sglang")
+    assert sup.cpus("rollout") is None and sup.cpus("trainer") is None
