@@ -161,6 +161,26 @@ def port_in_use(port: int) -> bool:
         return s.connect_ex(("127.0.0.1" if host in ("0.0.0.0", "") else host, port)) == 0
 
 
+def cpu_placement(service: str, index: int, cores: list[int], rollouts: int) -> set[int] | None:
+    """The cores of replica `index` of `service` among `cores` when `rollouts` torch rollouts
+    share them: rollout i the i-th core from the end to itself, everything else the cores no
+    rollout holds; None (the kernel's choice) when that would leave the others none."""
+    if rollouts == 0 or rollouts >= len(cores):
+        return None
+    if service == "rollout":
+        return {cores[-1 - index]} if index < rollouts else None
+    return set(cores[: len(cores) - rollouts])
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of a running process onto `cpus` (threads it starts later inherit them)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 # ---------------------------------------------------------------- the daemon
 
 
@@ -275,12 +295,7 @@ class Supervisor:
         if not config.cpu_affinity or config.rollout_engine != "torch":
             return None
         cores = sorted(os.sched_getaffinity(0))
-        rollouts = self.desired().get("rollout", 0)
-        if rollouts == 0 or rollouts >= len(cores):
-            return None
-        if service == "rollout":
-            return {cores[-1 - index]} if index < rollouts else None
-        return set(cores[: len(cores) - rollouts])
+        return cpu_placement(service, index, cores, self.desired().get("rollout", 0))
 
     def env(self, service: str, index: int) -> dict[str, str]:
         var = self.paths.var.resolve()
