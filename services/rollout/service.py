@@ -452,14 +452,18 @@ class RolloutService:
         outs = await self.engine.generate_many(
             [GenRequest(f"{job.group_id}:{i}", prompt_ids, params, stops, decode) for i in range(n)]
         )
-        samples = []
-        for out in outs:
-            sample = Sample()
-            sample.add_policy(
-                Completion(out.output_ids, out.logprobs, out.versions, out.finish_reason)
+        samples = [  # one policy turn each: what `add_policy` makes of it, built at once
+            Sample(
+                output_ids=out.output_ids,
+                logprobs=out.logprobs,
+                versions=out.versions,
+                finish_reason=out.finish_reason,
+                text=decode(out.output_ids),  # all of it is the policy's
+                loss_mask=[1] * len(out.output_ids),
+                turns=1,
             )
-            sample.text = decode(out.output_ids)  # all of it is the policy's
-            samples.append(sample)
+            for out in outs
+        ]
         self.throughput.add(sum(len(out.output_ids) for out in outs))
         return samples
 

@@ -116,6 +116,10 @@ class RecentIds:
     def __contains__(self, group_id: object) -> bool:
         return group_id in self._set
 
+    def __iter__(self):
+        """Oldest first."""
+        return iter(self._order)
+
     def __len__(self) -> int:
         return len(self._order)
 
@@ -130,6 +134,3 @@ class RecentIds:
     def extend(self, ids: Iterable[str]) -> None:
         for group_id in ids:
             self.add(group_id)
-
-    def to_list(self) -> list[str]:
-        return list(self._order)

@@ -106,9 +106,9 @@ def test_triage_id_taken_into_the_batch_is_a_replay():
 def test_recent_ids_over_capacity_forgets_oldest_first():
     ids = RecentIds(["a", "b", "c"], capacity=3)
     ids.add("b")  # already there: no change
-    assert ids.to_list() == ["a", "b", "c"]
+    assert list(ids) == ["a", "b", "c"]
     ids.extend(["d", "e"])
-    assert ids.to_list() == ["c", "d", "e"]
+    assert list(ids) == ["c", "d", "e"]
     assert ("a" in ids, "b" in ids, "c" in ids, "e" in ids) == (False, False, True, True)
     assert len(ids) == 3
 
