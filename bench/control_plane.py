@@ -11,8 +11,10 @@ dispatch under the staleness rule, GenerateGroup, scoring (exact_match in the re
 publishing to JetStream, the trainer's consumer and triage, weight publishing, CommitWeights
 and the fleet's UpdateWeights, checkpoints, the ledger, state persistence and logging.
 
-After a warm-up, three consecutive steady windows (at least 5 s and 10 steps each) run from
-one trainer step to a later one; over each:
+It runs at B = 32 and at B = 128 groups per step (`BATCHES`; n = 8): each step also publishes
+a version, commits it to the fleet and checkpoints, a cost per step that B spreads over its
+groups (AReaL's executor has no such step). After a warm-up, three consecutive steady windows
+(at least 5 s and 10 steps each) run from one trainer step to a later one; over each:
 - groups/s: groups trained ÷ wall time;
 - CPU-µs per group: user + system CPU time of every process (children included, nats-server
   too) ÷ groups trained.
@@ -446,8 +448,21 @@ def _settings(s: Sizes, windows: list[Window], peer: dict) -> dict:
     }
 
 
+BATCHES = (32, 128)
+"""Groups per step, each a run of its own (the fleet keeps two steps in flight): every step
+publishes a version, commits it to the fleet and writes a checkpoint, so the cost per group is
+a per-group part plus a per-step part over B. `--quick` runs the first only."""
+
+
 def run(ctx: Context) -> list[Result]:
-    s = Sizes.for_context(ctx)
+    out = []
+    for batch in BATCHES[:1] if ctx.quick else BATCHES:
+        s = replace(Sizes.for_context(ctx), batch=batch, max_concurrent=2 * batch)
+        out += _run_batch(ctx, s)
+    return out
+
+
+def _run_batch(ctx: Context, s: Sizes) -> list[Result]:
     windows = measure(ctx.work_dir, ctx.tiny_model(seed=0), s)
     w = best(windows)
     here = (
@@ -470,7 +485,7 @@ def run(ctx: Context) -> list[Result]:
     return [
         Result(
             NAME,
-            "CPU-µs per group, all processes (scheduler, rollout, reward, trainer, nats)",
+            f"CPU-µs per group, all processes (scheduler, rollout, reward, trainer, nats), B={s.batch}",
             w.cpu_us_per_group,
             "µs",
             who,
@@ -479,7 +494,7 @@ def run(ctx: Context) -> list[Result]:
         ),
         Result(
             NAME,
-            "groups/s trained, zero-cost engine and trainer step",
+            f"groups/s trained, zero-cost engine and trainer step, B={s.batch}",
             w.groups_per_s,
             "1/s",
             who,
