@@ -135,27 +135,43 @@ def _ids_fields(root: Path, state: CheckpointState, prev: dict | None) -> dict:
     }
 
 
-def _state_json(root: Path, state: CheckpointState) -> str:
+_WRITTEN: dict[Path, dict[str, dict]] = {}
+"""The states this process wrote under each root that are still kept, by step directory name:
+the next checkpoint continues the newest, and pruning reads the base files they name, without
+reading them back (a complete checkpoint is never changed)."""
+
+
+def _read(root: Path, ckpt_dir: Path) -> dict:
+    """`ckpt_dir`'s state: as this process wrote it, else from its state.json."""
+    written = _WRITTEN.get(root, {}).get(ckpt_dir.name)
+    return written if written is not None else _raw_state(ckpt_dir)
+
+
+def _state(root: Path, state: CheckpointState) -> dict:
     latest = _step_dirs(root)
     try:
-        prev = _raw_state(latest[-1]) if latest else None
+        prev = _read(root, latest[-1]) if latest else None
     except (OSError, ValueError):
         prev = None  # unreadable: this checkpoint writes a base of its own
     raw = {f.name: getattr(state, f.name) for f in fields(state) if f.name != "trained_ids"}
-    return json.dumps({**raw, **_ids_fields(root, state, prev)}, separators=(",", ":"))
+    return {**raw, **_ids_fields(root, state, prev)}
 
 
 def _prune(root: Path, keep: int) -> None:
     """Keep the newest `keep` checkpoints and the base files they name."""
     for old in _step_dirs(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    kept = _step_dirs(root)
+    written = _WRITTEN.get(root, {})
+    for name in set(written) - {d.name for d in kept}:
+        del written[name]
     ids_dir = root / IDS_DIR
     if not ids_dir.is_dir():
         return
     named = set()
-    for d in _step_dirs(root):
+    for d in kept:
         try:
-            named.add((_raw_state(d).get("trained_ids_base") or {}).get("file"))
+            named.add((_read(root, d).get("trained_ids_base") or {}).get("file"))
         except (OSError, ValueError):
             return  # a checkpoint being pruned concurrently: keep every base this time
     for f in ids_dir.iterdir():
@@ -183,10 +199,12 @@ def write_checkpoint(
     try:
         (tmp / BACKEND_DIR).mkdir(parents=True)
         save_backend(tmp / BACKEND_DIR)
-        (tmp / STATE_FILE).write_text(_state_json(root, state))
+        raw = _state(root, state)
+        (tmp / STATE_FILE).write_text(json.dumps(raw, separators=(",", ":")))
         if final.exists():  # a leftover without state.json: incomplete, never readable
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _WRITTEN.setdefault(root, {})[final.name] = raw
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _prune(root, keep)

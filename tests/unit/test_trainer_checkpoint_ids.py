@@ -93,3 +93,26 @@ def test_checkpoint_resumed_list_continues_from_read_state(tmp_path):
     raw = _write(tmp_path, 3, resumed + _ids(INLINE_IDS + 10 + B, INLINE_IDS + 10 + 2 * B))
     assert raw["trained_ids"] == list(_ids(INLINE_IDS + 10, INLINE_IDS + 10 + 2 * B))
     assert len(_bases(tmp_path)) == 1
+
+
+def test_checkpoint_continued_from_memory_writes_what_a_read_back_would(tmp_path, monkeypatch):
+    """A trainer continues the state it wrote last without reading it back; a restarted one
+    (nothing in memory) reads it: both write the same state.json at every step."""
+    from services.trainer import checkpoint
+
+    read = []
+    raw_state = checkpoint._raw_state
+    monkeypatch.setattr(checkpoint, "_raw_state", lambda d: read.append(d.parent) or raw_state(d))
+    steps = range(1, 2 * INLINE_IDS // B + 3)  # past a new base
+    kept, fresh, memory = tmp_path / "kept", tmp_path / "fresh", {}
+    for step in steps:
+        ids = _ids(0, INLINE_IDS + step * B)
+        monkeypatch.setattr(checkpoint, "_WRITTEN", memory)
+        from_memory = _write(kept, step, ids)
+        monkeypatch.setattr(checkpoint, "_WRITTEN", {})  # as after a restart
+        read_back = _write(fresh, step, ids)
+        base = from_memory.pop("trained_ids_base", None)
+        assert base is not None and read_back.pop("trained_ids_base")["count"] == base["count"]
+        assert from_memory == read_back  # (a base's file name differs: uuid)
+    assert kept not in read and fresh in read  # never read back, once written here
+    assert latest_checkpoint(kept)[1].trained_ids == ids
