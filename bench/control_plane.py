@@ -48,9 +48,9 @@ import psutil
 from asyncrl.client import AsyncrlClient
 from asyncrl.natsutil import LocalNatsServer
 from asyncrl.net import free_port
-from asyncrl.supervisor.daemon import cpu_placement, pin_process
+from asyncrl.supervisor.daemon import cpu_placement
 from asyncrl.v1 import common_pb2
-from bench.report import Context, Result, Skip
+from bench.report import Context, Result, Skip, cpu_affinity
 from bench.zero import PROFILE_ENV
 
 NAME = "control_plane"
@@ -111,6 +111,13 @@ class Window:
 
 
 # ---- the deployment ------------------------------------------------------------------------
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of a running process onto `cpus` (threads it starts later inherit them)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.sched_setaffinity(int(tid), cpus)
 
 
 def write_dataset(path: Path, prompts: int = 256) -> Path:
@@ -185,7 +192,7 @@ class Deployment:
         """Where the service runs: as the supervisor places it under ASYNCRL_CPU_AFFINITY=1
         (the benchmark's default; 0 leaves it to the kernel): the rollout on a core of its own,
         the rest on the others."""
-        if os.environ.get("ASYNCRL_CPU_AFFINITY", "1") in ("", "0"):
+        if not cpu_affinity():
             return None
         return cpu_placement(service, 0, sorted(os.sched_getaffinity(0)), rollouts=1)
 

@@ -72,6 +72,13 @@ class Context:
         return out
 
 
+def cpu_affinity() -> bool:
+    """Whether the benchmarks that start services place them as `ASYNCRL_CPU_AFFINITY=1` does
+    (the rollout on a core of its own, the rest on the others): yes unless it is set to 0. A
+    benchmark owns the machine, as a deployment on its own would."""
+    return os.environ.get("ASYNCRL_CPU_AFFINITY", "1") not in ("", "0")
+
+
 def best_of(fn: Callable[[], object], repeats: int) -> float:
     """Fastest wall time of `repeats` calls (timeit's advice: the minimum is the run least
     disturbed by other load on the machine)."""

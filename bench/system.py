@@ -91,7 +91,7 @@ from asyncrl.spec import SamplingParams
 from asyncrl.tiny import build_tiny_model
 from bench import overlap
 from bench.longtail import target_lengths
-from bench.report import Context, Result
+from bench.report import Context, Result, cpu_affinity
 from services.rollout.engine import GenRequest
 from services.rollout.torch_engine import TorchEngine
 from services.scheduler.policy import too_stale
@@ -236,9 +236,8 @@ class LocalCluster:
             "ASYNCRL_METRICS_PORT": str(self.metrics_port),
             "OMP_NUM_THREADS": "1",  # one core each: rollout and trainer overlap on two cores
             "ASYNCRL_TRAINER_ARGS": "--threads 1",
-            # the rollout's core to itself, the rest for everything else (Supervisor.cpus): the
-            # benchmark owns the machine, as a deployment on its own would
-            "ASYNCRL_CPU_AFFINITY": os.environ.get("ASYNCRL_CPU_AFFINITY", "1"),
+            # the rollout's core to itself, the rest for everything else (Supervisor.cpus)
+            "ASYNCRL_CPU_AFFINITY": "1" if cpu_affinity() else "0",
             "ASYNCRL_ROLLOUT_ARGS": f"--engine-opt keep_kv_on_update={str(keep_kv).lower()}",
         }
         if not settings().insecure:
@@ -880,7 +879,7 @@ def run(ctx: Context) -> list[Result]:
         "workload": {"n": plan.n, "batch": plan.batch, "steps": plan.steps,
                      "max_groups": plan.max_groups, "slots": plan.slots,
                      "keep_kv_on_update": plan.keep_kv,
-                     "cpu_affinity": os.environ.get("ASYNCRL_CPU_AFFINITY", "1") not in ("", "0"),
+                     "cpu_affinity": cpu_affinity(),
                      "lengths": f"lognormal median {plan.median:g} sigma {plan.sigma:g} "
                                 f"cap {plan.max_len}", "prompt_len": task.prompt_len},
         "measured_parameters": _rounded(asdict(measured)),

@@ -2,8 +2,8 @@
 
 Binding rules (`_reconcile`, run after every registry or experiment change):
 - a trainer is bound exclusively to one experiment, oldest waiting experiment first, never to one
-  entering its terminal state; a trainer
-  that says (GetStatus) it is already running an experiment goes back to that one;
+  entering its terminal state; a trainer that says (GetStatus) it is already running an
+  experiment goes back to that one;
 - an idle rollout is bound to the live experiment with a trainer that has the fewest rollouts;
   an experiment with none takes one from an experiment that has two or more;
 - reward workers are shared: every group request carries all their addresses.

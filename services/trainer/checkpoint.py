@@ -136,9 +136,10 @@ def _ids_fields(root: Path, state: CheckpointState, prev: dict | None) -> dict:
 
 
 _WRITTEN: dict[Path, dict[str, dict]] = {}
-"""The states this process wrote under each root that are still kept, by step directory name:
-the next checkpoint continues the newest, and pruning reads the base files they name, without
-reading them back (a complete checkpoint is never changed)."""
+"""The states this process wrote under the root it last wrote to that are still kept, by step
+directory name: the next checkpoint continues the newest, and pruning reads the base files they
+name, without reading them back (a complete checkpoint is never changed). One root: a trainer
+checkpoints one experiment at a time, and a finished one's states are not kept in memory."""
 
 
 def _read(root: Path, ckpt_dir: Path) -> dict:
@@ -204,6 +205,8 @@ def write_checkpoint(
         if final.exists():  # a leftover without state.json: incomplete, never readable
             shutil.rmtree(final)
         os.replace(tmp, final)
+        if root not in _WRITTEN:
+            _WRITTEN.clear()
         _WRITTEN.setdefault(root, {})[final.name] = raw
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -5,6 +5,7 @@ daemon's command line."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 import pytest
@@ -41,6 +42,7 @@ def sup_env(monkeypatch):
     for service in ("SCHEDULER", "REWARD", "ROLLOUT", "TRAINER"):
         monkeypatch.delenv(f"ASYNCRL_{service}_ARGS", raising=False)
     monkeypatch.delenv("ASYNCRL_ROLLOUT_ENGINE", raising=False)
+    monkeypatch.delenv("ASYNCRL_CPU_AFFINITY", raising=False)
     return monkeypatch
 
 
@@ -199,3 +201,20 @@ def test_cpus_none_unless_asked_and_for_a_gpu_engine(sup_env, tmp_path):
     sup_env.setenv("ASYNCRL_CPU_AFFINITY", "1")
     sup_env.setenv("ASYNCRL_ROLLOUT_ENGINE", "sglang")
     assert sup.cpus("rollout") is None and sup.cpus("trainer") is None
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_spawn_starts_each_replica_on_its_cores(sup_env, tmp_path):
+    sup_env.setenv("ASYNCRL_CPU_AFFINITY", "1")
+    sup_env.setenv("ASYNCRL_INSECURE", "1")  # no token files for the worker replicas
+    cores = sorted(os.sched_getaffinity(0))
+    sup = _sup(tmp_path)
+    (tmp_path / "run").mkdir(exist_ok=True)
+    sup.paths.replicas.write_text('{"rollout": 1}')
+    probe = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+    sup_env.setattr(sup, "command", lambda service, index=0: probe)
+    for service, want in (("rollout", cores[-1:]), ("trainer", cores[:-1])):
+        replica = Replica(service, 0, tmp_path / f"{service}.log")
+        sup.spawn(replica)
+        assert replica.proc.wait(30) == 0
+        assert replica.log.read_text().strip() == str(want)

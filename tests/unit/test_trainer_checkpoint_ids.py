@@ -116,3 +116,7 @@ def test_checkpoint_continued_from_memory_writes_what_a_read_back_would(tmp_path
         assert from_memory == read_back  # (a base's file name differs: uuid)
     assert kept not in read and fresh in read  # never read back, once written here
     assert latest_checkpoint(kept)[1].trained_ids == ids
+    assert set(memory) == {kept} and len(memory[kept]) == 2  # the kept checkpoints' states
+    monkeypatch.setattr(checkpoint, "_WRITTEN", memory)
+    _write(tmp_path / "next", 1, _ids(0, B))  # another experiment: only its states in memory
+    assert set(memory) == {tmp_path / "next"}

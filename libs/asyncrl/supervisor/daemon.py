@@ -172,15 +172,6 @@ def cpu_placement(service: str, index: int, cores: list[int], rollouts: int) -> 
     return set(cores[: len(cores) - rollouts])
 
 
-def pin_process(pid: int, cpus: set[int]) -> None:
-    """Every thread of a running process onto `cpus` (threads it starts later inherit them)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
 # ---------------------------------------------------------------- the daemon
 
 
@@ -286,11 +277,11 @@ class Supervisor:
         return max(1, ((os.cpu_count() or 1) - rollouts) // self.trainer_nproc)
 
     def cpus(self, service: str, index: int = 0) -> set[int] | None:
-        """The cores replica `index` of `service` may run on, or None (the scheduler's choice)
-        unless ASYNCRL_CPU_AFFINITY: torch rollout replica i gets the i-th core from the end
-        to itself, everything else the cores no rollout holds, while that leaves at least one.
-        On 2 cores, bench `system` at eta = 4: the rollout's CPU share 0.76 -> 0.95-0.99 and
-        its decode step 1.21 -> 1.10-1.13 ms; the run 5.54 -> 5.01-5.23 s (docs/benchmarks.md)."""
+        """The cores replica `index` of `service` may run on (`cpu_placement`, over this
+        process's cores and the desired rollouts), or None (the kernel's choice) unless
+        ASYNCRL_CPU_AFFINITY with the torch engine. On 2 cores, bench `system` at eta = 4: the
+        rollout's CPU share 0.76 -> 0.95-0.99 and its decode step 1.21 -> 1.10-1.13 ms; the run
+        5.54 -> 5.01-5.23 s (docs/benchmarks.md)."""
         config = settings()
         if not config.cpu_affinity or config.rollout_engine != "torch":
             return None
