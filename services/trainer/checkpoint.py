@@ -14,14 +14,17 @@ The ids of the groups trained up to the checkpoint (the newest `TRAINED_IDS_KEPT
 the state, so a replayed group (the same group id on the stream again) is recognised after a
 restart; ids trained after the checkpoint are forgotten with the steps that trained them.
 
-A checkpoint writes only the ids trained since the previous one, not the whole list (up to
-100 k ids, 4 MB of JSON, every step). While the list has at most `INLINE_IDS` ids, state.json
-holds all of them (`trained_ids`). Beyond that, state.json names a *base*: an immutable file
-under `<root>/trained_ids/` with the list as it was at some earlier checkpoint, and holds only
-the ids trained since (`trained_ids`, oldest first, at most `INLINE_IDS`). When that tail would
-grow past `INLINE_IDS`, the checkpoint writes a new base with the whole list instead. So a step
-writes O(groups since the last base), and the whole list once every `INLINE_IDS` groups. A base
-no kept checkpoint names is deleted with the checkpoints.
+A checkpoint writes only the ids trained since the previous one: the list lives in an
+append-only *log* under `<root>/trained_ids/`, one JSON array of ids per line, and state.json
+names the log and how much of it is this checkpoint's (`trained_ids_log`: file, bytes, count,
+last id). A step appends its ids as one line and writes a state.json naming the longer prefix,
+so it costs O(groups per step), never O(the list). The prefix a complete checkpoint names is
+never changed: a process appends only to a log it created itself, after the prefix the newest
+checkpoint names (cutting off what a failed checkpoint appended beyond it). A new log, holding
+the whole list, is started by a process's first checkpoint, by a list that does not continue
+the newest checkpoint's, and once a log holds `LOG_IDS_MAX` ids. A log no kept checkpoint
+names is deleted with the checkpoints. (Checkpoints written before the log read as before: the
+whole list inline in `trained_ids`, or a `trained_ids_base` file plus the ids since.)
 """
 
 from __future__ import annotations
@@ -30,16 +33,16 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 STATE_FILE = "state.json"
 BACKEND_DIR = "backend"
 PREFIX = "step_"
 IDS_DIR = "trained_ids"
-INLINE_IDS = 4096
-"""Trained ids a state.json holds at most; beyond, a base file holds the older ones."""
+LOG_IDS_MAX = 200_000
+"""Ids a trained-ids log holds at most; the next checkpoint starts a new one (with the list)."""
 
 
 @dataclass(frozen=True)
@@ -51,8 +54,10 @@ class CheckpointState:
     """Policy version of the checkpointed weights."""
     last_seq: int
     """Stream sequence of the last consumed message (0: nothing consumed yet)."""
-    trained_ids: tuple[str, ...] = ()
-    """Group ids trained up to this checkpoint, oldest first (bounded by the trainer)."""
+    trained_ids: Sequence[str] = ()
+    """Group ids trained up to this checkpoint, oldest first (bounded by the trainer). Read
+    back as a tuple; written from any sequence that `reversed` walks from the newest (the
+    trainer's `RecentIds`, not copied: it must not change while `write_checkpoint` runs)."""
 
 
 def checkpoint_root(var_dir: Path, experiment_id: str) -> Path:
@@ -65,28 +70,47 @@ def consumer_start_seq(state: CheckpointState | None) -> int:
 
 
 def _step_dirs(root: Path) -> list[Path]:
-    if not root.is_dir():
+    """The complete checkpoints under `root`, oldest first."""
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
         return []
-    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
-    return sorted((p for p in dirs if (p / STATE_FILE).is_file()), key=lambda p: p.name)
+    names = sorted(
+        e.name
+        for e in entries
+        if e.name.startswith(PREFIX) and e.is_dir() and os.path.isfile(f"{e.path}/{STATE_FILE}")
+    )
+    return [root / name for name in names]
 
 
 def _raw_state(ckpt_dir: Path) -> dict:
     return json.loads((Path(ckpt_dir) / STATE_FILE).read_text())
 
 
-def _base_ids(root: Path, base: dict | None) -> list[str]:
-    if not base:
-        return []
-    return json.loads((root / IDS_DIR / base["file"]).read_text())
+def _log_ids(root: Path, log: dict) -> list[str]:
+    """The ids of the log prefix `log` names."""
+    with open(root / IDS_DIR / log["file"], "rb") as f:
+        data = f.read(log["bytes"])
+    ids = [i for line in data.splitlines() for i in json.loads(line)]
+    if len(data) != log["bytes"] or len(ids) != log["count"]:
+        raise ValueError(f"trained-ids log {log['file']} does not hold what its checkpoint names")
+    return ids
+
+
+def _stored_ids(root: Path, raw: dict) -> list[str]:
+    """The trained ids a state.json names, in any of the formats written over time."""
+    if raw.get("trained_ids_log"):
+        return _log_ids(root, raw["trained_ids_log"])
+    base = raw.get("trained_ids_base")  # before the log: a base file + the ids since
+    older = json.loads((root / IDS_DIR / base["file"]).read_text()) if base else []
+    return older + raw.get("trained_ids", [])  # absent before ids were kept
 
 
 def read_state(ckpt_dir: Path) -> CheckpointState:
     raw = _raw_state(ckpt_dir)
-    base = raw.pop("trained_ids_base", None)
-    tail = raw.get("trained_ids", ())  # absent before ids were kept
-    raw["trained_ids"] = tuple(_base_ids(Path(ckpt_dir).parent, base)) + tuple(tail)
-    return CheckpointState(**raw)
+    ids = _stored_ids(Path(ckpt_dir).parent, raw)
+    names = {f.name for f in fields(CheckpointState)} - {"trained_ids"}
+    return CheckpointState(**{k: raw[k] for k in names if k in raw}, trained_ids=tuple(ids))
 
 
 def latest_checkpoint(root: Path) -> tuple[Path, CheckpointState] | None:
@@ -97,87 +121,113 @@ def latest_checkpoint(root: Path) -> tuple[Path, CheckpointState] | None:
     return dirs[-1], read_state(dirs[-1])
 
 
-def _new_ids(ids: tuple[str, ...], prev: dict) -> list[str] | None:
-    """The ids of `ids` after those the previous checkpoint's state `prev` (one with a base)
-    holds: its tail, or its base's last id, must come just before them. None when `ids` does
-    not continue `prev`."""
-    tail = prev["trained_ids"]
-    last = tail[-1] if tail else prev["trained_ids_base"]["last"]
-    for i in range(len(ids) - 1, -1, -1):  # from the end: the new ids are few
-        if ids[i] == last:
-            if list(ids[max(0, i + 1 - len(tail)) : i + 1]) != tail:
-                return None
-            return list(ids[i + 1 :])
+def _after(ids: Sequence[str], last: str) -> list[str] | None:
+    """The ids of `ids` after `last`, or None when `last` is not among them. From the newest
+    back: the new ids are few (an id is trained once, so `last` is there at most once)."""
+    new = []
+    for i in reversed(ids):
+        if i == last:
+            new.reverse()
+            return new
+        new.append(i)
     return None
 
 
-def _ids_fields(root: Path, state: CheckpointState, prev: dict | None) -> dict:
-    """The trained-id fields of `state`'s state.json: the whole list while it is short, else a
-    base file and the ids since it, written only when the tail would grow past INLINE_IDS."""
-    ids = state.trained_ids
-    if len(ids) <= INLINE_IDS:
-        return {"trained_ids": list(ids)}
-    if prev is not None and prev.get("trained_ids_base"):
-        new = _new_ids(ids, prev)
-        if new is not None and len(prev["trained_ids"]) + len(new) <= INLINE_IDS:
-            return {
-                "trained_ids_base": prev["trained_ids_base"],
-                "trained_ids": prev["trained_ids"] + new,
-            }
-    name = f"ids_{state.step:06d}-{uuid.uuid4().hex[:8]}.json"
-    (root / IDS_DIR).mkdir(parents=True, exist_ok=True)
-    tmp = root / IDS_DIR / f".tmp-{name}"
-    tmp.write_text(json.dumps(list(ids), separators=(",", ":")))
-    os.replace(tmp, root / IDS_DIR / name)
-    return {
-        "trained_ids_base": {"file": name, "count": len(ids), "last": ids[-1]},
-        "trained_ids": [],
-    }
+@dataclass
+class _Written:
+    """What this process wrote under the root it last wrote to: the states of the checkpoints
+    still kept, by step directory name (the next checkpoint continues the newest, and pruning
+    reads the logs they name, without reading them back: a complete checkpoint is never
+    changed), and the logs it created (the only ones it appends to). One root: a trainer
+    checkpoints one experiment at a time, and a finished one's are not kept in memory."""
+
+    root: Path | None = None
+    states: dict[str, dict] = field(default_factory=dict)
+    logs: set[str] = field(default_factory=set)
+
+    def at(self, root: Path) -> _Written:
+        if root != self.root:
+            self.root, self.states, self.logs = root, {}, set()
+        return self
 
 
-_WRITTEN: dict[Path, dict[str, dict]] = {}
-"""The states this process wrote under the root it last wrote to that are still kept, by step
-directory name: the next checkpoint continues the newest, and pruning reads the base files they
-name, without reading them back (a complete checkpoint is never changed). One root: a trainer
-checkpoints one experiment at a time, and a finished one's states are not kept in memory."""
+_WRITTEN = _Written()
 
 
 def _read(root: Path, ckpt_dir: Path) -> dict:
     """`ckpt_dir`'s state: as this process wrote it, else from its state.json."""
-    written = _WRITTEN.get(root, {}).get(ckpt_dir.name)
+    written = _WRITTEN.at(root).states.get(ckpt_dir.name)
     return written if written is not None else _raw_state(ckpt_dir)
 
 
-def _state(root: Path, state: CheckpointState) -> dict:
-    latest = _step_dirs(root)
+def _append_ids(root: Path, ids: Sequence[str], prev: dict | None) -> dict | None:
+    """Append to the log the newest checkpoint `prev` names the ids of `ids` after its prefix,
+    when that log is this process's own and `ids` continue its prefix; the new `trained_ids_log`
+    field, or None (a new log is needed)."""
+    log = (prev or {}).get("trained_ids_log")
+    if not log or log["file"] not in _WRITTEN.at(root).logs:
+        return None
+    new = _after(ids, log["last"])
+    if new is None or log["count"] + len(new) > LOG_IDS_MAX:
+        return None
+    data = json.dumps(new, separators=(",", ":")).encode() + b"\n" if new else b""
+    with open(root / IDS_DIR / log["file"], "r+b") as f:
+        f.seek(log["bytes"])  # past the prefix: what a failed checkpoint appended is cut off
+        f.write(data)
+        f.truncate()
+    return {
+        **log,
+        "bytes": log["bytes"] + len(data),
+        "count": log["count"] + len(new),
+        "last": new[-1] if new else log["last"],
+    }
+
+
+def _new_log(root: Path, step: int, ids: Sequence[str]) -> dict:
+    """A new log of this process holding `ids`; its `trained_ids_log` field."""
+    name = f"ids_{step:06d}-{uuid.uuid4().hex[:8]}.log"
+    ids = list(ids)
+    data = json.dumps(ids, separators=(",", ":")).encode() + b"\n"
+    (root / IDS_DIR).mkdir(parents=True, exist_ok=True)
+    (root / IDS_DIR / name).write_bytes(data)  # named by no checkpoint until state.json is
+    _WRITTEN.at(root).logs.add(name)
+    return {"file": name, "bytes": len(data), "count": len(ids), "last": ids[-1]}
+
+
+def _state(root: Path, state: CheckpointState, latest: list[Path]) -> dict:
+    """`state` as its state.json holds it (the ids appended to a log first)."""
+    raw = {f.name: getattr(state, f.name) for f in fields(state) if f.name != "trained_ids"}
+    ids = state.trained_ids
+    if not ids:
+        return {**raw, "trained_ids": []}
     try:
         prev = _read(root, latest[-1]) if latest else None
     except (OSError, ValueError):
-        prev = None  # unreadable: this checkpoint writes a base of its own
-    raw = {f.name: getattr(state, f.name) for f in fields(state) if f.name != "trained_ids"}
-    return {**raw, **_ids_fields(root, state, prev)}
+        prev = None  # unreadable: this checkpoint starts a log of its own
+    log = _append_ids(root, ids, prev) or _new_log(root, state.step, ids)
+    return {**raw, "trained_ids_log": log}
 
 
-def _prune(root: Path, keep: int) -> None:
-    """Keep the newest `keep` checkpoints and the base files they name."""
-    for old in _step_dirs(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    kept = _step_dirs(root)
-    written = _WRITTEN.get(root, {})
-    for name in set(written) - {d.name for d in kept}:
-        del written[name]
-    ids_dir = root / IDS_DIR
-    if not ids_dir.is_dir():
-        return
+def _prune(root: Path, kept: list[Path]) -> None:
+    """Delete the checkpoints not `kept`, and the logs (and older base files) they name."""
+    written = _WRITTEN.at(root)
+    for name in set(written.states) - {d.name for d in kept}:
+        del written.states[name]
     named = set()
     for d in kept:
         try:
-            named.add((_read(root, d).get("trained_ids_base") or {}).get("file"))
+            raw = _read(root, d)
         except (OSError, ValueError):
-            return  # a checkpoint being pruned concurrently: keep every base this time
-    for f in ids_dir.iterdir():
-        if f.name not in named:
-            f.unlink(missing_ok=True)
+            return  # a checkpoint being pruned concurrently: keep every log this time
+        named.add((raw.get("trained_ids_log") or raw.get("trained_ids_base") or {}).get("file"))
+    try:
+        files = os.listdir(root / IDS_DIR)
+    except FileNotFoundError:
+        return
+    for name in files:
+        if name not in named:
+            (root / IDS_DIR / name).unlink(missing_ok=True)
+            written.logs.discard(name)
 
 
 def write_checkpoint(
@@ -196,19 +246,21 @@ def write_checkpoint(
     if (final / STATE_FILE).is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
+    latest = _step_dirs(root)
     tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
     try:
         (tmp / BACKEND_DIR).mkdir(parents=True)
         save_backend(tmp / BACKEND_DIR)
-        raw = _state(root, state)
+        raw = _state(root, state, latest)
         (tmp / STATE_FILE).write_text(json.dumps(raw, separators=(",", ":")))
         if final.exists():  # a leftover without state.json: incomplete, never readable
             shutil.rmtree(final)
         os.replace(tmp, final)
-        if root not in _WRITTEN:
-            _WRITTEN.clear()
-        _WRITTEN.setdefault(root, {})[final.name] = raw
+        _WRITTEN.at(root).states[final.name] = raw
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _prune(root, keep)
+    complete = sorted({*latest, final}, key=lambda p: p.name)
+    for old in complete[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    _prune(root, complete[-keep:])
     return final

@@ -545,7 +545,7 @@ class TrainerService:
             step=self.step,
             version=self.version,
             last_seq=self._boundary_seq,
-            trained_ids=tuple(self._trained),  # one copy of up to TRAINED_IDS_KEPT ids
+            trained_ids=self._trained,  # not copied: nothing trains while it is written
         )
         root = checkpoint_root(self.var_dir, self.experiment_id)
         t0 = time.perf_counter()

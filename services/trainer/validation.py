@@ -120,6 +120,10 @@ class RecentIds:
         """Oldest first."""
         return iter(self._order)
 
+    def __reversed__(self):
+        """Newest first."""
+        return reversed(self._order)
+
     def __len__(self) -> int:
         return len(self._order)
 
