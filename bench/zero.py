@@ -103,6 +103,11 @@ class NoopBackend(TrainerBackend):
     def save_hf(self, out_dir: Path) -> None:
         (Path(out_dir) / "config.json").write_bytes(self.config)
 
+    def hf_files(self) -> dict[str, bytes]:
+        """In memory, as the torch and megatron backends take theirs (not the base class's
+        default: save_hf into a temporary directory and read it back)."""
+        return {"config.json": self.config}
+
     def save_checkpoint(self, ckpt_dir: Path) -> None:
         (Path(ckpt_dir) / "noop").write_bytes(b"")
 

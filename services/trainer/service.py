@@ -424,15 +424,12 @@ class TrainerService:
         trained_at = self.version
         t0 = time.perf_counter()
         stall_s = stall_seconds(self._train_end, t0, batch.wait_s)
-        stats = await asyncio.to_thread(self.backend.train_step, batch.groups)
-        self._train_end = time.perf_counter()
+        stats, self._train_end, files = await asyncio.to_thread(self._step, batch.groups)
+        serialize_s = time.perf_counter() - self._train_end
         self.version += 1
         self.step += 1
         self._boundary_seq = batch.last_seq
         self._trained.extend(g.group_id for g in batch.groups)
-        self._stage = "serialize weights"
-        files = await asyncio.to_thread(self.backend.hf_files)
-        serialize_s = time.perf_counter() - self._train_end
         await self._wait_published()  # the previous version: commits go in order
         m = step_metrics(
             step=self.step,
@@ -460,6 +457,14 @@ class TrainerService:
             self._stage = "checkpoint"
             await self._checkpoint()
         self.state = TrainerState.WAITING
+
+    def _step(self, groups: list[TrajectoryGroup]) -> tuple[dict[str, float], float, dict]:
+        """(In a worker thread: one hop for both) train on `groups`, then take the new weights
+        as bytes; returns the stats, when the step ended, and the files."""
+        stats = self.backend.train_step(groups)
+        ended = time.perf_counter()
+        self._stage = "serialize weights"
+        return stats, ended, self.backend.hf_files()
 
     async def _publish(self, m: StepMetrics, files: dict[str, bytes], ids: list[str]) -> None:
         """Write version `m.version`, commit it, record it in the ledger (beside the loop).
