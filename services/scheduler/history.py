@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import asdict
 
 import nats.errors
 import nats.js.errors
@@ -19,7 +18,7 @@ import nats.js.errors
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import ensure_file_stream, read_subject
 from asyncrl.types import EvalResult, StepMetrics
-from services.scheduler.records import ExperimentRecord, build_dataclass
+from services.scheduler.records import ExperimentRecord, build_dataclass, flat_dict
 
 log = get_logger(component="history")
 STREAM = "ASYNCRL_SCHED_HISTORY"
@@ -48,10 +47,10 @@ class HistoryLog:
         self._task = asyncio.create_task(self._write_forever(), name="history-writer")
 
     def append_step(self, experiment_id: str, step: StepMetrics) -> None:
-        self._append(experiment_id, {"step": asdict(step)})
+        self._append(experiment_id, {"step": flat_dict(step)})
 
     def append_eval(self, experiment_id: str, result: EvalResult) -> None:
-        self._append(experiment_id, {"eval": asdict(result)})
+        self._append(experiment_id, {"eval": flat_dict(result)})
 
     def _append(self, experiment_id: str, entry: dict) -> None:
         self._queue.put_nowait((history_subject(experiment_id), json.dumps(entry).encode()))

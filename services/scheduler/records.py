@@ -9,8 +9,9 @@ the last `KEPT` evals and the weight URIs of the last `KEPT` versions."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
+from functools import cache
 
 from asyncrl.types import EvalResult, StepMetrics
 
@@ -103,10 +104,10 @@ class ExperimentRecord:
     def to_json(self) -> bytes:
         """The persisted record: O(its bounded fields), whatever the length of `history` and
         `evals` (neither is copied; json.dumps reads the plain fields as they are)."""
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "history"}
-        data["progress"] = asdict(self.progress)
+        data = {n: getattr(self, n) for n in field_names(type(self)) if n != "history"}
+        data["progress"] = flat_dict(self.progress)
         data["last_step"] = data_or_none(self.history[-1] if self.history else None)
-        data["evals"] = [asdict(e) for e in self.evals[-KEPT:]]
+        data["evals"] = [flat_dict(e) for e in self.evals[-KEPT:]]
         top = sorted(self.failure_reasons.items(), key=lambda kv: -kv[1])[:KEPT]
         data["failure_reasons"] = {why[:MAX_REASON]: n for why, n in top}
         return json.dumps(data).encode()
@@ -127,11 +128,24 @@ class ExperimentRecord:
 
 
 def data_or_none(item) -> dict | None:
-    return asdict(item) if item is not None else None
+    return flat_dict(item) if item is not None else None
+
+
+@cache
+def field_names(cls) -> tuple[str, ...]:
+    """A dataclass's field names, in order."""
+    return tuple(f.name for f in fields(cls))
+
+
+def flat_dict(item) -> dict:
+    """`dataclasses.asdict` of a dataclass whose fields are scalars (StepMetrics, EvalResult,
+    Progress): the same dict, without asdict's recursive deep copy of every value (a
+    StepMetrics: 20 CPU-us with asdict, 1.5 this way; one per commit in the history log)."""
+    return {name: getattr(item, name) for name in field_names(type(item))}
 
 
 def build_dataclass(cls, data: dict):
-    names = {f.name for f in fields(cls)}
+    names = set(field_names(cls))
     return cls(**{k: v for k, v in data.items() if k in names})
 
 

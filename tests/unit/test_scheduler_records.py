@@ -3,8 +3,12 @@ history log), and the in-memory history keeps one lineage."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 from asyncrl.types import EvalResult, StepMetrics
-from services.scheduler.records import KEPT, ExperimentRecord, Progress
+from services.scheduler.history import HistoryLog, history_subject
+from services.scheduler.records import KEPT, ExperimentRecord, Progress, flat_dict
 
 
 def _record() -> ExperimentRecord:
@@ -61,3 +65,27 @@ def test_record_to_json_reads_only_last_step_of_history():
     restored = ExperimentRecord.from_json(record.to_json())
     assert [s.version for s in restored.history] == [3]
     assert [e.version for e in restored.evals] == list(range(100 - KEPT, 100))
+
+
+def test_flat_dict_of_steps_evals_progress_equals_asdict_in_field_order():
+    items = [
+        StepMetrics(step=3, version=3, loss=0.25, groups=8, fleet_update_s=0.5),
+        EvalResult(version=2, accuracy=0.75, n_prompts=4, n_samples=16),
+        Progress(version=5, accepted=7, rollout_tokens_per_s=1.5),
+    ]
+    for item in items:
+        assert list(flat_dict(item).items()) == list(asdict(item).items())
+
+
+def test_history_entries_encode_as_asdict_did():
+    """The history log's bytes are what `{"step": asdict(step)}` encoded to before."""
+    step = StepMetrics(step=3, version=3, loss=0.25, groups=8)
+    result = EvalResult(version=2, accuracy=0.75, n_samples=16)
+    log = HistoryLog(js=None)
+    log.append_step("x-000000", step)
+    log.append_eval("x-000000", result)
+    entries = [log._queue.get_nowait() for _ in range(2)]
+    assert entries == [
+        (history_subject("x-000000"), json.dumps({"step": asdict(step)}).encode()),
+        (history_subject("x-000000"), json.dumps({"eval": asdict(result)}).encode()),
+    ]
