@@ -26,6 +26,7 @@ import asyncio
 import time
 
 import grpc
+from prometheus_client import Histogram
 
 from asyncrl.errors import PermissionDenied, Unavailable
 from asyncrl.ledger import Ledger
@@ -113,6 +114,8 @@ class ExperimentRunner:
         self._stalled = False
         self._progress_mark: tuple = ()
         self._progress_at = time.monotonic()
+        self._fleet_children: dict[str, Histogram] = {}
+        """ctx.fleet_seconds' children of this experiment, by phase (`_observe`)."""
 
     # ---- views -------------------------------------------------------------------------------
 
@@ -588,7 +591,7 @@ class ExperimentRunner:
         self._wake.set()
         self._persist()
         self.fleet.commit_s = time.perf_counter() - t0
-        self.ctx.fleet_seconds.labels(self.id, "commit").observe(self.fleet.commit_s)
+        self._observe("commit", self.fleet.commit_s)
         await self._fleet_reaches(version - fleet_lag(self.spec.rollout), version)
         return CommitResult(self.version, 0, 0, self._finishing or self.terminal)
 
@@ -626,7 +629,7 @@ class ExperimentRunner:
         phases = update.phases()
         seconds = {"update": update.seconds, "lag": update.lag_s, **phases}
         for phase, value in seconds.items():
-            self.ctx.fleet_seconds.labels(self.id, phase).observe(value)
+            self._observe(phase, value)
         self.log.info(
             "fleet_updated",
             version=update.version,
@@ -770,6 +773,14 @@ class ExperimentRunner:
         if changed:
             self._persist()
             self._emit(Event("state"))
+
+    def _observe(self, phase: str, seconds: float) -> None:
+        """Into the fleet histogram, through this experiment's child per phase (looked up once:
+        `labels` costs more than the observation)."""
+        child = self._fleet_children.get(phase)
+        if child is None:
+            child = self._fleet_children[phase] = self.ctx.fleet_seconds.labels(self.id, phase)
+        child.observe(seconds)
 
     def _persist(self) -> None:
         self.record.updated_unix_ms = int(time.time() * 1000)
