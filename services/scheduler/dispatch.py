@@ -363,7 +363,10 @@ class Dispatcher:
     def _end(self, pred: Callable[[InFlight], bool], how: str) -> int:
         """Settle the matching groups and withdraw them from their rollouts.
         how: requeue (worker gone) | abort (too stale) | cancel (the run is over)."""
-        items = [i for i in self.inflight.values() if pred(i)]
+        return self._end_items([i for i in self.inflight.values() if pred(i)], how)
+
+    def _end_items(self, items: list[InFlight], how: str) -> int:
+        """`_end` of these groups in flight."""
         for item in items:
             self.settle(item)
             if item.group_id in self._drops_seen:
@@ -419,22 +422,23 @@ class Dispatcher:
         ask the rollouts to abort the others unless they are already being published
         (`too_stale`; AbortGroups, in the background): those answer ABORTED and are re-queued
         then (`_done`), a published one the trainer trains or drops. Returns the cancelled."""
-        ended = self._end(
-            lambda i: i.ticket is not None and must_abort(i.start_version, new_version, self.eta),
-            "abort",
-        )
-        by_worker: dict[str, tuple[Worker, list[str]]] = {}
-        for item in self.inflight.values():
-            if item.ticket is None or item.abort_sent:
+        ended: list[InFlight] = []
+        stale: list[InFlight] = []
+        for item in self.inflight.values():  # one pass, every commit
+            if item.ticket is None:
                 continue
-            if too_stale(item.start_version, new_version, self.eta):
-                item.abort_sent = True
-                by_worker.setdefault(item.worker.worker_id, (item.worker, []))[1].append(
-                    item.group_id
-                )
+            if must_abort(item.start_version, new_version, self.eta):
+                ended.append(item)
+            elif not item.abort_sent and too_stale(item.start_version, new_version, self.eta):
+                stale.append(item)
+        self._end_items(ended, "abort")
+        by_worker: dict[str, tuple[Worker, list[str]]] = {}
+        for item in stale:
+            item.abort_sent = True
+            by_worker.setdefault(item.worker.worker_id, (item.worker, []))[1].append(item.group_id)
         for worker, group_ids in by_worker.values():
             self._abort_in_background(worker, group_ids, STALE)
-        return ended
+        return len(ended)
 
     def _abort_in_background(self, worker: Worker, group_ids: list[str], reason: str) -> None:
         task = asyncio.create_task(self._abort_unpublished(worker, group_ids, reason))
