@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from asyncrl.weights import version_dir
+import pytest
+
+from asyncrl.weights import spare_dir, version_dir
 from services.trainer.publish import write_version
 
 
@@ -36,3 +38,99 @@ def test_write_version_after_previous_pruned_copies_tokenizer(tmp_path):
     assert not version_dir(root, "e", 2).exists()
     write_version(root, "e", 5, {"config.json": b"{}"}, src, keep=1)  # 4 never written
     assert (version_dir(root, "e", 5) / "tokenizer.json").read_text() == '{"model": "chars"}'
+
+
+def test_write_version_tokenizer_dir_lacking_files_links_only_those_present(tmp_path):
+    src, root = _tokenizer(tmp_path), tmp_path / "weights"
+    (src / "merges.txt").write_text("a b")
+    for version in (1, 2, 3):
+        write_version(root, "e", version, {"config.json": b"{}"}, src, keep=3)
+    third = version_dir(root, "e", 3)
+    assert sorted(p.name for p in third.iterdir()) == [
+        "config.json",
+        "merges.txt",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert (third / "merges.txt").stat().st_ino == (
+        version_dir(root, "e", 1) / "merges.txt"
+    ).stat().st_ino
+
+
+def test_write_version_previous_lacks_a_tokenizer_file_copies_it(tmp_path):
+    src, root = _tokenizer(tmp_path), tmp_path / "weights"
+    write_version(root, "e", 1, {"config.json": b"{}"}, src, keep=3)
+    (src / "vocab.json").write_text("{}")  # new since version 1
+    write_version(root, "e", 2, {"config.json": b"{}"}, src, keep=3)
+    first, second = version_dir(root, "e", 1), version_dir(root, "e", 2)
+    assert (second / "vocab.json").read_text() == "{}"
+    assert (second / "tokenizer.json").stat().st_ino == (first / "tokenizer.json").stat().st_ino
+
+
+def test_write_version_first_version_makes_experiment_dir(tmp_path):
+    src, root = _tokenizer(tmp_path), tmp_path / "deep" / "weights"
+    uri = write_version(root, "e", 1, {"config.json": b"{}"}, src, keep=3)
+    assert uri == version_dir(root, "e", 1).absolute().as_uri()
+    assert (version_dir(root, "e", 1) / "config.json").read_bytes() == b"{}"
+
+
+def test_write_version_keeps_newest_and_an_empty_spare_beside(tmp_path):
+    src, root = _tokenizer(tmp_path), tmp_path / "weights"
+    for version in range(1, 8):
+        write_version(root, "e", version, {"config.json": b"%d" % version}, src, keep=3)
+    assert sorted(p.name for p in (root / "e").iterdir()) == ["v000005", "v000006", "v000007"]
+    assert list(Path(spare_dir(root, "e")).iterdir()) == []
+    assert (version_dir(root, "e", 7) / "config.json").read_bytes() == b"7"
+
+
+def test_write_version_pruned_version_dir_is_next_ones_temp_dir(tmp_path):
+    src, root = _tokenizer(tmp_path), tmp_path / "weights"
+    for version in (1, 2):
+        write_version(root, "e", version, {"config.json": b"{}"}, src, keep=1)
+    spare = Path(spare_dir(root, "e")).stat().st_ino  # version 1's directory, emptied
+    write_version(root, "e", 3, {"config.json": b"3"}, src, keep=1)
+    third = version_dir(root, "e", 3)
+    assert third.stat().st_ino == spare
+    assert sorted(p.name for p in third.iterdir()) == [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert (third / "config.json").read_bytes() == b"3"
+
+
+def test_write_version_leftover_temp_dir_left_alone_not_a_version(tmp_path):
+    src, root = _tokenizer(tmp_path), tmp_path / "weights"
+    leftover = root / "e" / ".tmp-v000002-deadbeef"  # a crashed writer's
+    leftover.mkdir(parents=True)
+    (leftover / "config.json").write_bytes(b"partial")
+    for version in (1, 2, 3):
+        write_version(root, "e", version, {"config.json": b"{}"}, src, keep=1)
+    assert sorted(p.name for p in (root / "e").iterdir()) == [".tmp-v000002-deadbeef", "v000003"]
+    assert (version_dir(root, "e", 3) / "config.json").read_bytes() == b"{}"
+
+
+def test_write_version_again_after_rewind_replaces_it(tmp_path):
+    src, root = _tokenizer(tmp_path), tmp_path / "weights"
+    for version in (1, 2, 3):
+        write_version(root, "e", version, {"config.json": b"old"}, src, keep=3)
+    write_version(root, "e", 2, {"config.json": b"new"}, src, keep=3)  # resumed at step 1
+    second = version_dir(root, "e", 2)
+    assert (second / "config.json").read_bytes() == b"new"
+    assert (second / "tokenizer.json").read_text() == '{"model": "chars"}'
+    assert sorted(p.name for p in (root / "e").iterdir()) == ["v000001", "v000002", "v000003"]
+
+
+def test_write_version_failure_leaves_no_version_and_no_temp_dir(tmp_path):
+    src, root = _tokenizer(tmp_path), tmp_path / "weights"
+    write_version(root, "e", 1, {"config.json": b"{}"}, src, keep=3)
+    with pytest.raises(FileNotFoundError):
+        write_version(root, "e", 2, {"config.json": b"{}", "no/such/dir": b""}, src, keep=3)
+    assert sorted(p.name for p in (root / "e").iterdir()) == ["v000001"]
+
+
+def test_write_version_tokenizer_dir_missing_writes_only_files(tmp_path):
+    root = tmp_path / "weights"
+    for version in (1, 2):  # a hub name as the tokenizer's path: nothing to list
+        write_version(root, "e", version, {"config.json": b"{}"}, tmp_path / "org/model", keep=3)
+    assert [p.name for p in version_dir(root, "e", 2).iterdir()] == ["config.json"]
