@@ -74,11 +74,13 @@ def _record_from_proto(message: type[Message], doc: str) -> type:
         py = _PY_TYPES[f.type]
         fields.append((f.name, py, dataclasses.field(default=py())))
 
+    names = tuple(name for name, _, _ in fields)  # scalars: no deep copy as asdict makes
+
     def to_proto(self) -> Message:
-        return message(**dataclasses.asdict(self))
+        return message(**{name: getattr(self, name) for name in names})
 
     def from_proto(cls, msg: Message) -> Any:
-        return cls(**{f.name: getattr(msg, f.name) for f in message.DESCRIPTOR.fields})
+        return cls(**{name: getattr(msg, name) for name in names})
 
     namespace = {"to_proto": to_proto, "from_proto": classmethod(from_proto), "__doc__": doc}
     name = message.DESCRIPTOR.name

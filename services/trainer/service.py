@@ -30,7 +30,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -449,7 +449,7 @@ class TrainerService:
         self._observe("train_step", m.step_time_s)
         self._observe("serialize", serialize_s)
         self._observe("stall", stall_s)
-        self.log.info("train_step", **asdict(m))
+        self.log.info("train_step", **vars(m))  # its fields (scalars): asdict deep-copies
         self._publishing.start(self._publish(m, files, [g.group_id for g in batch.groups]))
         if self.version >= self.spec.trainer.total_steps:
             await self._wait_published()  # the last version: its answer says stop
