@@ -11,6 +11,7 @@ _STATUS_PREFIX = "REWARD_STATUS_"
 _TO_PROTO = {s: common_pb2.RewardStatus.Value(_STATUS_PREFIX + s.name) for s in RewardStatus}
 _FROM_PROTO = {value: status for status, value in _TO_PROTO.items()}
 """Precomputed: the enum wrapper's Name/Value lookups cost ~1 µs each, 2n per group."""
+_FAILED = RewardStatus.FAILED
 
 
 def status_to_proto(status: RewardStatus) -> int:
@@ -19,7 +20,7 @@ def status_to_proto(status: RewardStatus) -> int:
 
 def status_from_proto(value: int) -> RewardStatus:
     """An unset or unknown status reads as FAILED: never a silent OK."""
-    return _FROM_PROTO.get(value, RewardStatus.FAILED)
+    return _FROM_PROTO.get(value, _FAILED)
 
 
 def sample_to_proto(s: Sample) -> trajectory_pb2.Sample:
@@ -42,17 +43,20 @@ def _sample_fields(s: Sample) -> dict:
 
 
 def sample_from_proto(m: trajectory_pb2.Sample) -> Sample:
-    """Repeated fields copied by slicing (a new list; ~40 % cheaper than list())."""
+    """Repeated fields copied by slicing (a new list; ~40 % cheaper than list()); the dataclass
+    built with positional arguments in its field order (~0.4 µs a sample less than keywords:
+    the trainer decodes every sample it pulls; tests/unit/test_group_decode.py round-trips
+    distinct values through every field, so a reordered dataclass fails there)."""
     return Sample(
-        output_ids=m.output_ids[:],
-        logprobs=m.logprobs[:],
-        versions=m.versions[:],
-        finish_reason=m.finish_reason,
-        reward=m.reward,
-        reward_status=status_from_proto(m.reward_status),
-        reward_reason=m.reward_reason,
-        text=m.text,
-        loss_mask=m.loss_mask[:],
+        m.output_ids[:],
+        m.logprobs[:],
+        m.versions[:],
+        m.finish_reason,
+        m.reward,
+        _FROM_PROTO.get(m.reward_status, _FAILED),  # status_from_proto, inlined
+        m.reward_reason,
+        m.text,
+        m.loss_mask[:],
     )
 
 
@@ -77,19 +81,20 @@ def group_to_proto(g: TrajectoryGroup) -> trajectory_pb2.TrajectoryGroup:
 
 
 def group_from_proto(m: trajectory_pb2.TrajectoryGroup) -> TrajectoryGroup:
+    """Positional, in the dataclass's field order, as `sample_from_proto`."""
     return TrajectoryGroup(
-        experiment_id=m.experiment_id,
-        group_id=m.group_id,
-        prompt_id=m.prompt_id,
-        prompt=m.prompt,
-        answer=m.answer,
-        prompt_ids=m.prompt_ids[:],
-        samples=[sample_from_proto(s) for s in m.samples],
-        start_version=m.start_version,
-        eval=m.eval,
-        created_unix_ms=m.created_unix_ms,
-        rollout_worker=m.rollout_worker,
-        epoch=m.epoch,
+        m.experiment_id,
+        m.group_id,
+        m.prompt_id,
+        m.prompt,
+        m.answer,
+        m.prompt_ids[:],
+        list(map(sample_from_proto, m.samples)),
+        m.start_version,
+        m.eval,
+        m.created_unix_ms,
+        m.rollout_worker,
+        m.epoch,
     )
 
 
