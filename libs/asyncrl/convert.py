@@ -24,22 +24,25 @@ def status_from_proto(value: int) -> RewardStatus:
 
 
 def sample_to_proto(s: Sample) -> trajectory_pb2.Sample:
-    return trajectory_pb2.Sample(**_sample_fields(s))
+    m = trajectory_pb2.Sample()
+    _fill_sample(m, s)
+    return m
 
 
-def _sample_fields(s: Sample) -> dict:
+def _fill_sample(m: trajectory_pb2.Sample, s: Sample) -> None:
+    """`s` into the empty message `m`, field by field: extending a repeated field of a message
+    in place costs ~30 % less than the keyword constructor's conversion of the same lists."""
+    m.output_ids.extend(s.output_ids)
+    m.logprobs.extend(s.logprobs)
+    m.versions.extend(s.versions)
+    m.finish_reason = s.finish_reason
+    m.reward = s.reward or 0.0
+    m.reward_status = _TO_PROTO[s.reward_status]
+    m.reward_reason = s.reward_reason
+    m.text = s.text
     mask = s.loss_mask
-    return dict(
-        output_ids=s.output_ids,
-        logprobs=s.logprobs,
-        versions=s.versions,
-        finish_reason=s.finish_reason,
-        reward=s.reward or 0.0,
-        reward_status=_TO_PROTO[s.reward_status],
-        reward_reason=s.reward_reason,
-        text=s.text,
-        loss_mask=[] if not mask or all(mask) else mask,  # empty: all the policy's
-    )
+    if mask and not all(mask):  # empty: all the policy's
+        m.loss_mask.extend(mask)
 
 
 def sample_from_proto(m: trajectory_pb2.Sample) -> Sample:
@@ -76,7 +79,7 @@ def group_to_proto(g: TrajectoryGroup) -> trajectory_pb2.TrajectoryGroup:
     )
     add = m.samples.add  # built in place: a Sample passed in would be copied (~4 µs a group)
     for s in g.samples:
-        add(**_sample_fields(s))
+        _fill_sample(add(), s)
     return m
 
 
