@@ -46,6 +46,7 @@ def test_invalid_reason_well_formed_group_empty():
     assert invalid_reason(_group(), A) == ""
     assert invalid_reason(_group([_sample(loss_mask=[1, 0])]), A) == ""
     assert invalid_reason(_group([_sample(out=(0, 9), versions=[0, 3])]), A) == ""
+    assert invalid_reason(_group([_sample(out=()), _sample(versions=[2, 3])]), A) == ""
 
 
 def test_invalid_reason_finite_logprobs_whose_sum_overflows_well_formed():
@@ -76,6 +77,20 @@ def test_invalid_reason_finite_logprobs_whose_sum_overflows_well_formed():
         (
             _group([_sample(versions=[-1, 3])]),
             "sample 0: version -1 outside [0, trainer version 3]",
+        ),
+        (
+            _group([_sample(), _sample(versions=[4, 4])]),
+            "sample 1: version 4 outside [0, trainer version 3]",
+        ),
+        (
+            _group([_sample(versions=[-1, -1])]),
+            "sample 0: version -1 outside [0, trainer version 3]",
+        ),
+        (_group([_sample(out=(), lps=[-1.0])]), "sample 0: 1 logprobs for 0 output_ids"),
+        (_group([_sample(out=(), versions=[3])]), "sample 0: 1 versions for 0 output_ids"),
+        (
+            _group([_sample(versions=[3, 2]), _sample(out=(4, 10))]),
+            "sample 1 output_ids: token id 10 outside [0, 10)",
         ),
         (_group([_sample(lps=[-1.0, math.nan])]), "sample 0: a logprob is not finite"),
         (_group([_sample(lps=[-math.inf, -1.0])]), "sample 0: a logprob is not finite"),
