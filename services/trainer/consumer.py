@@ -86,6 +86,19 @@ class Pulled:
     """Why the payload did not decode."""
 
 
+def _delivery(msg) -> tuple[int, int, int]:
+    """(consumer sequence, stream sequence, times delivered) of a JetStream message, read from
+    its reply subject as nats-server sends it,
+    `$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<timestamp>.<pending>`:
+    `msg.metadata` parses the same tokens into two frozen dataclasses and a datetime (2.8 -> 0.7
+    µs a message). Any other form (with a domain; none: not a JetStream message) is left to it."""
+    tokens = (msg.reply or "").split(".")
+    if len(tokens) == 9 and tokens[0] == "$JS" and tokens[1] == "ACK":
+        return int(tokens[6]), int(tokens[5]), int(tokens[4])
+    meta = msg.metadata
+    return meta.sequence.consumer, meta.sequence.stream, meta.num_delivered
+
+
 def _decode(seq: int, data: bytes) -> Pulled:
     try:
         return Pulled(seq=seq, group=group_from_bytes(data), data=data)
@@ -230,21 +243,21 @@ class GroupConsumer:
         for re-creation."""
         taken = None
         for msg in msgs:
-            meta = msg.metadata
-            if meta.sequence.consumer != self._next_delivery or meta.num_delivered > 1:
+            delivery, seq, delivered = _delivery(msg)
+            if delivery != self._next_delivery or delivered > 1:
                 self._broken = True
                 log.warning(
                     "consumer_delivery_gap",
                     experiment=self.experiment_id,
                     expected=self._next_delivery,
-                    got=meta.sequence.consumer,
-                    delivered=meta.num_delivered,
-                    seq=meta.sequence.stream,
+                    got=delivery,
+                    delivered=delivered,
+                    seq=seq,
                     last_seq=self._last_seq,
                 )
                 break
             self._next_delivery += 1
-            self._last_seq = meta.sequence.stream
+            self._last_seq = seq
             self._surplus.append(_decode(self._last_seq, msg.data))
             taken = msg
         if taken is not None:
