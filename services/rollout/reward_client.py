@@ -91,37 +91,31 @@ class RewardClient:
         if not addresses:
             raise RewardUnavailable("no reward service address")
         key = (binding, tuple(addresses))
+        loop = asyncio.get_running_loop()
         batch = self._pending.get(key)
         if batch is None:
-            loop = asyncio.get_running_loop()
-            batch = self._pending[key] = _Batch(list(addresses), binding, loop.create_future())
-            batch.done.add_done_callback(_retrieve)
+            batch = self._pending[key] = _Batch(list(addresses), binding)
             loop.call_soon(self._send, key)
-        start = len(batch.items)
+        waiter = loop.create_future()  # its own: one caller cancelled cancels no other's
+        batch.callers.append((waiter, len(batch.items), len(items)))
         batch.items.extend(items)
-        scores = await asyncio.shield(batch.done)  # one caller cancelled cancels no other's
-        return scores[start : start + len(items)]
+        return await waiter
 
     def _send(self, key: tuple[RewardBinding, tuple[str, ...]]) -> None:
         batch = self._pending.pop(key)
         task = asyncio.ensure_future(self._score_batch(batch.addresses, batch.binding, batch.items))
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
-        task.add_done_callback(lambda t: _settle(batch.done, t))
+        task.add_done_callback(batch.settle)
 
     async def _score_batch(
         self, addresses: list[str], binding: RewardBinding, items: list[ScoreItem]
     ) -> list[Score]:
         """Score `items` with one Score call (failing over between `addresses`)."""
-        req = reward_pb2.ScoreRequest(
-            experiment_id=binding.experiment_id,
-            items=[
-                reward_pb2.ScoreItem(
-                    id=i.id, prompt=i.prompt, completion=i.completion, answer=i.answer
-                )
-                for i in items
-            ],
-        )
+        req = reward_pb2.ScoreRequest(experiment_id=binding.experiment_id)
+        add = req.items.add  # built in place: messages passed in would be copied (~2 µs a group)
+        for i in items:
+            add(id=i.id, prompt=i.prompt, completion=i.completion, answer=i.answer)
         start = next(self._rr)
         order = [addresses[(start + k) % len(addresses)] for k in range(len(addresses))]
         tried = itertools.cycle(order)
@@ -185,25 +179,26 @@ class RewardClient:
 class _Batch:
     addresses: list[str]
     binding: RewardBinding
-    done: asyncio.Future
     items: list[ScoreItem] = field(default_factory=list)
+    callers: list[tuple[asyncio.Future, int, int]] = field(default_factory=list)
+    """Each caller's future, and where its items start in `items` and how many there are: a
+    future each, not one shielded future shared (that cost each caller a second future and two
+    callbacks)."""
 
-
-def _settle(done: asyncio.Future, task: asyncio.Task) -> None:
-    if done.done():
-        return
-    if task.cancelled():
-        done.cancel()
-    elif task.exception() is not None:
-        done.set_exception(task.exception())
-    else:
-        done.set_result(task.result())
-
-
-def _retrieve(done: asyncio.Future) -> None:
-    """Mark a batch's failure as seen even when every caller was cancelled meanwhile."""
-    if not done.cancelled():
-        done.exception()
+    def settle(self, task: asyncio.Task) -> None:
+        """Each caller still waiting gets its slice of the scores, or the call's failure (the
+        task's exception is retrieved here, even when every caller was cancelled meanwhile)."""
+        error = None if task.cancelled() else task.exception()
+        scores = None if task.cancelled() or error is not None else task.result()
+        for waiter, start, count in self.callers:
+            if waiter.done():  # its caller was cancelled
+                continue
+            if scores is not None:
+                waiter.set_result(scores[start : start + count])
+            elif error is not None:
+                waiter.set_exception(error)
+            else:
+                waiter.cancel()
 
 
 def _score(result: reward_pb2.ScoreResult | None) -> Score:

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
+from asyncrl.net import free_port
 from asyncrl.types import RewardStatus
-from services.rollout.reward_client import RewardBinding, RewardClient, ScoreItem
+from services.rollout.reward_client import RewardBinding, RewardClient, RewardUnavailable, ScoreItem
 
 SPEC = json.dumps(
     {
@@ -67,3 +68,17 @@ async def test_a_cancelled_caller_leaves_the_shared_call_to_the_others(reward_ad
     first.cancel()
     assert [s.reward for s in await second] == [1.0]
     assert calls == [2]
+
+
+async def test_unreachable_reward_service_fails_every_waiting_caller_of_the_shared_call():
+    client = RewardClient(max_wait_s=0.2)
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    first = asyncio.ensure_future(client.score([address], BINDING, items("g1", ["42"])))
+    second = asyncio.ensure_future(client.score([address], BINDING, items("g2", ["42"])))
+    third = asyncio.ensure_future(client.score([address], BINDING, items("g3", ["42"])))
+    await asyncio.sleep(0)  # all three joined the batch
+    first.cancel()
+    got = await asyncio.gather(first, second, third, return_exceptions=True)
+    assert isinstance(got[0], asyncio.CancelledError)
+    assert all(isinstance(e, RewardUnavailable) for e in got[1:])
+    await client.close()
