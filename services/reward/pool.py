@@ -51,8 +51,11 @@ Outcome = tuple[bool, float | str, float]
 """(True, reward, seconds) or (False, reason, seconds), as a worker reports an item."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Item:
+    """Not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__,
+    twice the cost of building the item (256 a Score call)."""
+
     id: str
     completion: str
     answer: str
@@ -80,7 +83,16 @@ def score_one(function: str, kwargs: dict[str, str], item: Item) -> tuple[bool, 
     """(True, reward) or (False, reason). Never raises, so no exception has to be pickled back
     from a worker."""
     try:
-        value = rewards.resolve(function)(item.completion, item.answer, item.prompt, **kwargs)
+        fn = rewards.resolve(function)
+    except Exception as e:  # noqa: BLE001 - reported as the item's FAILED reason
+        return False, f"{type(e).__name__}: {e}"
+    return _call(fn, kwargs, item)
+
+
+def _call(fn: rewards.RewardFn, kwargs: dict[str, str], item: Item) -> tuple[bool, float | str]:
+    """score_one with the function resolved."""
+    try:
+        value = fn(item.completion, item.answer, item.prompt, **kwargs)
     except Exception as e:  # noqa: BLE001 - reported as the item's FAILED reason
         return False, f"{type(e).__name__}: {e}"
     if type(value) is float or isinstance(value, numbers.Real):  # float: no ABC check
@@ -112,16 +124,11 @@ def score_items(
     return out
 
 
-def _short(item: Item) -> bool:
-    """Whether `item`'s texts are short enough to be scored inline (see the module docstring)."""
-    return (
-        len(item.completion) <= rewards.INLINE_MAX_CHARS
-        and len(item.answer) <= rewards.INLINE_MAX_CHARS
-    )
+_FAILED = RewardStatus.FAILED
 
 
 def _score(ok: bool, value: float | str) -> Score:
-    return Score(value) if ok else Score(0.0, RewardStatus.FAILED, value)
+    return Score(value) if ok else Score(0.0, _FAILED, value)
 
 
 class ScoringPool:
@@ -143,12 +150,17 @@ class ScoringPool:
         """Score `items` with the reward function called `function`; results in item order."""
         results: list[Score | None] = [None] * len(items)
         pooled = []
-        builtin = function in rewards.INLINE
-        for i, item in enumerate(items):
-            if builtin and _short(item):
-                results[i] = _score(*score_one(function, kwargs, item))
-            else:
-                pooled.append(i)
+        if function in rewards.INLINE:  # a built-in: resolved once, each short item inline
+            fn = rewards.REWARD_FUNCTIONS[function]
+            limit = rewards.INLINE_MAX_CHARS
+            for i, item in enumerate(items):
+                if len(item.completion) <= limit and len(item.answer) <= limit:
+                    ok, value = _call(fn, kwargs, item)
+                    results[i] = Score(value) if ok else Score(0.0, _FAILED, value)
+                else:
+                    pooled.append(i)
+        else:
+            pooled = list(range(len(items)))
         if pooled:
             scores = await self._pooled(function, kwargs, [items[i] for i in pooled], timeout_s)
             for i, s in zip(pooled, scores, strict=True):

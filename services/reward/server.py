@@ -25,17 +25,22 @@ def items_from_proto(request: reward_pb2.ScoreRequest) -> list[Item]:
     return [Item(i.id, i.completion, i.answer, i.prompt) for i in request.items]
 
 
+_STATUS = {status: status_to_proto(status) for status in RewardStatus}
+
+
 def response_to_proto(items: list[Item], scores: list[Score]) -> reward_pb2.ScoreResponse:
-    """The results in item order, each added in place (no ScoreResult copied into the list)."""
+    """The results in item order, each added in place (no ScoreResult copied into the list)
+    and its fields assigned (add(**fields) costs ~50% more); an empty reason is the default."""
     response = reward_pb2.ScoreResponse()
     add = response.results.add
+    status = _STATUS
     for item, score in zip(items, scores, strict=True):
-        add(
-            id=item.id,
-            reward=score.reward,
-            status=status_to_proto(score.status),
-            reason=score.reason,
-        )
+        result = add()
+        result.id = item.id
+        result.reward = score.reward
+        result.status = status[score.status]
+        if score.reason:
+            result.reason = score.reason
     return response
 
 
