@@ -51,7 +51,8 @@ def exact_match(completion: str, answer: str, prompt: str = "", **kwargs: str) -
 
     kwargs: case_sensitive ("true" | "false", default "true").
     """
-    case_sensitive = parse_bool("case_sensitive", kwargs.get("case_sensitive", "true"))
+    flag = kwargs.get("case_sensitive", "true")
+    case_sensitive = flag == "true" or parse_bool("case_sensitive", flag)  # the default at once
     got, want = completion.strip(), answer.strip()
     if not case_sensitive:
         got, want = got.casefold(), want.casefold()

@@ -40,6 +40,19 @@ def test_exact_match_case_insensitive_kwarg_matches():
     assert exact_match("PARIS ", "Paris", "q", case_sensitive="True") == 0.0
 
 
+@pytest.mark.parametrize("flag", ["true", "TRUE", " true ", "false", "False", " FALSE\n"])
+def test_exact_match_case_sensitive_any_spelling_parsed(flag):
+    sensitive = flag.strip().lower() == "true"
+    assert exact_match("PARIS", "Paris", "q", case_sensitive=flag) == (0.0 if sensitive else 1.0)
+    assert exact_match("Paris", "Paris", "q", case_sensitive=flag) == 1.0
+
+
+@pytest.mark.parametrize("flag", ["maybe", "", "truee", "1"])
+def test_exact_match_bad_bool_kwarg_any_raises_naming_it(flag):
+    with pytest.raises(ValueError, match="case_sensitive"):
+        exact_match("a", "a", "q", case_sensitive=flag)
+
+
 def test_exact_match_bad_bool_kwarg_raises_naming_it():
     with pytest.raises(ValueError, match="case_sensitive"):
         exact_match("a", "a", "q", case_sensitive="maybe")
