@@ -26,6 +26,7 @@ def items_from_proto(request: reward_pb2.ScoreRequest) -> list[Item]:
 
 
 _STATUS = {status: status_to_proto(status) for status in RewardStatus}
+_FAILED = RewardStatus.FAILED
 
 
 def response_to_proto(items: list[Item], scores: list[Score]) -> reward_pb2.ScoreResponse:
@@ -96,7 +97,7 @@ class RewardService(reward_pb2_grpc.RewardServicer):
         start = time.perf_counter()
         items = items_from_proto(request)
         results = await self.pool.score(reward.function, reward.kwargs, items, reward.timeout_s)
-        failed = [r for r in results if r.status is RewardStatus.FAILED]
+        failed = [r for r in results if r.status is _FAILED]
         if failed:
             log.info(
                 "batch_scored",
