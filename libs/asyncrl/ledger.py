@@ -82,8 +82,9 @@ class Ledger:
     def __init__(self, js, experiment_id: str):
         self.js = js
         self.subject = ledger_subject(experiment_id)
-        self._queue: asyncio.Queue[dict] = asyncio.Queue()
-        """Emitted events not yet sent."""
+        self._pending: list[dict] = []
+        """Emitted events not yet sent, oldest first (a plain list: `emit` runs twice per
+        group, and asyncio.Queue's put/get cost more than the event)."""
         self._writer: asyncio.Task | None = None
 
     @staticmethod
@@ -99,7 +100,7 @@ class Ledger:
         await jetstream_call(lambda: self.js.publish(self.subject, body, headers=headers))
 
     def emit(self, event: str, **fields) -> None:
-        self._queue.put_nowait(self._event(event, fields))
+        self._pending.append({"event": event, "t": round(time.time(), 3), **fields})
         if self._writer is None or self._writer.done():
             self._writer = asyncio.get_running_loop().create_task(self._write())
 
@@ -107,11 +108,10 @@ class Ledger:
         """After `LINGER_S`, send what is queued as one message (a JSON array; one connection
         keeps the order), wait for its ack; again while more was emitted meanwhile."""
         while True:
-            if self._queue.qsize() < MAX_BATCH:
+            if len(self._pending) < MAX_BATCH:
                 await asyncio.sleep(LINGER_S)
-            batch = []
-            while not self._queue.empty() and len(batch) < MAX_BATCH:
-                batch.append(self._queue.get_nowait())
+            batch = self._pending[:MAX_BATCH]
+            del self._pending[:MAX_BATCH]
             body = json.dumps(batch, separators=(",", ":")).encode()
             while True:  # NATS away (restarting): keep the events and try again
                 try:
@@ -120,7 +120,7 @@ class Ledger:
                 except (TimeoutError, nats.errors.Error) as exc:
                     log.warning("ledger_write_failed", events=len(batch), error=repr(exc))
                     await asyncio.sleep(RETRY_S)
-            if self._queue.empty():
+            if not self._pending:
                 return
 
     async def flush(self) -> None:
