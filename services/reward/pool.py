@@ -95,6 +95,11 @@ def _call(fn: rewards.RewardFn, kwargs: dict[str, str], item: Item) -> tuple[boo
         value = fn(item.completion, item.answer, item.prompt, **kwargs)
     except Exception as e:  # noqa: BLE001 - reported as the item's FAILED reason
         return False, f"{type(e).__name__}: {e}"
+    return _checked(value)
+
+
+def _checked(value: object) -> tuple[bool, float | str]:
+    """(True, reward) for a finite real `value`, else (False, why not)."""
     if type(value) is float or isinstance(value, numbers.Real):  # float: no ABC check
         reward = float(value)
         if math.isfinite(reward):
@@ -154,11 +159,18 @@ class ScoringPool:
             fn = rewards.REWARD_FUNCTIONS[function]
             limit = rewards.INLINE_MAX_CHARS
             for i, item in enumerate(items):
-                if len(item.completion) <= limit and len(item.answer) <= limit:
-                    ok, value = _call(fn, kwargs, item)
-                    results[i] = Score(value) if ok else Score(0.0, _FAILED, value)
-                else:
+                if len(item.completion) > limit or len(item.answer) > limit:
                     pooled.append(i)
+                    continue
+                try:  # _call, its common case inline (a call per item less)
+                    value = fn(item.completion, item.answer, item.prompt, **kwargs)
+                except Exception as e:  # noqa: BLE001 - reported as the item's FAILED reason
+                    results[i] = Score(0.0, _FAILED, f"{type(e).__name__}: {e}")
+                    continue
+                if type(value) is float and math.isfinite(value):
+                    results[i] = Score(value)
+                else:
+                    results[i] = _score(*_checked(value))
         else:
             pooled = list(range(len(items)))
         if pooled:
