@@ -34,6 +34,20 @@ async def test_score_inline_builtin_needs_no_pool_process(pool):
     assert numeric == [Score(1.0), Score(0.0)]
 
 
+async def test_score_inline_builtin_raises_that_item_failed_with_reason(pool):
+    await pool.close()  # inline: no pool process
+    items = [*_items("1"), Item("bad", "1", "no digits", "p"), *_items("2")]
+    assert await pool.score("numeric_match", {}, items, timeout_s=1) == [
+        Score(1.0),
+        Score(0.0, FAILED, "ValueError: answer has no number: 'no digits'"),
+        Score(0.0),
+    ]
+    bad_kwarg = await pool.score("exact_match", {"case_sensitive": "x"}, _items("1"), timeout_s=1)
+    assert bad_kwarg == [
+        Score(0.0, FAILED, "ValueError: kwarg 'case_sensitive' must be 'true' or 'false', got 'x'")
+    ]
+
+
 async def test_score_inline_builtin_long_text_goes_to_pool(pool):
     long = "x " * INLINE_MAX_CHARS + "1"
     assert await pool.score("numeric_match", {}, _items(long, "1"), timeout_s=5) == [
