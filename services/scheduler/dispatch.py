@@ -24,10 +24,9 @@ from services.scheduler.calls import GroupsCall, InFlight, WorkerCalls
 from services.scheduler.dataset import DatasetCursor, Prompt, Ticket
 from services.scheduler.evaluation import EvalRound, Evaluator
 from services.scheduler.policy import (
-    RolloutLoad,
     StalenessManager,
+    least_loaded,
     must_abort,
-    pick_rollout,
     too_stale,
 )
 from services.scheduler.records import ExperimentRecord
@@ -162,10 +161,9 @@ class Dispatcher:
     ) -> bool:
         """Start one group (eval first) on the least loaded of `rollouts` (those serving the
         fleet version) if one has a free slot and the rules allow it."""
-        chosen = pick_rollout([RolloutLoad(w.worker_id, w.running, w.capacity) for w in rollouts])
-        if not reward_addresses or chosen is None:
+        worker = least_loaded(rollouts)
+        if not reward_addresses or worker is None:
             return False
-        worker = next(w for w in rollouts if w.worker_id == chosen)
         version = self.version()
         if self.evaluator.running < self.spec.rollout.max_concurrent_rollouts:
             nxt = self.evaluator.next()

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
+
+W = TypeVar("W")
 
 COUNTERS = ("accepted", "rejected", "failed", "stale_dropped", "requeued", "running")
 
@@ -128,8 +131,18 @@ class RolloutLoad:
 
 def pick_rollout(loads: Iterable[RolloutLoad]) -> str | None:
     """The least loaded worker (running / capacity) that has a free slot; ties by id."""
-    free = [w for w in loads if w.running < max(1, w.capacity)]
-    if not free:
-        return None
-    best = min(free, key=lambda w: (w.running / max(1, w.capacity), w.worker_id))
-    return best.worker_id
+    best = least_loaded(loads)
+    return None if best is None else best.worker_id
+
+
+def least_loaded(workers: Iterable[W]) -> W | None:
+    """`pick_rollout` that returns the worker itself: anything with `worker_id`, `running` and
+    `capacity` (a RolloutLoad, a registry Worker), in one pass with no copy (once per group)."""
+    best, best_key = None, None
+    for w in workers:
+        capacity = max(1, w.capacity)
+        if w.running < capacity:
+            key = (w.running / capacity, w.worker_id)
+            if best is None or key < best_key:
+                best, best_key = w, key
+    return best

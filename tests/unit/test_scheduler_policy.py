@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from services.scheduler.evaluation import MAX_EVAL_ATTEMPTS, EvalRound, eval_due
-from services.scheduler.policy import RolloutLoad, StalenessManager, must_abort, pick_rollout
+from services.scheduler.policy import (
+    RolloutLoad,
+    StalenessManager,
+    least_loaded,
+    must_abort,
+    pick_rollout,
+)
 from services.scheduler.registry import Registry, WorkerKind
 
 
@@ -151,6 +157,22 @@ def test_pick_rollout_ties_broken_by_id():
 def test_pick_rollout_none_when_all_full():
     assert pick_rollout([RolloutLoad("a", 2, 2), RolloutLoad("b", 1, 0)]) is None
     assert pick_rollout([]) is None
+
+
+def test_least_loaded_registry_workers_returns_the_worker_pick_rollout_names():
+    reg = Registry(clock=FakeClock())
+    ws = [
+        reg.register(WorkerKind.ROLLOUT, f"h:{i}", "", cap)[0] for i, cap in enumerate((4, 4, 1, 0))
+    ]
+    for w, running in zip(ws, (2, 1, 0, 1), strict=True):
+        w.running = running
+    loads = [RolloutLoad(w.worker_id, w.running, w.capacity) for w in ws]
+    best = least_loaded(ws)
+    assert best is ws[2]  # 0/1 beats 1/4 and 2/4; the full 1/max(1, 0) is skipped
+    assert best.worker_id == pick_rollout(loads)
+    ws[2].running = 1
+    assert least_loaded(ws) is ws[1]
+    assert least_loaded([ws[3]]) is None
 
 
 class FakeClock:
