@@ -115,21 +115,23 @@ class Registry:
 
     def workers(self, kind: WorkerKind | None = None) -> list[Worker]:
         """The live workers (of `kind`) by id; a new list each call."""
+        return list(self._of(kind))
+
+    def _of(self, kind: WorkerKind | None) -> list[Worker]:
+        """`workers(kind)`, the cached list itself (not to be changed)."""
         ws = self._sorted.get(kind)
         if ws is None:
             ws = [w for w in self._workers.values() if kind is None or w.kind == kind]
             ws = self._sorted[kind] = sorted(ws, key=lambda w: w.worker_id)
-        return list(ws)
+        return ws
 
     def bound(self, experiment_id: str, kind: WorkerKind) -> list[Worker]:
-        return [w for w in self.workers(kind) if w.experiment_id == experiment_id]
+        return [w for w in self._of(kind) if w.experiment_id == experiment_id]
 
     def idle(self, kind: WorkerKind) -> list[Worker]:
         """Unbound workers of `kind` that are not cooling down after being fenced."""
         now = self.clock()
-        return [
-            w for w in self.workers(kind) if w.experiment_id is None and w.cooldown_until <= now
-        ]
+        return [w for w in self._of(kind) if w.experiment_id is None and w.cooldown_until <= now]
 
     def bind(self, worker: Worker, experiment_id: str) -> None:
         assert worker.experiment_id is None, f"{worker.worker_id} is already bound"
@@ -140,7 +142,7 @@ class Registry:
         worker.cooldown_until = self.clock() + cooldown_s
 
     def reward_addresses(self) -> list[str]:
-        return [w.address for w in self.workers(WorkerKind.REWARD)]
+        return [w.address for w in self._of(WorkerKind.REWARD)]
 
     def _touch(self, w: Worker) -> None:
         w.last_seen = self.clock()
