@@ -68,9 +68,9 @@ scale: ## change replicas at runtime: make scale SERVICE=rollout N=3
 DEMO_DIR := $(VAR)/demo
 DEMO_ARGS ?=
 
-demo: venv protos ## run the demo end to end (DEMO_ARGS="--set rollout.max_head_offpolicyness=0")
+demo: venv protos ## run the demo end to end, the rollout on a core of its own (DEMO_ARGS="--set rollout.max_head_offpolicyness=0"; ASYNCRL_CPU_AFFINITY=0 leaves placement to the kernel)
 	@test -f $(DEMO_DIR)/model/config.json || $(PY) -m examples.arith.build --out $(DEMO_DIR)/model
-	@$(MAKE) --no-print-directory up
+	@ASYNCRL_CPU_AFFINITY=$${ASYNCRL_CPU_AFFINITY-1} $(MAKE) --no-print-directory up
 	@rm -f $(DEMO_DIR)/experiment_id
 	ASYNCRL_VAR=$(VAR) .venv/bin/asyncrl submit examples/arith/experiment.yaml --id-file $(DEMO_DIR)/experiment_id --watch $(DEMO_ARGS) || true
 	ASYNCRL_VAR=$(VAR) .venv/bin/asyncrl report $$(cat $(DEMO_DIR)/experiment_id) --out $(DEMO_DIR)
