@@ -100,7 +100,7 @@ class Ledger:
         await jetstream_call(lambda: self.js.publish(self.subject, body, headers=headers))
 
     def emit(self, event: str, **fields) -> None:
-        self._pending.append({"event": event, "t": round(time.time(), 3), **fields})
+        self._pending.append(self._event(event, fields))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.get_running_loop().create_task(self._write())
 

@@ -124,20 +124,17 @@ def must_abort(start_version: int, committed_version: int, eta: int) -> bool:
 
 @dataclass(frozen=True)
 class RolloutLoad:
+    """A rollout's load as `least_loaded` reads it (a registry Worker has the same fields)."""
+
     worker_id: str
     running: int
     capacity: int
 
 
-def pick_rollout(loads: Iterable[RolloutLoad]) -> str | None:
-    """The least loaded worker (running / capacity) that has a free slot; ties by id."""
-    best = least_loaded(loads)
-    return None if best is None else best.worker_id
-
-
 def least_loaded(workers: Iterable[W]) -> W | None:
-    """`pick_rollout` that returns the worker itself: anything with `worker_id`, `running` and
-    `capacity` (a RolloutLoad, a registry Worker), in one pass with no copy (once per group)."""
+    """The least loaded worker (running / capacity) that has a free slot, ties by id: anything
+    with `worker_id`, `running` and `capacity` (a RolloutLoad, a registry Worker), in one pass
+    with no copy (once per group)."""
     best, best_key = None, None
     for w in workers:
         capacity = max(1, w.capacity)

