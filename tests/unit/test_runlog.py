@@ -14,6 +14,7 @@ from asyncrl.runlog import (
     step_scalars,
     wandb_mode,
 )
+from asyncrl.spec import SpecError, validate_spec
 from asyncrl.types import EvalResult, StepMetrics
 from tests.runlogs import tensorboard_scalars, wandb_history
 
@@ -112,3 +113,19 @@ def test_tensorboard_and_wandb_hold_every_step_and_eval(tmp_path, monkeypatch):
     ]
     evals = [(r["version"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     assert evals == [(0, 0.125), (3, 0.625)]
+
+
+def _spec(**trainer) -> dict:
+    return {"model": {"path": "m"}, "dataset": {"path": "d.jsonl"}, "trainer": trainer}
+
+
+def test_spec_loggers_default_and_bad_values():
+    assert validate_spec(_spec()).trainer.loggers == ["tensorboard"]
+    assert validate_spec(_spec(loggers=["wandb"])).trainer.loggers == ["wandb"]
+    assert validate_spec(_spec(loggers=[])).trainer.loggers == []
+    with pytest.raises(SpecError) as e:
+        validate_spec(_spec(loggers=["tensorboard", "mlflow"]))
+    assert e.value.field == "trainer.loggers.1"
+    with pytest.raises(SpecError, match="a logger is named twice") as e:
+        validate_spec(_spec(loggers=["wandb", "wandb"]))
+    assert e.value.field == "trainer.loggers"
