@@ -69,3 +69,20 @@ def wandb_history(run_root: Path) -> list[dict]:
                 }
             )
     return rows
+
+
+def assert_run_logs(run: Path, exp) -> None:
+    """An experiment's run directory holds its steps and evals in TensorBoard and W&B: the
+    loss of every step of `exp.history` and the accuracy of every eval, at their versions."""
+    import pytest
+
+    steps = [(h.version, h.loss) for h in exp.history]
+    evals = sorted((e.version, e.accuracy) for e in exp.progress.evals)
+    assert steps and evals
+    tb = tensorboard_scalars(run / "tensorboard")
+    assert tb["train/loss"] == [(v, pytest.approx(x, rel=1e-6)) for v, x in steps]  # float32
+    assert tb["eval/accuracy"] == [(v, pytest.approx(x, rel=1e-6)) for v, x in evals]
+    assert [v for v, _ in tb["weight_update/commit_s"]] == [v for v, _ in steps]
+    rows = wandb_history(run / "wandb" / "wandb")
+    assert [(r["version"], r["train/loss"]) for r in rows if "train/loss" in r] == steps
+    assert [(r["version"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r] == evals

@@ -28,6 +28,7 @@ from tests.e2e.experiment import (
     small_spec,
     start_cluster,
 )
+from tests.runlogs import assert_run_logs
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -58,6 +59,8 @@ def test_arith_demo_fifteen_steps_final_eval_accuracy_above_initial(cluster, tmp
     assert [v for v, _ in evals] == [0, 15]
     (_, initial), (_, final) = evals
     assert final >= initial + 0.1, evals
+    # the demo's loggers: TensorBoard and W&B (offline) under <var>/runs/<id>
+    assert_run_logs(cluster.var / "runs" / exp.id, exp)
 
 
 def test_megatron_backend_small_experiment_completes_through_all_services(cluster, task, tmp_path):
