@@ -83,6 +83,6 @@ def assert_run_logs(run: Path, exp) -> None:
     assert tb["train/loss"] == [(v, pytest.approx(x, rel=1e-6)) for v, x in steps]  # float32
     assert tb["eval/accuracy"] == [(v, pytest.approx(x, rel=1e-6)) for v, x in evals]
     assert [v for v, _ in tb["weight_update/commit_s"]] == [v for v, _ in steps]
-    rows = wandb_history(run / "wandb" / "wandb")
+    rows = wandb_history(run / "wandb")
     assert [(r["version"], r["train/loss"]) for r in rows if "train/loss" in r] == steps
     assert [(r["version"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r] == evals

@@ -4,7 +4,7 @@ The scheduler keeps one `RunLog` per experiment (it sees every step, with the fl
 filled in, and every eval), under `run_dir(experiment_id)` = `<ASYNCRL_VAR>/runs/<id>/`:
 
 - `tensorboard/`: event files (`tensorboard --logdir var/runs` shows every run);
-- `wandb/`: a W&B run, offline unless WANDB_MODE says otherwise or WANDB_API_KEY is set
+- `wandb/`: a W&B run (`offline-run-*/`), offline unless WANDB_MODE says otherwise or WANDB_API_KEY is set
   (`wandb_mode`); `wandb sync var/runs/<id>/wandb` uploads an offline run later.
 
 Scalars are named `<group>/<field>`, x-axis the version (optimizer step): every field of
@@ -116,6 +116,7 @@ class _TensorBoard:
 
 class _Wandb:
     def __init__(self, directory: Path, experiment_id: str, config: dict):
+        """The run lands in `directory / "wandb"` (wandb adds that folder itself)."""
         import wandb
 
         directory.mkdir(parents=True, exist_ok=True)
@@ -213,9 +214,7 @@ class RunLog:
                 if name == "tensorboard":
                     writers[name] = _TensorBoard(self.directory / "tensorboard")
                 else:
-                    writers[name] = _Wandb(
-                        self.directory / "wandb", self.experiment_id, self.config
-                    )
+                    writers[name] = _Wandb(self.directory, self.experiment_id, self.config)
             except Exception as e:  # noqa: BLE001 - a logger must never stop the run
                 log.warning("runlog_open_failed", logger=name, error=f"{type(e).__name__}: {e}")
         if writers:

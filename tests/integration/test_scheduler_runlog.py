@@ -57,7 +57,7 @@ async def test_steps_and_evals_in_tensorboard_and_wandb(
     assert tb["eval/accuracy"] == [(0, 0.5), (2, 0.5)]  # rewards 1, 0: half right
     assert tb["eval/n_samples"] == [(0, 6.0), (2, 6.0)]
 
-    rows = wandb_history(run / "wandb" / "wandb")
+    rows = wandb_history(run / "wandb")
     assert [(r["version"], r["train/loss"]) for r in rows if "train/loss" in r] == [
         (1, 0.5),
         (2, 0.25),

@@ -97,7 +97,7 @@ def test_tensorboard_and_wandb_hold_every_step_and_eval(tmp_path, monkeypatch):
         assert tb[tag] == [(1, 100.0 + i), (2, 200.0 + i), (3, 300.0 + i)], tag
     assert tb["eval/accuracy"] == [(0, 0.125), (3, 0.625)]
 
-    rows = wandb_history(tmp_path / "wandb" / "wandb")
+    rows = wandb_history(tmp_path / "wandb")
     steps = [r for r in rows if "train/loss" in r]
     loss = STEP_FIELDS.index("loss")
     assert [(r["version"], r["train/loss"]) for r in steps] == [
