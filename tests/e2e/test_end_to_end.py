@@ -28,6 +28,7 @@ from tests.e2e.experiment import (
     small_spec,
     start_cluster,
 )
+from tests.runlogs import assert_run_logs
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -64,6 +65,8 @@ def test_arith_demo_fifteen_steps_closes_part_of_the_gap_to_full_accuracy(cluste
     (_, initial), (_, final) = evals
     assert initial == pytest.approx(warm["greedy_eval_accuracy"], abs=0.05), (evals, warm)
     assert (final - initial) / (1.0 - initial) >= 0.1, evals
+    # the demo's loggers: TensorBoard and W&B (offline) under <var>/runs/<id>
+    assert_run_logs(cluster.var / "runs" / exp.id, exp)
 
 
 def test_megatron_backend_small_experiment_completes_through_all_services(cluster, task, tmp_path):
