@@ -3,7 +3,8 @@
 Runs the parts of the GPU readiness check (see bench/gpu/__init__.py), each in its own process
 under its own time cap, the whole within `--budget` seconds, and writes DIR/report.json and
 DIR/report.md. `--dry-run`: tiny shapes on the CPU (the test in make test). Exit status 0 when
-every part that ran passed, 1 otherwise.
+every part that ran passed and reported no problem (a failed checkpoint round trip, an
+error-level event in a service's log), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
     print((args.out / "report.md").read_text())
-    return 0 if all(p["ok"] for p in report["parts"]) else 1
+    return 0 if all(p["ok"] and not p.get("problems") for p in report["parts"]) else 1
 
 
 def _write(out: Path, report: dict, t0: float) -> None:

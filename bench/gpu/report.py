@@ -15,15 +15,21 @@ def _fmt(x, digits: int = 3):
     return x
 
 
+def _ckpt(c: dict | None) -> str:
+    if not c:
+        return "-"
+    return f"save {c['save_s']} s, load {c['load_s']} s" if c["ok"] else "FAILED"
+
+
 def _train(parts: list[dict]) -> str:
     rows = [
         [p["shape"], p.get("params_m"), p.get("dtype"), f"{p.get('rows')} x {p.get('row_tokens')}",
          p.get("step_s"), p.get("first_step_s"), p.get("tokens_per_s"), p.get("loss_tokens_per_s"),
-         p.get("peak_mem_gib"), p.get("peak_reserved_gib")]
+         p.get("peak_mem_gib"), p.get("peak_reserved_gib"), _ckpt(p.get("checkpoint"))]
         for p in parts if p["ok"]
     ]  # fmt: skip
     header = ["shape", "params (M)", "dtype", "rows x tokens", "step s (median)", "first step s",
-              "tokens/s", "loss tokens/s", "peak alloc GiB", "peak reserved GiB"]  # fmt: skip
+              "tokens/s", "loss tokens/s", "peak alloc GiB", "peak reserved GiB", "checkpoint"]  # fmt: skip
     return "### Megatron-Core train step (TP=1)\n\n" + _table(header, rows)
 
 
@@ -79,6 +85,9 @@ def markdown(report: dict) -> str:
             out += ["", _engine(p)]
         if p["ok"] and p["part"] == "stack":
             out += ["", _stack(p)]
+    problems = [f"- {p['part']} {p['shape']}: {x}" for p in parts for x in p.get("problems", [])]
+    if problems:
+        out += ["", "### Problems", "", *problems]
     failed = [p for p in parts if not p["ok"]]
     if failed:
         out += ["", "### Failed parts", ""]

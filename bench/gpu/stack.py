@@ -63,10 +63,26 @@ def run(shape: str, work: Path, sizes: dict, device: str, cap_s: float) -> dict:
         result.update(run_out.pop("summary"))
     finally:
         sup.stop()
+        result["problems"] = error_events(var / "log")
     groups, snapshots = run_out["groups"], {0: model, **snap.dirs}
     result["mismatch_megatron"] = _mismatch_megatron(groups, snapshots, model, sizes)
     result["mismatch_hf_fp32"] = _mismatch_hf(groups, snapshots, model, device)
     return result
+
+
+def error_events(log_dir: Path) -> list[str]:
+    """The services' error-level log events (JSON lines), as `service: event: error`."""
+    found = []
+    for log in sorted(log_dir.glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if '"level": "error"' not in line:
+                continue
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            found.append(f"{log.stem}: {e.get('event')}: {e.get('error', '')}"[:300])
+    return found
 
 
 class Supervisor:

@@ -3,7 +3,7 @@
 `MegatronBackend` exactly as the trainer service runs it in-process (TP=1, DP=1: NCCL, bf16,
 Megatron DDP + distributed optimizer on CUDA; gloo, fp32, AdamW on CPU), on synthetic groups
 (`bench.trainer.make_groups`: rewards alternate, so every step has a gradient). One warm-up
-step, then `steps` timed steps; tokens/s counts every token of the packed rows (prompt and
+step, then `steps` timed steps, then a checkpoint saved and loaded back; tokens/s counts every token of the packed rows (prompt and
 output: the forward and backward work), loss tokens/s only the trained output tokens.
 """
 
@@ -62,6 +62,7 @@ def run(shape: str, work: Path, sizes: dict) -> dict:
         times.append(seconds)
         losses.append(metrics["loss"])
     step_s = statistics.median(times)
+    checkpoint = _checkpoint_round_trip(backend, work / "checkpoints" / shape)
     return {
         "shape": shape,
         "params_m": round(n_params(shape) / 1e6, 1),
@@ -80,6 +81,25 @@ def run(shape: str, work: Path, sizes: dict) -> dict:
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,
         "loss": losses,
         "grad_norm": round(first[1]["grad_norm"], 4),
+        "checkpoint": checkpoint,
+        "problems": [] if checkpoint["ok"] else [f"checkpoint: {checkpoint['error']}"],
+    }
+
+
+def _checkpoint_round_trip(backend, ckpt_dir: Path) -> dict:
+    """`save_checkpoint` then `load_checkpoint` into the same backend (on CUDA: megatron's
+    dist_checkpointing with the distributed optimizer's state), as the trainer service does."""
+    t0 = time.perf_counter()
+    try:
+        backend.save_checkpoint(ckpt_dir)
+        saved = time.perf_counter()
+        backend.load_checkpoint(ckpt_dir)
+    except Exception as exc:  # noqa: BLE001 - reported as a problem, the figures stand
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {
+        "ok": True,
+        "save_s": round(saved - t0, 2),
+        "load_s": round(time.perf_counter() - saved, 2),
     }
 
 

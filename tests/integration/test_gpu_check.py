@@ -51,6 +51,8 @@ def test_every_part_passes(report):
         ("stack", "tiny-llama"),
     ]
     assert report["device"] == "cpu" and report["dry_run"] is True
+    # no failed checkpoint round trip, no error-level event in any service's log
+    assert [p.get("problems") for p in report["parts"] if p["part"] != "engine"] == [[], [], []]
 
 
 def test_train_steps_are_timed(report):
@@ -60,6 +62,7 @@ def test_train_steps_are_timed(report):
         # 2 groups x 2 samples of 8 prompt + 8 output tokens
         assert (p["rows"], p["row_tokens"]) == (4, 16)
         assert p["tokens_per_s"] == pytest.approx(64 / p["step_s"], rel=1e-3)
+        assert p["checkpoint"]["ok"], p["checkpoint"]
 
 
 def test_engine_interrupt_switches_versions_mid_generation(report):
