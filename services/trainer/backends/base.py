@@ -14,6 +14,7 @@ import torch
 from asyncrl.spec import ExperimentSpec
 from asyncrl.types import TrajectoryGroup
 from services.trainer.algo import PackedBatch, pack_groups
+from services.trainer.losses import LossConfig, sample_advantages
 
 
 class TrainerBackend(ABC):
@@ -25,6 +26,7 @@ class TrainerBackend(ABC):
     def __init__(self, spec: ExperimentSpec):
         self.spec = spec
         self.pad_id = 0  # the model config's pad_token_id once loaded
+        self.loss_cfg = LossConfig.from_spec(spec)
 
     @abstractmethod
     def load(self, model_dir: str) -> None:
@@ -33,8 +35,10 @@ class TrainerBackend(ABC):
     @abstractmethod
     def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         """Recompute proximal logprobs, run `trainer.minibatches` optimizer updates with the
-        decoupled PPO loss on GRPO advantages. Returns metrics: loss, clip_fraction, entropy,
-        kl, grad_norm, tokens (loss tokens)."""
+        spec's objective (`services.trainer.losses`). Returns metrics: loss, clip_fraction,
+        entropy, kl, grad_norm, tokens (loss tokens), lr, reward_mean, and the diagnostics of
+        `losses.diagnostics` (behaviour weights, masked and truncated fractions, the logprob
+        mismatch at the version trained from)."""
 
     @abstractmethod
     def save_hf(self, out_dir: Path) -> None:
@@ -68,13 +72,22 @@ class TrainerBackend(ABC):
     # -- shared by the implementations ------------------------------------------------------
     def _pack(self, groups: list[TrajectoryGroup]) -> PackedBatch:
         """The groups packed with `pad_id`, every tensor on `device`."""
-        batch = pack_groups(groups, pad_id=self.pad_id)
+        batch = pack_groups(groups, pad_id=self.pad_id, estimator=self.spec.trainer.advantage)
         return PackedBatch(
             **{
                 k: (v.to(self.device) if isinstance(v, torch.Tensor) else v)
                 for k, v in vars(batch).items()
             }
         )
+
+    def _reward_penalised(self, batch: PackedBatch, kl_seq: torch.Tensor) -> PackedBatch:
+        """`kl_in: reward`: the batch with advantages of rewards r - kl_coef * kl_seq (the
+        per-sample KL sums of `losses.kl_reward_penalty`, every row filled)."""
+        rewards = batch.rewards - self.loss_cfg.kl_coef * kl_seq.to(batch.rewards.dtype)
+        advantages = sample_advantages(
+            rewards, batch.group_index, batch.reward_ok, self.spec.trainer.advantage
+        )
+        return batch.with_sample_advantages(advantages)
 
     def _rng_state(self) -> dict:
         """The RNG states a checkpoint saves: torch (CPU), python and numpy."""
