@@ -34,6 +34,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 class LossConfig:
     """The spec's choices for the objective (`trainer.*`), read once by a backend."""
 
+    advantage: str = "grpo"
     correction: str = "token_cap"
     eps_clip: float = 0.2
     cap: float | None = 5.0
@@ -55,6 +56,7 @@ class LossConfig:
     def from_spec(cls, spec) -> LossConfig:
         t = spec.trainer
         return cls(
+            advantage=t.advantage,
             correction=t.offpolicy_correction,
             eps_clip=t.eps_clip,
             cap=t.behav_imp_weight_cap,

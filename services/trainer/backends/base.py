@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from asyncrl.logging import get_logger
 from asyncrl.spec import ExperimentSpec
 from asyncrl.types import TrajectoryGroup
 from services.trainer.algo import PackedBatch, pack_groups
@@ -27,6 +28,7 @@ class TrainerBackend(ABC):
         self.spec = spec
         self.pad_id = 0  # the model config's pad_token_id once loaded
         self.loss_cfg = LossConfig.from_spec(spec)
+        get_logger().info("trainer_objective", backend=spec.trainer.backend, **vars(self.loss_cfg))
 
     @abstractmethod
     def load(self, model_dir: str) -> None:
@@ -72,7 +74,7 @@ class TrainerBackend(ABC):
     # -- shared by the implementations ------------------------------------------------------
     def _pack(self, groups: list[TrajectoryGroup]) -> PackedBatch:
         """The groups packed with `pad_id`, every tensor on `device`."""
-        batch = pack_groups(groups, pad_id=self.pad_id, estimator=self.spec.trainer.advantage)
+        batch = pack_groups(groups, pad_id=self.pad_id, estimator=self.loss_cfg.advantage)
         return PackedBatch(
             **{
                 k: (v.to(self.device) if isinstance(v, torch.Tensor) else v)
@@ -85,7 +87,7 @@ class TrainerBackend(ABC):
         per-sample KL sums of `losses.kl_reward_penalty`, every row filled)."""
         rewards = batch.rewards - self.loss_cfg.kl_coef * kl_seq.to(batch.rewards.dtype)
         advantages = sample_advantages(
-            rewards, batch.group_index, batch.reward_ok, self.spec.trainer.advantage
+            rewards, batch.group_index, batch.reward_ok, self.loss_cfg.advantage
         )
         return batch.with_sample_advantages(advantages)
 
