@@ -1,4 +1,5 @@
-"""GRPO advantages and the decoupled PPO objective. Pure torch: no I/O, no services.
+"""Packing groups into padded batches, logprobs, entropy, the learning-rate schedule and the
+decoupled PPO objective (the default of `losses`). Pure torch: no I/O, no services.
 
 Conventions. A batch is packed from trajectory groups into padded tensors in *target space*:
 position t of every per-token tensor refers to predicting token t+1 of `input_ids`, so the
@@ -17,21 +18,9 @@ from services.trainer.losses import (
     LossConfig,
     aggregation_weights,
     behaviour_correction,
-    kl_estimate,
     minibatch_loss,
     sample_advantages,
 )
-
-
-def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Group-normalised advantages: (r - mean_g) / (std_g + eps), rewards shaped [groups, n].
-
-    std is the population standard deviation (divide by n). A group with all-equal rewards
-    gets zero advantages.
-    """
-    mean = rewards.mean(dim=-1, keepdim=True)
-    std = rewards.std(dim=-1, keepdim=True, unbiased=False)
-    return (rewards - mean) / (std + eps)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -43,10 +32,6 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 def ppo_decoupled_loss(
@@ -88,11 +73,6 @@ def lr_at(step: int, total_steps: int, base_lr: float, schedule: str, min_lr_rat
         return base_lr
     frac = min(step, total_steps - 1) / (total_steps - 1)
     return base_lr * (1.0 - (1.0 - min_lr_ratio) * frac)
-
-
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
-    return kl_estimate(logp, ref_logp, "k3")
 
 
 @dataclass

@@ -167,7 +167,9 @@ class MegatronBackend(TrainerBackend):
         """Each token's share of the minibatch loss ([N, T-1], zero outside `rows`), with the
         minibatch's global (all DP ranks) normaliser and loss-token counts."""
         cfg = self.loss_cfg
-        counts = torch.cat([norm_totals(corr.norm[rows]), batch.loss_mask[rows].sum().double().view(1)])
+        counts = torch.cat(
+            [norm_totals(corr.norm[rows]), batch.loss_mask[rows].sum().double().view(1)]
+        )
         n_norm, n_seq, n_tok = self._dp_reduce(counts.double()).tolist()
         share = torch.zeros_like(corr.norm)
         share[rows] = aggregation_weights(
