@@ -177,9 +177,9 @@ class TrainerSpec(_Section):
     token ratios, weight truncated at cap), `seq_mis` (a sample whose geometric-mean weight is
     outside the bounds dropped whole), `icepop` (w zeroed outside the bounds, two-sided),
     `cispo` (REINFORCE with the IS weight pi/pi_behav truncated at cap, stop-gradient),
-    `m2po` (tokens masked until the second moment of log w is at most m2po_bound; with
-    dp_size > 1 on each rank's share of the batch). GSPO's paper clips its sequence ratio at
-    eps 3e-4..4e-4: set eps_clip with it."""
+    `m2po` (tokens masked until the second moment of log w over the batch is at most
+    m2po_bound). GSPO's paper clips its sequence ratio at eps 3e-4..4e-4: set eps_clip with
+    it."""
     is_mask_low: float = Field(0.5, ge=0)
     """Lower bound of the masking corrections (token_mis, seq_mis, icepop)."""
     is_mask_high: float = Field(2.0, gt=0, validate_default=True)

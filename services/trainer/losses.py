@@ -263,25 +263,17 @@ def policy_token_loss(
 
 
 # -- aggregation --------------------------------------------------------------------------------
-def aggregation_weights(
-    norm: torch.Tensor,
-    agg: str,
-    constant: float = 1.0,
-    totals: tuple[float, float] | None = None,
-) -> torch.Tensor:
+def aggregation_weights(norm: torch.Tensor, agg: str, constant: float = 1.0) -> torch.Tensor:
     """Each token's share of a minibatch's loss, so that loss = sum(token_loss * weights).
 
     token_mean: 1 / (tokens in the minibatch) (DAPO's token-level loss, Yu et al. 2025);
     seq_mean_token_sum: 1 / samples; seq_mean_token_mean: 1 / (samples * the sample's tokens)
     (GRPO's original form); dr_grpo: 1 / (samples * constant) (Liu et al. 2025, Dr.GRPO).
     Tokens and samples count what `norm` marks (a sample counts if it has a token).
-    `totals` = (tokens, samples) of the whole minibatch when `norm` is one data-parallel
-    rank's share of it.
     """
     per_seq = norm.sum(-1, keepdim=True)
-    if totals is None:
-        totals = (norm.sum().item(), (per_seq > 0).sum().item())
-    n_tok, n_seq = (max(float(x), 1.0) for x in totals)
+    n_tok = max(norm.sum().item(), 1.0)
+    n_seq = max((per_seq > 0).sum().item(), 1.0)
     if agg == "token_mean":
         return norm / n_tok
     if agg == "seq_mean_token_sum":
@@ -291,11 +283,6 @@ def aggregation_weights(
     if agg == "dr_grpo":
         return norm / (n_seq * constant)
     raise ValueError(f"unknown loss aggregation {agg!r} (one of {AGGREGATIONS})")
-
-
-def norm_totals(norm: torch.Tensor) -> torch.Tensor:
-    """(tokens, samples) that `norm` counts, as a tensor a backend can all-reduce."""
-    return torch.stack([norm.sum(), (norm.sum(-1) > 0).sum().to(norm.dtype)]).double()
 
 
 def minibatch_loss(

@@ -15,7 +15,15 @@ from asyncrl.logging import get_logger
 from asyncrl.spec import ExperimentSpec
 from asyncrl.types import TrajectoryGroup
 from services.trainer.algo import PackedBatch, pack_groups
-from services.trainer.losses import LossConfig, sample_advantages
+from services.trainer.losses import (
+    Correction,
+    LossConfig,
+    behaviour_correction,
+    diagnostic_sums,
+    diagnostics,
+    kl_reward_penalty,
+    sample_advantages,
+)
 
 
 class TrainerBackend(ABC):
@@ -27,6 +35,7 @@ class TrainerBackend(ABC):
     def __init__(self, spec: ExperimentSpec):
         self.spec = spec
         self.pad_id = 0  # the model config's pad_token_id once loaded
+        self.steps = 0  # optimizer versions trained so far: the version the next step trains
         self.loss_cfg = LossConfig.from_spec(spec)
         get_logger().info("trainer_objective", backend=spec.trainer.backend, **vars(self.loss_cfg))
 
@@ -82,14 +91,31 @@ class TrainerBackend(ABC):
             }
         )
 
-    def _reward_penalised(self, batch: PackedBatch, kl_seq: torch.Tensor) -> PackedBatch:
-        """`kl_in: reward`: the batch with advantages of rewards r - kl_coef * kl_seq (the
-        per-sample KL sums of `losses.kl_reward_penalty`, every row filled)."""
-        rewards = batch.rewards - self.loss_cfg.kl_coef * kl_seq.to(batch.rewards.dtype)
-        advantages = sample_advantages(
-            rewards, batch.group_index, batch.reward_ok, self.loss_cfg.advantage
+    def _prepare(
+        self, batch: PackedBatch, prox: torch.Tensor, ref: torch.Tensor | None
+    ) -> tuple[PackedBatch, Correction, dict[str, float]]:
+        """What a step fixes before its first update, from the whole batch's proximal (and
+        reference) logprobs: the advantages (of KL-penalised rewards with `kl_in: reward`),
+        the off-policy correction, and the step's metrics known so far (the diagnostics,
+        tokens, reward_mean; kl for a reward penalty)."""
+        cfg = self.loss_cfg
+        metrics: dict[str, float] = {}
+        if cfg.kl_in_reward:
+            kl_seq = kl_reward_penalty(prox, ref, batch.loss_mask, cfg.kl_estimator)
+            rewards = batch.rewards - cfg.kl_coef * kl_seq
+            advantages = sample_advantages(
+                rewards, batch.group_index, batch.reward_ok, cfg.advantage
+            )
+            batch = batch.with_sample_advantages(advantages)
+            metrics["kl"] = kl_seq.sum().item() / max(batch.n_tokens, 1)
+        corr = behaviour_correction(prox, batch.behav_logp, batch.loss_mask, cfg)
+        sums = diagnostic_sums(
+            corr, prox, batch.behav_logp, batch.loss_mask, batch.versions, self.steps
         )
-        return batch.with_sample_advantages(advantages)
+        metrics |= diagnostics(*sums)
+        metrics["tokens"] = float(batch.n_tokens)
+        metrics["reward_mean"] = batch.rewards.mean().item()
+        return batch, corr, metrics
 
     def _rng_state(self) -> dict:
         """The RNG states a checkpoint saves: torch (CPU), python and numpy."""

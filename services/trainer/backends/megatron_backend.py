@@ -29,16 +29,7 @@ from asyncrl.types import TrajectoryGroup
 from asyncrl.weights import copy_tokenizer, load_state_dict_files
 from services.trainer.algo import PackedBatch, lr_at, unpack_output_logprobs
 from services.trainer.backends.base import TrainerBackend
-from services.trainer.losses import (
-    Correction,
-    aggregation_weights,
-    behaviour_correction,
-    diagnostic_sums,
-    diagnostics,
-    kl_reward_penalty,
-    minibatch_loss,
-    norm_totals,
-)
+from services.trainer.losses import aggregation_weights, minibatch_loss
 from services.trainer.megatron import model as mg
 from services.trainer.megatron.optim import build_optimizer
 from services.trainer.megatron.parallel import (
@@ -114,7 +105,7 @@ class MegatronBackend(TrainerBackend):
     # -- training -------------------------------------------------------------------------
     def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         assert self.built is not None, "load() first"
-        t, cfg = self.spec.trainer, self.loss_cfg
+        t = self.spec.trainer
         _announce("train_step", groups)
         batch = self._pack(groups)
         lr = lr_at(self.steps, t.total_steps, t.lr, t.lr_schedule, t.min_lr_ratio)
@@ -123,63 +114,38 @@ class MegatronBackend(TrainerBackend):
         chunks = [c for c in torch.arange(n).chunk(min(t.minibatches, n)) if len(c)]
         mine = [c[self.par.dp_rank :: self.par.dp_size] for c in chunks]
         own = torch.cat(mine)
-        # proximal (and reference) logprobs: the weights before this version's first update
-        prox = self._logprobs_rows(self.built, batch, own)
-        ref = self._logprobs_rows(self.ref, batch, own) if self.ref is not None else None
-        own_mask = torch.zeros_like(batch.loss_mask)
-        own_mask[own] = batch.loss_mask[own]
-        kl_reward = None
-        if cfg.kl_in_reward:
-            kl_seq = self._dp_reduce(kl_reward_penalty(prox, ref, own_mask, cfg.kl_estimator))
-            batch = self._reward_penalised(batch, kl_seq)
-            kl_reward = kl_seq.sum().item() / max(batch.n_tokens, 1)
-        # the correction of this rank's rows (m2po's bound holds per data-parallel rank)
-        corr = behaviour_correction(prox, batch.behav_logp, own_mask, cfg)
-        sums, maxes = diagnostic_sums(
-            corr, prox, batch.behav_logp, own_mask, batch.versions, self.steps
-        )
-        diag = diagnostics(self._dp_reduce(sums), self._dp_reduce(maxes, dist.ReduceOp.MAX))
+        # proximal (and reference) logprobs: the weights before this version's first update.
+        # Each rank computes its own rows (zero elsewhere); summed, every rank has the batch's
+        prox = self._dp_sum(self._logprobs_rows(self.built, batch, own))
+        ref = None
+        if self.ref is not None:
+            ref = self._dp_sum(self._logprobs_rows(self.ref, batch, own))
+        batch, corr, metrics = self._prepare(batch, prox, ref)
 
         totals: dict[str, float] = defaultdict(float)
-        for rows in mine:
-            for k, v in self._train_minibatch(batch, rows, prox, ref, corr).items():
+        for chunk, rows in zip(chunks, mine, strict=True):
+            for k, v in self._train_minibatch(batch, chunk, rows, prox, ref, corr).items():
                 totals[k] += v
         self.steps += 1
-        metrics = {k: v / len(chunks) for k, v in totals.items()}
-        metrics.update(diag)
-        if kl_reward is not None:
-            metrics["kl"] = kl_reward
-        metrics["tokens"] = float(batch.n_tokens)
-        metrics["lr"] = lr
-        metrics["reward_mean"] = batch.rewards.mean().item()
-        return metrics
+        step = {k: v / len(chunks) for k, v in totals.items()}
+        step.update(metrics)  # the diagnostics, and kl when it went into the rewards
+        step["lr"] = lr
+        return step
 
-    def _dp_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """`x` reduced over the data-parallel ranks (itself with one rank)."""
+    def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed over the data-parallel ranks, in place (itself with one rank)."""
         if self.par.dp_size > 1:
-            x = x.to(self.par.device)
-            dist.all_reduce(x, op=op, group=dp_group())
-        return x.cpu()
+            dist.all_reduce(x, group=dp_group())
+        return x
 
-    def _minibatch_shares(
-        self, batch: PackedBatch, rows: torch.Tensor, corr: Correction
-    ) -> tuple[torch.Tensor, float, float]:
-        """Each token's share of the minibatch loss ([N, T-1], zero outside `rows`), with the
-        minibatch's global (all DP ranks) normaliser and loss-token counts."""
+    def _train_minibatch(self, batch, chunk, rows, prox, ref, corr) -> dict[str, float]:
+        """One optimizer update on minibatch `chunk`, this rank's `rows` of it in
+        micro-batches; each token's share of the loss is the whole minibatch's."""
         cfg = self.loss_cfg
-        counts = torch.cat(
-            [norm_totals(corr.norm[rows]), batch.loss_mask[rows].sum().double().view(1)]
-        )
-        n_norm, n_seq, n_tok = self._dp_reduce(counts.double()).tolist()
         share = torch.zeros_like(corr.norm)
-        share[rows] = aggregation_weights(
-            corr.norm[rows], cfg.agg, cfg.agg_constant, totals=(n_norm, n_seq)
-        )
-        return share, max(n_norm, 1.0), max(n_tok, 1.0)
-
-    def _train_minibatch(self, batch, rows, prox, ref, corr) -> dict[str, float]:
-        cfg = self.loss_cfg
-        share, n_norm, n_tok = self._minibatch_shares(batch, rows, corr)
+        share[chunk] = aggregation_weights(corr.norm[chunk], cfg.agg, cfg.agg_constant)
+        n_norm = max(corr.norm[chunk].sum().item(), 1.0)
+        n_tok = max(batch.loss_mask[chunk].sum().item(), 1.0)
         sums = torch.zeros(4, dtype=torch.float64)  # loss, clipped tokens, entropy, kl
         self.opt.zero_grad()
         for micro in rows.split(self._micro_rows(batch)):
@@ -207,7 +173,7 @@ class MegatronBackend(TrainerBackend):
                 dtype=torch.float64,
             )
         grad_norm = self.opt.step()
-        loss, clipped, entropy, kl = self._dp_reduce(sums).tolist()
+        loss, clipped, entropy, kl = self._dp_sum(sums.to(self.par.device)).tolist()
         return {
             "loss": loss,
             "clip_fraction": clipped / n_norm,

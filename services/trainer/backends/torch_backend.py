@@ -26,15 +26,7 @@ from services.trainer.algo import (
     unpack_output_logprobs,
 )
 from services.trainer.backends.base import TrainerBackend
-from services.trainer.losses import (
-    Correction,
-    aggregation_weights,
-    behaviour_correction,
-    diagnostic_sums,
-    diagnostics,
-    kl_reward_penalty,
-    minibatch_loss,
-)
+from services.trainer.losses import Correction, aggregation_weights, minibatch_loss
 
 MODEL_FILE = "model.pt"
 OPTIM_FILE = "optimizer.pt"
@@ -58,7 +50,6 @@ class TorchBackend(TrainerBackend):
         self.ref_model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.model_dir: Path | None = None
-        self.steps = 0  # optimizer versions trained so far (train_step calls)
 
     # -- setup ----------------------------------------------------------------------------
     def load(self, model_dir: str) -> None:
@@ -88,19 +79,11 @@ class TorchBackend(TrainerBackend):
     # -- training -------------------------------------------------------------------------
     def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         assert self.model is not None and self.optimizer is not None, "load() first"
-        t, cfg = self.spec.trainer, self.loss_cfg
+        t = self.spec.trainer
         batch = self._pack(groups)
         prox_logp = self._frozen_logprobs(self.model, batch)
         ref_logp = self._frozen_logprobs(self.ref_model, batch) if t.kl_coef > 0 else None
-        kl_reward = None
-        if cfg.kl_in_reward:
-            kl_seq = kl_reward_penalty(prox_logp, ref_logp, batch.loss_mask, cfg.kl_estimator)
-            batch = self._reward_penalised(batch, kl_seq)
-            kl_reward = kl_seq.sum().item() / max(batch.n_tokens, 1)
-        corr = behaviour_correction(prox_logp, batch.behav_logp, batch.loss_mask, cfg)
-        diag = diagnostic_sums(
-            corr, prox_logp, batch.behav_logp, batch.loss_mask, batch.versions, self.steps
-        )
+        batch, corr, metrics = self._prepare(batch, prox_logp, ref_logp)
 
         lr = lr_at(self.steps, t.total_steps, t.lr, t.lr_schedule, t.min_lr_ratio)
         for group in self.optimizer.param_groups:
@@ -117,14 +100,10 @@ class TorchBackend(TrainerBackend):
             for k, v in parts.items():
                 totals[k] += v
         self.steps += 1
-        metrics = {k: v / max(len(chunks), 1) for k, v in totals.items()}
-        metrics.update(diagnostics(*diag))
-        if kl_reward is not None:
-            metrics["kl"] = kl_reward
-        metrics["tokens"] = float(batch.n_tokens)
-        metrics["lr"] = lr
-        metrics["reward_mean"] = batch.rewards.mean().item()
-        return metrics
+        step = {k: v / max(len(chunks), 1) for k, v in totals.items()}
+        step.update(metrics)  # the diagnostics, and kl when it went into the rewards
+        step["lr"] = lr
+        return step
 
     def _train_minibatch(
         self, mb: PackedBatch, prox: torch.Tensor, ref: torch.Tensor | None, corr: Correction
