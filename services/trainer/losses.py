@@ -166,7 +166,8 @@ def m2po_keep(log_w: torch.Tensor, mask: torch.Tensor, bound: float) -> torch.Te
     within the bound (a prefix mean of sorted values only grows)."""
     m2 = (log_w * log_w)[mask > 0]
     order = torch.argsort(m2, stable=True)
-    prefix_mean = m2[order].cumsum(0) / torch.arange(1, m2.numel() + 1, dtype=m2.dtype)
+    counts = torch.arange(1, m2.numel() + 1, dtype=m2.dtype, device=m2.device)
+    prefix_mean = m2[order].cumsum(0) / counts
     n_keep = int((prefix_mean <= bound).sum().item())
     flat = torch.zeros_like(m2)
     flat[order[:n_keep]] = 1.0
