@@ -217,6 +217,19 @@ class TrainerSpec(_Section):
     """host:port the trainer listens on as rank 0 (the engines' `nccl_master`)."""
     nccl_world_size: int | None = Field(None, gt=1)
     """Ranks of the weight-update group: 1 (the trainer) + the TP ranks of all engines."""
+    loggers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=lambda: ["tensorboard"])
+    """Run logs of every step (all StepMetrics fields, weight-update phases included) and eval,
+    under `<ASYNCRL_VAR>/runs/<experiment id>/` on the scheduler's host: `tensorboard` (event
+    files in `tensorboard/`), `wandb` (a W&B run in `wandb/`: offline unless WANDB_MODE says
+    otherwise or WANDB_API_KEY is set; `wandb sync` uploads an offline run later). TensorBoard is
+    on by default (local files, no network, no account); W&B is opted into."""
+
+    @field_validator("loggers")
+    @classmethod
+    def _no_repeated_logger(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"a logger is named twice: {v}")
+        return v
 
     @field_validator("is_mask_high")
     @classmethod

@@ -31,6 +31,7 @@ from prometheus_client import Histogram
 from asyncrl.errors import PermissionDenied, Unavailable
 from asyncrl.ledger import Ledger
 from asyncrl.logging import get_logger
+from asyncrl.runlog import RunLog, run_dir
 from asyncrl.security import Principal
 from asyncrl.spec import ExperimentSpec
 from asyncrl.types import EvalResult, StepMetrics, TrainerState
@@ -94,6 +95,10 @@ class ExperimentRunner:
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self._subscribers: set[asyncio.Queue] = set()
+        self.runlog = RunLog(
+            run_dir(record.id), spec.trainer.loggers, record.id, spec.model_dump(mode="json")
+        )
+        """TensorBoard / W&B logs of the steps and evals (`trainer.loggers`)."""
         self._finishing = False
         self._ending = False
         """`_end` is under way (it stops the trainer before the state turns terminal)."""
@@ -184,6 +189,7 @@ class ExperimentRunner:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._subscribers.clear()
+        await asyncio.to_thread(self.runlog.close)
 
     async def _run(self) -> None:
         try:
@@ -652,6 +658,7 @@ class ExperimentRunner:
             p.trained_groups -= old.groups
             self.log.warning("step_discarded", version=old.version, groups=old.groups)
         self.ctx.history.append_step(self.id, metrics)
+        self.runlog.step(metrics)
         p.trained_groups += metrics.groups
         p.staleness_max = max(p.staleness_max, metrics.staleness_max)
         p.stale_groups += metrics.stale_groups
@@ -681,6 +688,7 @@ class ExperimentRunner:
     def _eval_done(self, result: EvalResult) -> None:
         self.record.evals.append(result)
         self.ctx.history.append_eval(self.id, result)
+        self.runlog.eval(result)
         self.log.info(
             "eval_done",
             version=result.version,
@@ -759,6 +767,7 @@ class ExperimentRunner:
         for w in self.rollouts():  # bound while the trainer stopped (still live, finishing):
             self.registry.unbind(w)  # a terminal experiment must hold no worker
         self._finishing = False
+        await asyncio.to_thread(self.runlog.close)  # complete when a client sees the end
         self._set_state(state, message)
         self.log.info("experiment_ended", state=state.value, message=message, version=self.version)
         self.ctx.workers_changed()
