@@ -259,7 +259,7 @@ async def test_generate_malformed_answer_raises_bad_response_naming_the_fault(
     fake.mangle = mangle
     with pytest.raises(SGLangBadResponse, match=message) as exc:
         await engine.generate(req("bad", max_new=6))
-    assert str(exc.value).startswith("/generate bad: ")
+    assert str(exc.value).startswith("/generate 8:bad/r0.0: ")  # the id sent (wire_rid)
     fake.mangle = None  # the engine is not wedged by a bad answer
     out = await engine.generate(req("good", max_new=6))
     assert 0 < len(out.output_ids) == len(out.logprobs) <= 6
