@@ -3,7 +3,7 @@
 It follows SGLang's HTTP API (0.4.10 - 0.5.23; `--sglang-version`, default 0.5.23) with a real
 model: a HuggingFace causal LM (the tiny test models) generates real tokens with real logprobs,
 one request at a time per coroutine with a KV cache. It is as strict as the server on what the
-rollout engine relies on (tests/unit/test_sglang_fake_strict.py catches each rule's return):
+rollout engine relies on (tests/integration/test_sglang_fake_strict.py catches each rule's return):
 - `/generate` (one sample, no batch) with `input_ids`, `sampling_params`, `return_logprob`,
   `rid`; an unknown `sampling_params` key, `top_k` 0 (unless greedy), more than 32 `stop`
   strings, a prompt + `max_new_tokens` beyond the context (`GET /v1/models` ->
