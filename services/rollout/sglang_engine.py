@@ -53,6 +53,7 @@ from services.rollout.sglang_process import (
     SGLangProcess,
     installed_sglang_version,
     parse_version,
+    sglang_launchable,
     wait_healthy,
 )
 from services.rollout.sglang_protocol import (  # noqa: F401 - re-exported
@@ -99,10 +100,9 @@ class SGLangEngine(Engine):
         without it (a `launch_cmd` replaces it)."""
         version = config.sglang_version
         if config.launch is not None and config.launch.launch_cmd is None:
-            installed = installed_sglang_version()
-            if installed is None:
+            if not sglang_launchable():
                 raise SGLangNotInstalled()
-            version = version or installed
+            version = version or installed_sglang_version()
         self.config = config
         self.url = config.url.rstrip("/") if config.url else None
         self.launch_cfg = replace(config.launch) if config.launch else None

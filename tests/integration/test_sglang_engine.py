@@ -6,7 +6,6 @@ version differences, the managed child (restart after a kill), and the collectiv
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import signal
 import threading
@@ -21,7 +20,12 @@ from asyncrl.tiny import build_tiny_model
 from services.rollout.engine import GenRequest
 from services.rollout.sglang_config import SGLangConfig
 from services.rollout.sglang_engine import SGLangBadResponse, SGLangEngine, SGLangError
-from services.rollout.sglang_process import SGLANG_MISSING, LaunchConfig, SGLangNotInstalled
+from services.rollout.sglang_process import (
+    SGLANG_MISSING,
+    LaunchConfig,
+    SGLangNotInstalled,
+    sglang_launchable,
+)
 from services.trainer.weight_sync import WeightBroadcaster
 from tests.fakes.sglang_server import fake_launch_cmd, serve_fake, spawn_fake
 
@@ -341,7 +345,7 @@ async def test_managed_child_killed_restarts_with_current_weights(models, tmp_pa
         check_logprobs(models, PROMPT, out)  # the restarted server really serves v1
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang installed")
+@pytest.mark.skipif(sglang_launchable(), reason="sglang can launch here")
 def test_launch_without_sglang_raises_clear_error():
     with pytest.raises(SGLangNotInstalled) as exc:
         SGLangEngine(SGLangConfig(launch=LaunchConfig()))
