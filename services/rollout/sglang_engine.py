@@ -37,6 +37,7 @@ before).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import time
@@ -71,10 +72,9 @@ from services.rollout.sglang_protocol import (  # noqa: F401 - re-exported
     parse_context_length,
     parse_generate_response,
     parse_json,
-    session_body,
     wire_rid,
 )
-from services.rollout.sglang_sync import bucket_request, plan_buckets, tensor_metas
+from services.rollout.sglang_sync import receive_version
 
 log = get_logger(component="sglang_engine")
 
@@ -122,8 +122,7 @@ class SGLangEngine(Engine):
         self._down = False  # attach mode: a connection failed; wait for health first
         self._background: set[asyncio.Task] = set()
         self._rid_seq = itertools.count()  # numbers every request id sent (wire_rid)
-        self.context_len: int | None = None
-        """The model's context length as the server reports it (None: not reported)."""
+        self.context_len: int | None = None  # as the server reports it (None: not reported)
 
     # ---------------------------------------------------------------- contract
     @property
@@ -236,9 +235,9 @@ class SGLangEngine(Engine):
         self._running += 1
         try:
             while len(out_ids) < p.max_new_tokens:
-                if out_ids and self._context_full(req, out_ids):
-                    finish = "length"  # the resumed sample fills the model's context
-                    break
+                full = self.context_len and len(req.input_ids) + len(out_ids) >= self.context_len
+                if out_ids and full:
+                    break  # the resumed sample fills the model's context: "length"
                 rid = wire_rid(req.rid, segment, next(self._rid_seq))
                 body = generate_body(req, rid, out_ids, stop_ids, self.context_len)
                 segment += 1
@@ -272,11 +271,6 @@ class SGLangEngine(Engine):
             self._running -= 1
 
     # ---------------------------------------------------------------- generation
-    def _context_full(self, req: GenRequest, out_ids: list[int]) -> bool:
-        return self.context_len is not None and (
-            len(req.input_ids) + len(out_ids) >= self.context_len
-        )
-
     async def _generate_segment(self, rid: str, body: dict):
         """One /generate call. Returns (ids, logprobs, finish, meta, version served when the
         answer arrived). An abort is a result only when a weight update caused it."""
@@ -419,9 +413,7 @@ class SGLangEngine(Engine):
         log.info("sglang_attached", url=self.url, version=".".join(map(str, self.api.version)))
 
     async def _read_context(self) -> None:
-        """The model's context length, from `GET /v1/models` (`max_model_len`); requests are
-        clamped to it. Unknown when the server does not report it: the server's 400 then
-        says why a request does not fit."""
+        """The context length requests are clamped to (`GET /v1/models`), None if unknown."""
         try:
             self.context_len = parse_context_length(await self._request("GET", "/v1/models"))
         except SGLangError as exc:
@@ -477,8 +469,7 @@ class SGLangEngine(Engine):
         self._version = version
 
     async def _apply_distributed(self, model_dir: str, version: int) -> None:
-        """The engine's half of the collective update (the trainer broadcasts concurrently):
-        on SGLang >= 0.5.21 inside a weight-update session, closed whatever happens."""
+        """The engine's half of the collective update (sglang_sync.receive_version)."""
         if not self._group_ready:
             c = self.config
             body = init_group_body(
@@ -486,52 +477,13 @@ class SGLangEngine(Engine):
             )
             await self._request("POST", "/init_weights_update_group", body, timeout=UPDATE_TIMEOUT)
             self._group_ready = True
-        metas = await asyncio.to_thread(tensor_metas, model_dir)
-        buckets = plan_buckets(metas, self.config.bucket_mb << 20)
-        if not self.api.needs_update_session:
-            await self._receive_buckets(buckets, version)
-        else:
-            await self._begin_update_session()
-            received = False
-            try:
-                await self._receive_buckets(buckets, version)
-                received = True
-            finally:
-                await self._end_update_session(raise_errors=received)
+        await receive_version(
+            functools.partial(self._request, timeout=UPDATE_TIMEOUT),
+            model_dir,
+            group=self.config.nccl_group,
+            bucket_bytes=self.config.bucket_mb << 20,
+            weight_version=version if self.api.reports_weight_version else None,
+            session=self.api.needs_update_session,
+        )
         self._weights = (model_dir, version)  # a restart reloads this version from disk
         self._version = version
-
-    async def _receive_buckets(self, buckets: list, version: int) -> None:
-        for i, bucket in enumerate(buckets):
-            body = bucket_request(
-                bucket,
-                self.config.nccl_group,
-                version if self.api.reports_weight_version else None,
-                last=i == len(buckets) - 1,
-            )
-            await self._request(
-                "POST", "/update_weights_from_distributed", body, timeout=UPDATE_TIMEOUT
-            )
-
-    async def _begin_update_session(self) -> None:
-        """`/begin_weight_update`; a session some earlier update left open (the server says
-        so with a 400) is closed first, once."""
-        try:
-            await self._request("POST", "/begin_weight_update", session_body())
-        except SGLangError as exc:
-            if exc.status != 400 or "already open" not in str(exc):
-                raise
-            log.warning("sglang_update_session_left_open", error=str(exc))
-            await self._request("POST", "/end_weight_update", session_body())
-            await self._request("POST", "/begin_weight_update", session_body())
-
-    async def _end_update_session(self, raise_errors: bool) -> None:
-        """`/end_weight_update`; its failure is raised only when nothing else failed."""
-        try:
-            await self._request(
-                "POST", "/end_weight_update", session_body(), timeout=UPDATE_TIMEOUT
-            )
-        except (SGLangError, aiohttp.ClientError, TimeoutError) as exc:
-            if raise_errors:
-                raise
-            log.warning("sglang_end_weight_update_failed", error=str(exc))
