@@ -17,7 +17,8 @@ from asyncrl.spec import SamplingParams
 from asyncrl.tiny import build_tiny_model
 from services.rollout.engine import GenRequest
 from services.rollout.sglang_config import SGLangConfig
-from services.rollout.sglang_engine import SGLangEngine
+from services.rollout.sglang_engine import SGLangEngine, SGLangError, error_message
+from services.rollout.sglang_sync import receive_version
 from services.trainer.weight_sync import WeightBroadcaster
 from tests import sglang_contract as sg
 from tests.fakes.sglang_server import serve_fake, spawn_fake
@@ -143,3 +144,32 @@ async def test_collective_update_calls_run_inside_the_weight_update_session(mode
     assert paths[updates[-1] + 1] == "/end_weight_update"
     assert paths.count("/begin_weight_update") == paths.count("/end_weight_update") == 1
     assert paths.index("/pause_generation") < updates[0] < paths.index("/continue_generation")
+
+
+async def test_session_left_open_is_reopened_and_a_failed_bucket_still_closes_it(models):
+    """A session an earlier update left open: closed and begun again; a bucket the server
+    refuses (no update group here): its error is raised and the session closed anyway."""
+    async with serve_fake(models[0], sglang_version=sg.version()) as fake:
+        async with aiohttp.ClientSession() as http:
+
+            async def request(method: str, path: str, body: dict | None) -> dict:
+                async with http.request(method, fake.url + path, json=body) as r:
+                    text = await r.text()
+                    if r.status != 200:
+                        raise SGLangError(f"{path}: {error_message(r.status, text)}", r.status)
+                    return await r.json()
+
+            await request("POST", "/begin_weight_update", {})  # left open
+            fake.calls.clear()
+            with pytest.raises(SGLangError, match="no weights update group 'grp'"):
+                await receive_version(
+                    request, models[1], group="grp", bucket_bytes=0, weight_version=1, session=True
+                )
+        assert not fake.update_session
+        assert [c["path"] for c in fake.calls] == [
+            "/begin_weight_update",  # 400: already open
+            "/end_weight_update",
+            "/begin_weight_update",
+            "/update_weights_from_distributed",  # 400: no group
+            "/end_weight_update",
+        ]
