@@ -326,10 +326,9 @@ class SGLangEngine(Engine):
             return
 
         async def abort():
+            url = f"{self.url_now}/abort_request"
             try:
-                async with self._session.post(
-                    f"{self.url_now}/abort_request", json=abort_body(rid)
-                ):
+                async with self._session.post(url, json=abort_body(rid)):
                     pass
             except (TimeoutError, aiohttp.ClientError):
                 pass
@@ -354,6 +353,9 @@ class SGLangEngine(Engine):
             startup_timeout_s=self.config.startup_timeout_s,
         )
         await self.process.start()
+        if self.launch_cfg.launch_cmd and not self.config.sglang_version:
+            self.api = None  # not sglang.launch_server: the version its server reports
+            await self._detect_api()
         await self._read_context()
         if version is not None:
             self._weights = (model_dir, version)
@@ -363,10 +365,8 @@ class SGLangEngine(Engine):
     async def _reapply(self) -> None:
         """After a restart: the child serves its launch model; put the current weights back."""
         self._group_ready = False  # the collective group died with the old server
-        if self._weights and self._weights != (
-            self.launch_cfg.model_path,
-            self.launch_cfg.weight_version,
-        ):
+        launched = (self.launch_cfg.model_path, self.launch_cfg.weight_version)
+        if self._weights and self._weights != launched:
             model_dir, version = self._weights
             await self._update_from_disk(model_dir, version)
             log.info("weights_reapplied", model=model_dir, version=version)
@@ -410,7 +410,7 @@ class SGLangEngine(Engine):
                 raise
             info = await self._request("GET", "/server_info")
         self.api = ServerApi(parse_version(str(info.get("version", "0.4.0"))))
-        log.info("sglang_attached", url=self.url, version=".".join(map(str, self.api.version)))
+        log.info("sglang_version", url=self.url_now, version=".".join(map(str, self.api.version)))
 
     async def _read_context(self) -> None:
         """The context length requests are clamped to (`GET /v1/models`), None if unknown."""
@@ -470,8 +470,8 @@ class SGLangEngine(Engine):
 
     async def _apply_distributed(self, model_dir: str, version: int) -> None:
         """The engine's half of the collective update (sglang_sync.receive_version)."""
+        c = self.config
         if not self._group_ready:
-            c = self.config
             body = init_group_body(
                 c.nccl_master, c.nccl_rank_offset, c.nccl_world, c.nccl_group, c.nccl_backend
             )
@@ -480,8 +480,8 @@ class SGLangEngine(Engine):
         await receive_version(
             functools.partial(self._request, timeout=UPDATE_TIMEOUT),
             model_dir,
-            group=self.config.nccl_group,
-            bucket_bytes=self.config.bucket_mb << 20,
+            group=c.nccl_group,
+            bucket_bytes=c.bucket_mb << 20,
             weight_version=version if self.api.reports_weight_version else None,
             session=self.api.needs_update_session,
         )
