@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import json
@@ -63,8 +64,11 @@ def load(module: str) -> types.ModuleType:
     for i in range(1, len(parts)):
         name = ".".join(parts[:i])
         if name not in sys.modules:
+            path = str(root().joinpath(*parts[1:i]))
             package = types.ModuleType(name)
-            package.__path__ = [str(root().joinpath(*parts[1:i]))]
+            package.__path__ = [path]
+            package.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            package.__spec__.submodule_search_locations = [path]
             sys.modules[name] = package
     return importlib.import_module(module)
 
