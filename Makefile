@@ -1,7 +1,7 @@
 # asyncrl — `make help` lists the targets.
 SHELL := /bin/bash
 PY := .venv/bin/python
-VENV_STAMP := .venv/.installed-$(shell cat requirements.txt pyproject.toml | md5sum | cut -c1-8)
+VENV_STAMP := .venv/.installed-$(shell cat requirements.txt requirements-sglang.txt pyproject.toml | md5sum | cut -c1-8)
 PROTOS := $(wildcard protos/asyncrl/v1/*.proto)
 PROTO_STAMP := libs/asyncrl/v1/.generated
 
@@ -12,9 +12,10 @@ help: ## show this help
 
 venv: $(VENV_STAMP) ## create .venv with the pinned dependencies
 
-$(VENV_STAMP): requirements.txt pyproject.toml
+$(VENV_STAMP): requirements.txt requirements-sglang.txt pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	.venv/bin/pip install -q --disable-pip-version-check -r requirements.txt
+	.venv/bin/pip install -q --disable-pip-version-check --no-deps -r requirements-sglang.txt
 	.venv/bin/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	rm -f .venv/.installed-*; touch $@
 

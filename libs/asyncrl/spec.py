@@ -55,13 +55,14 @@ class SamplingParams(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass."""
     top_k: int = Field(-1, ge=-1)
-    """Keep the k most likely tokens; -1 keeps all."""
+    """Keep the k most likely tokens; -1 (or 0) keeps all."""
     max_new_tokens: int = Field(128, gt=0)
     """Upper bound on generated tokens per sample."""
     stop_token_ids: list[int] = Field(default_factory=list)
     """Token ids that end a sample (the tokenizer's EOS is one unless `ignore_eos`)."""
-    stop: list[str] = Field(default_factory=list)
-    """Stop strings: a sample ends with the token that completes one (torch and SGLang)."""
+    stop: list[str] = Field(default_factory=list, max_length=32)
+    """Stop strings: a sample ends with the token that completes one (torch and SGLang); at
+    most 32, SGLang's limit."""
     ignore_eos: bool = False
     """Generate `max_new_tokens` tokens whatever is sampled: the tokenizer's EOS ends nothing
     (benchmarks). `stop_token_ids` and `stop` still apply."""

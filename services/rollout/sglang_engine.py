@@ -1,4 +1,4 @@
-"""The SGLang engine: drives an SGLang server over its HTTP API (SGLang 0.4.10 - 0.5.x).
+"""The SGLang engine: drives an SGLang server over its HTTP API (SGLang 0.4.10 - 0.5.23).
 
 Two modes (`SGLangConfig`):
 - attach (`url`): a server somebody else runs; we wait for `/health_generate`.
@@ -9,16 +9,22 @@ Two modes (`SGLangConfig`):
 Answers are checked: a 200 whose body breaks the API contract (no logprobs, ids that disagree)
 raises `SGLangBadResponse`, never a silently wrong sample.
 
-One `/generate` request per sample (`input_ids`, `return_logprob`, the sampling params, stop
-token ids) with a stable request id. The behaviour logprob of a token is SGLang's
-`output_token_logprobs` value (the managed child runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1,
-so it is the log-softmax of the unscaled logits, as the trainer recomputes it).
+One `/generate` request per sample segment (`input_ids`, `return_logprob`, the sampling
+params, stop token ids); its request id is unique and prefix-free (`wire_rid`: SGLang aborts by
+prefix), its `max_new_tokens` clamped to the context the server reports (`GET /v1/models`);
+sglang_protocol.py builds the bodies and says what the server refuses. The behaviour logprob
+of a token is SGLang's `output_token_logprobs` value (the managed child runs with
+SGLANG_RETURN_ORIGINAL_LOGPROB=1, so it is the log-softmax of the unscaled logits, as the
+trainer recomputes it).
 
 A weight update interrupts: `/pause_generation` (abort) -> the aborted requests come back with
 their partial output -> `/update_weights_from_disk` (or the bucketed NCCL broadcast) ->
-`/continue_generation`. Each interrupted sample is resubmitted as prompt + partial output with
-`max_new_tokens` reduced; every token keeps the version that produced it. A sample whose
-server died mid-request is resubmitted the same way once the server is back.
+`/continue_generation`. From SGLang 0.5.21 the NCCL buckets are sent inside a weight-update
+session (`/begin_weight_update` ... `/end_weight_update`, the end in a `finally`: a session left
+open makes the next begin fail; one found open is closed and begun again). Each interrupted
+sample is resubmitted as prompt + partial output with `max_new_tokens` reduced; every token
+keeps the version that produced it. A sample whose server died mid-request is resubmitted the
+same way once the server is back.
 
 Versions differ: SGLang >= 0.5.1 reports `weight_version` per response, older
 ones do not, so the version is tracked here: new segments wait while an update runs and the
@@ -31,10 +37,11 @@ before).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -47,9 +54,27 @@ from services.rollout.sglang_process import (
     SGLangProcess,
     installed_sglang_version,
     parse_version,
+    sglang_launchable,
     wait_healthy,
 )
-from services.rollout.sglang_sync import bucket_request, plan_buckets, tensor_metas
+from services.rollout.sglang_protocol import (  # noqa: F401 - re-exported
+    InvalidSampling,
+    PromptTooLong,
+    ServerApi,
+    SGLangBadResponse,
+    SGLangError,
+    abort_body,
+    continue_body,
+    disk_update_body,
+    error_message,
+    generate_body,
+    init_group_body,
+    parse_context_length,
+    parse_generate_response,
+    parse_json,
+    wire_rid,
+)
+from services.rollout.sglang_sync import receive_version
 
 log = get_logger(component="sglang_engine")
 
@@ -58,131 +83,8 @@ UPDATE_TIMEOUT = aiohttp.ClientTimeout(total=1800)
 GENERATE_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30)
 
 
-class SGLangError(RuntimeError):
-    """SGLang answered an error (bad update path, bad request, unexpected abort)."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-
-
-class SGLangBadResponse(SGLangError):
-    """SGLang answered 200 with a body that breaks the API contract (not JSON, no logprobs,
-    token ids that disagree): an unsupported server or configuration, not retried."""
-
-    def __init__(self, message: str):
-        super().__init__(message, status=200)
-
-
 class SGLangUnavailable(RuntimeError):
     """The server is down and did not come back in time."""
-
-
-@dataclass(frozen=True)
-class ServerApi:
-    """What differs between the SGLang versions we support (0.4.10 - 0.5.x)."""
-
-    version: tuple[int, int, int]
-
-    @property
-    def reports_weight_version(self) -> bool:
-        return self.version >= (0, 5, 1)
-
-    @property
-    def pause_body(self) -> dict | None:
-        return {"mode": "abort"} if self.version >= (0, 5, 5) else None
-
-    @property
-    def model_info_paths(self) -> tuple[str, str]:
-        """Preferred path first; the other is tried on 404."""
-        if self.version >= (0, 5, 9):
-            return "/model_info", "/get_model_info"
-        return "/get_model_info", "/model_info"
-
-
-def parse_generate_response(data: Any) -> tuple[list[int], list[float], str, dict]:
-    """(token ids, logprobs, finish type, meta_info) of one non-streamed /generate answer.
-    Token ids come from `output_token_logprobs` ([logprob, token_id, text|None] triples),
-    present whether or not the server returns `output_ids`. Raises SGLangBadResponse when
-    the answer breaks that contract."""
-    if isinstance(data, list):
-        if len(data) != 1:
-            raise SGLangBadResponse(f"expected one answer, got a list of {len(data)}")
-        data = data[0]
-    meta = data.get("meta_info") if isinstance(data, dict) else None
-    if not isinstance(meta, dict):
-        raise SGLangBadResponse(f"no meta_info in the answer: {str(data)[:200]}")
-    output_ids = data.get("output_ids")
-    triples = meta.get("output_token_logprobs")
-    if triples is None:
-        if output_ids or meta.get("completion_tokens"):
-            raise SGLangBadResponse(
-                "tokens without output_token_logprobs (the server ignored return_logprob)"
-            )
-        triples = []
-    ids, lps = _logprob_triples(triples)
-    if output_ids is not None and list(output_ids) != ids:
-        raise SGLangBadResponse(
-            f"output_ids ({len(output_ids)} tokens) disagree with the token ids of "
-            f"output_token_logprobs ({len(ids)})"
-        )
-    finish = meta.get("finish_reason") or {}
-    kind = finish.get("type") if isinstance(finish, dict) else str(finish)
-    return ids, lps, kind or "length", meta
-
-
-def _logprob_triples(triples: Any) -> tuple[list[int], list[float]]:
-    """(token ids, logprobs) of SGLang's [[logprob, token_id, text|None], ...]."""
-    expected = "output_token_logprobs is not a list of [logprob, token_id, text]"
-    if not isinstance(triples, list):
-        raise SGLangBadResponse(f"{expected}: a {type(triples).__name__}")
-    try:
-        return [int(t[1]) for t in triples], [float(t[0]) for t in triples]
-    except (TypeError, ValueError, IndexError, KeyError) as exc:
-        raise SGLangBadResponse(f"{expected} ({exc})") from None
-
-
-def parse_json(text: str) -> Any:
-    """The JSON body of a 200 answer; SGLangBadResponse when it is not JSON."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        raise SGLangBadResponse(f"answer is not JSON: {text[:200]!r}") from None
-
-
-def generate_body(req: GenRequest, rid: str, done: list[int], stop_ids: list[int]) -> dict:
-    """The /generate request of the segment of `req` that continues after the tokens `done`."""
-    p = req.params
-    return {
-        "input_ids": list(req.input_ids) + done,
-        "rid": rid,
-        "return_logprob": True,
-        "stream": False,
-        "sampling_params": {
-            "max_new_tokens": p.max_new_tokens - len(done),
-            "temperature": p.temperature,
-            "top_p": p.top_p,
-            "top_k": p.top_k,
-            "stop_token_ids": stop_ids,
-            "ignore_eos": p.ignore_eos,
-            "n": 1,
-            **({"stop": list(p.stop)} if p.stop else {}),
-        },
-    }
-
-
-def error_message(status: int, body: str) -> str:
-    """The human part of an SGLang error answer ({"message"} or {"error": {"message"}})."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return body.strip() or f"HTTP {status}"
-    if isinstance(data, dict):
-        if isinstance(data.get("error"), dict):
-            return str(data["error"].get("message", data))
-        if "message" in data:
-            return str(data["message"])
-    return str(data)
 
 
 class SGLangEngine(Engine):
@@ -198,10 +100,9 @@ class SGLangEngine(Engine):
         without it (a `launch_cmd` replaces it)."""
         version = config.sglang_version
         if config.launch is not None and config.launch.launch_cmd is None:
-            installed = installed_sglang_version()
-            if installed is None:
+            if not sglang_launchable():
                 raise SGLangNotInstalled()
-            version = version or installed
+            version = version or installed_sglang_version()
         self.config = config
         self.url = config.url.rstrip("/") if config.url else None
         self.launch_cfg = replace(config.launch) if config.launch else None
@@ -220,6 +121,8 @@ class SGLangEngine(Engine):
         self._running = 0
         self._down = False  # attach mode: a connection failed; wait for health first
         self._background: set[asyncio.Task] = set()
+        self._rid_seq = itertools.count()  # numbers every request id sent (wire_rid)
+        self.context_len: int | None = None  # as the server reports it (None: not reported)
 
     # ---------------------------------------------------------------- contract
     @property
@@ -237,6 +140,7 @@ class SGLangEngine(Engine):
         if self.url:
             await wait_healthy(self.url, self.config.startup_timeout_s)
             await self._detect_api()
+            await self._read_context()
         elif self.launch_cfg.model_path:
             await self._launch(self.launch_cfg.model_path, None)
 
@@ -331,8 +235,11 @@ class SGLangEngine(Engine):
         self._running += 1
         try:
             while len(out_ids) < p.max_new_tokens:
-                rid = req.rid if segment == 0 else f"{req.rid}/r{segment}"
-                body = generate_body(req, rid, out_ids, stop_ids)
+                full = self.context_len and len(req.input_ids) + len(out_ids) >= self.context_len
+                if out_ids and full:
+                    break  # the resumed sample fills the model's context: "length"
+                rid = wire_rid(req.rid, segment, next(self._rid_seq))
+                body = generate_body(req, rid, out_ids, stop_ids, self.context_len)
                 segment += 1
                 try:
                     ids, seg_lps, finish, meta, served = await self._generate_segment(rid, body)
@@ -419,10 +326,9 @@ class SGLangEngine(Engine):
             return
 
         async def abort():
+            url = f"{self.url_now}/abort_request"
             try:
-                async with self._session.post(
-                    f"{self.url_now}/abort_request", json={"rid": rid, "abort_all": False}
-                ):
+                async with self._session.post(url, json=abort_body(rid)):
                     pass
             except (TimeoutError, aiohttp.ClientError):
                 pass
@@ -447,6 +353,10 @@ class SGLangEngine(Engine):
             startup_timeout_s=self.config.startup_timeout_s,
         )
         await self.process.start()
+        if self.launch_cfg.launch_cmd and not self.config.sglang_version:
+            self.api = None  # not sglang.launch_server: the version its server reports
+            await self._detect_api()
+        await self._read_context()
         if version is not None:
             self._weights = (model_dir, version)
             self._version = version
@@ -455,10 +365,8 @@ class SGLangEngine(Engine):
     async def _reapply(self) -> None:
         """After a restart: the child serves its launch model; put the current weights back."""
         self._group_ready = False  # the collective group died with the old server
-        if self._weights and self._weights != (
-            self.launch_cfg.model_path,
-            self.launch_cfg.weight_version,
-        ):
+        launched = (self.launch_cfg.model_path, self.launch_cfg.weight_version)
+        if self._weights and self._weights != launched:
             model_dir, version = self._weights
             await self._update_from_disk(model_dir, version)
             log.info("weights_reapplied", model=model_dir, version=version)
@@ -492,11 +400,25 @@ class SGLangEngine(Engine):
             raise RuntimeError("no model loaded: call load() first")
 
     async def _detect_api(self) -> None:
+        """The attached server's version, once (`/get_server_info`, `/server_info` on 404)."""
         if self.api is not None:
             return
-        info = await self._request("GET", "/get_server_info")
+        try:
+            info = await self._request("GET", "/get_server_info")
+        except SGLangError as exc:
+            if exc.status != 404:
+                raise
+            info = await self._request("GET", "/server_info")
         self.api = ServerApi(parse_version(str(info.get("version", "0.4.0"))))
-        log.info("sglang_attached", url=self.url, version=".".join(map(str, self.api.version)))
+        log.info("sglang_version", url=self.url_now, version=".".join(map(str, self.api.version)))
+
+    async def _read_context(self) -> None:
+        """The context length requests are clamped to (`GET /v1/models`), None if unknown."""
+        try:
+            self.context_len = parse_context_length(await self._request("GET", "/v1/models"))
+        except SGLangError as exc:
+            log.warning("sglang_context_unknown", error=str(exc))
+            self.context_len = None
 
     async def model_info(self) -> dict:
         first, second = self.api.model_info_paths
@@ -535,12 +457,10 @@ class SGLangEngine(Engine):
         await self._request("POST", "/pause_generation", self.api.pause_body)
 
     async def _continue(self) -> None:
-        await self._request("POST", "/continue_generation", {})
+        await self._request("POST", "/continue_generation", continue_body())
 
     async def _update_from_disk(self, model_dir: str, version: int) -> None:
-        body: dict = {"model_path": model_dir, "abort_all_requests": False}
-        if self.api.reports_weight_version:
-            body["weight_version"] = str(version)
+        body = disk_update_body(model_dir, version, self.api)
         await self._request("POST", "/update_weights_from_disk", body, timeout=UPDATE_TIMEOUT)
 
     async def _apply_from_disk(self, model_dir: str, version: int) -> None:
@@ -549,35 +469,21 @@ class SGLangEngine(Engine):
         self._version = version
 
     async def _apply_distributed(self, model_dir: str, version: int) -> None:
-        """The engine's half of the collective update (the trainer broadcasts concurrently)."""
+        """The engine's half of the collective update (sglang_sync.receive_version)."""
+        c = self.config
         if not self._group_ready:
-            host, port = self.config.nccl_master.rsplit(":", 1)
-            await self._request(
-                "POST",
-                "/init_weights_update_group",
-                {
-                    "master_address": host,
-                    "master_port": int(port),
-                    "rank_offset": self.config.nccl_rank_offset,
-                    "world_size": self.config.nccl_world,
-                    "group_name": self.config.nccl_group,
-                    "backend": self.config.nccl_backend,
-                },
-                timeout=UPDATE_TIMEOUT,
+            body = init_group_body(
+                c.nccl_master, c.nccl_rank_offset, c.nccl_world, c.nccl_group, c.nccl_backend
             )
+            await self._request("POST", "/init_weights_update_group", body, timeout=UPDATE_TIMEOUT)
             self._group_ready = True
-        metas = await asyncio.to_thread(tensor_metas, model_dir)
-        buckets = plan_buckets(metas, self.config.bucket_mb << 20)
-        for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
-            body = bucket_request(
-                bucket,
-                self.config.nccl_group,
-                version if self.api.reports_weight_version else None,
-                last,
-            )
-            await self._request(
-                "POST", "/update_weights_from_distributed", body, timeout=UPDATE_TIMEOUT
-            )
+        await receive_version(
+            functools.partial(self._request, timeout=UPDATE_TIMEOUT),
+            model_dir,
+            group=c.nccl_group,
+            bucket_bytes=c.bucket_mb << 20,
+            weight_version=version if self.api.reports_weight_version else None,
+            session=self.api.needs_update_session,
+        )
         self._weights = (model_dir, version)  # a restart reloads this version from disk
         self._version = version

@@ -86,6 +86,12 @@ def installed_sglang_version() -> str | None:
         return "0.0.0"
 
 
+def sglang_launchable() -> bool:
+    """`sglang.launch_server` can start here: sglang and its GPU runtime (triton) are
+    importable. (The test venv has sglang without its dependencies, for the contract test.)"""
+    return installed_sglang_version() is not None and importlib.util.find_spec("triton") is not None
+
+
 @dataclass
 class LaunchConfig:
     """How to start the SGLang server (the `--engine-opt` launch options are its fields, but

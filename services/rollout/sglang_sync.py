@@ -7,7 +7,8 @@ being rank 0:
      the trainer joins the same group; both block until the rendezvous completes.
   2. per update: the engine POSTs `/update_weights_from_distributed` bucket by bucket (names,
      dtypes, shapes in HF naming, full shapes); each call returns after SGLang has received
-     that bucket. Concurrently the trainer broadcasts every tensor, one broadcast each, in the
+     that bucket. From SGLang 0.5.21 the buckets must come between `POST /begin_weight_update`
+     and `POST /end_weight_update` (the session; a 400 otherwise), closed whatever happens. Concurrently the trainer broadcasts every tensor, one broadcast each, in the
      same order.
 
 Both sides order tensors by name, so the trainer needs no bucket plan: buckets only group the
@@ -19,10 +20,20 @@ services/trainer/weight_sync.py (`trainer.weight_sync: nccl` in the experiment s
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from asyncrl.logging import get_logger
+from services.rollout.sglang_protocol import SGLangError, session_body
+
+log = get_logger(component="sglang_sync")
+
+Request = Callable[[str, str, dict | None], Awaitable[dict]]
+"""An HTTP call to the server: (method, path, JSON body) -> the answer; SGLangError on error."""
 
 # safetensors dtype codes -> torch dtype names (what SGLang's `dtypes` field expects)
 SAFETENSORS_DTYPES = {
@@ -131,3 +142,58 @@ def bucket_request(
     if last and version is not None:
         body["weight_version"] = str(version)
     return body
+
+
+async def receive_version(
+    request: Request,
+    model_dir: str,
+    *,
+    group: str,
+    bucket_bytes: int,
+    weight_version: int | None,
+    session: bool,
+) -> None:
+    """The engine's calls of one collective update of `model_dir` (the trainer broadcasts
+    concurrently): its buckets, inside a weight-update session when `session`."""
+    buckets = plan_buckets(await asyncio.to_thread(tensor_metas, model_dir), bucket_bytes)
+    if not session:
+        await _send_buckets(request, buckets, group, weight_version)
+        return
+    await _begin_session(request)
+    received = False
+    try:
+        await _send_buckets(request, buckets, group, weight_version)
+        received = True
+    finally:
+        await _end_session(request, raise_errors=received)
+
+
+async def _send_buckets(
+    request: Request, buckets: list[list[TensorMeta]], group: str, version: int | None
+) -> None:
+    for i, bucket in enumerate(buckets):
+        body = bucket_request(bucket, group, version, last=i == len(buckets) - 1)
+        await request("POST", "/update_weights_from_distributed", body)
+
+
+async def _begin_session(request: Request) -> None:
+    """`/begin_weight_update`; a session some earlier update left open (the server says so
+    with a 400) is closed first, once."""
+    try:
+        await request("POST", "/begin_weight_update", session_body())
+    except SGLangError as exc:
+        if exc.status != 400 or "already open" not in str(exc):
+            raise
+        log.warning("sglang_update_session_left_open", error=str(exc))
+        await request("POST", "/end_weight_update", session_body())
+        await request("POST", "/begin_weight_update", session_body())
+
+
+async def _end_session(request: Request, raise_errors: bool) -> None:
+    """`/end_weight_update`; its failure is raised only when nothing else failed."""
+    try:
+        await request("POST", "/end_weight_update", session_body())
+    except Exception as exc:
+        if raise_errors:
+            raise
+        log.warning("sglang_end_weight_update_failed", error=str(exc))

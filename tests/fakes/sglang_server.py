@@ -1,29 +1,40 @@
 """An HTTP fake of the SGLang server, for tests (SGLang itself needs CUDA).
 
-It follows SGLang's HTTP API (0.4.10 - 0.5.x) with a real model: a HuggingFace causal LM
-(the tiny test models) generates real tokens with real logprobs, one request at a time per
-coroutine with a KV cache. What it reproduces, because the rollout engine relies on it:
-- `/generate` (one sample, no batch) with `input_ids`, `sampling_params` (max_new_tokens,
-  temperature, top_p, top_k, stop_token_ids, stop, ignore_eos), `return_logprob`, `rid`;
-  `meta_info` with `finish_reason {type}`, `output_token_logprobs [[lp, id, None], ...]`,
-  `weight_version`.
-- `/pause_generation` (abort mode: running requests return `finish_reason abort` with their
-  partial output; in_place/retract: they wait) and `/continue_generation`; new `/generate`
-  calls block while paused or while weights are being swapped, they are never rejected.
+It follows SGLang's HTTP API (0.4.10 - 0.5.23; `--sglang-version`, default 0.5.23) with a real
+model: a HuggingFace causal LM (the tiny test models) generates real tokens with real logprobs,
+one request at a time per coroutine with a KV cache. It is as strict as the server on what the
+rollout engine relies on (tests/integration/test_sglang_fake_strict.py catches each rule's return):
+- `/generate` (one sample, no batch) with `input_ids`, `sampling_params`, `return_logprob`,
+  `rid`; an unknown `sampling_params` key, `top_k` 0 (unless greedy), more than 32 `stop`
+  strings, a prompt + `max_new_tokens` beyond the context (`GET /v1/models` ->
+  `max_model_len`, the HF `max_position_embeddings`) or a request id in use are a 400 with
+  SGLang's message (tests/fakes/sglang_rules.py). `meta_info` has `finish_reason {type}`,
+  `output_token_logprobs [[lp, id, None], ...]` and `weight_version`, the version when the
+  request finished.
+- `/pause_generation` needs a body (`mode`: abort, retract or in_place; else a 422) from 0.5.5;
+  in abort mode it aborts the running requests and returns once they have all answered,
+  polling every `pause_poll_s` (1 s, as SGLang); in_place/retract: they wait.
+  `/continue_generation` needs a body too. New `/generate` calls block while paused or while
+  weights are being swapped, they are never rejected. `/health_generate` answers 503 when the
+  pause outlasts `health_timeout_s` (SGLang's probe request waits behind it for 20 s).
+- `/abort_request` aborts every request whose id starts with `rid`, as SGLang's scheduler.
 - `/update_weights_from_disk` waits for running requests (SGLang's writer lock), swaps the
   weights and the reported `weight_version`; a bad path or a model of another shape is a 400
   with a message. `/init_weights_update_group` + `/update_weights_from_distributed` receive
-  tensors by collective broadcast (gloo on CPU, nccl on GPU), the trainer being rank 0.
-- Version differences (`--sglang-version`): weight_version only from 0.5.1, a pause `mode`
-  body from 0.5.5, `/model_info` from 0.5.9 (`/get_model_info` before).
+  tensors by collective broadcast (gloo on CPU, nccl on GPU), the trainer being rank 0; from
+  0.5.21 only inside a `/begin_weight_update` ... `/end_weight_update` session (a 400 outside
+  one; a second begin while one is open is a 400). A control body that is missing, or lacks a
+  field its io_struct type requires, is a 422.
+- Version differences: weight_version from 0.5.1, a pause `mode` body from 0.5.5,
+  `/model_info` from 0.5.9 (`/get_model_info` before), the update session from 0.5.21.
 - Logprobs as SGLang computes them: temperature-scaled by default, the unscaled log-softmax
   with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (0.5.x); never renormalised by top-k/top-p.
 Test-only extras: `--token-delay-s` (sleep after each token so tests can interrupt mid-way),
-`--abort-delay-s` (an aborted request's answer arrives that much later, possibly after a
-weight swap: `weight_version` is read when the answer is built, as in SGLang),
-`GET /fake_stats`, `GET /fake_weights` (a digest of every served tensor, `tensor_digest`) and,
-in process, `FakeSGLang.mangle` (rewrites each `/generate` answer, to
-test how a client takes a malformed one).
+`--abort-delay-s` (an aborted request's answer arrives that much later: in transit, after its
+version was read), `GET /fake_stats`, `GET /fake_weights` (a digest of every served tensor,
+`tensor_digest`), `GET /fake_calls` (every call the fake got: method, path, JSON body) and, in
+process, `FakeSGLang.mangle` (rewrites each `/generate` answer, to test how a client takes a
+malformed one).
 
     python -m tests.fakes.sglang_server --model-path DIR --port P [--weight-version 0]
 """
@@ -33,7 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
+import json
 import logging
 import os
 import re
@@ -50,7 +61,17 @@ import torch
 from aiohttp import web
 
 from asyncrl.net import free_port
-from services.trainer.weight_sync import init_custom_group  # SGLang's recipe, as the trainer's
+from tests.fakes.sglang_rules import (
+    PAUSE_MODES,
+    HttpError,
+    check_context,
+    check_sampling_keys,
+    json_body,
+    normalized_sampling,
+    sample,
+    unprocessable,
+)
+from tests.fakes.sglang_weights import WeightRoutes, load_model, tensor_digest  # noqa: F401
 
 log = logging.getLogger("fake_sglang")
 
@@ -60,44 +81,26 @@ def parse_version(text: str) -> tuple[int, int, int]:
     return tuple(nums + [0] * (3 - len(nums)))  # type: ignore[return-value]
 
 
-def tensor_digest(t: torch.Tensor) -> str:
-    """sha256 of a tensor's dtype, shape and bytes: equal digests mean equal tensors."""
-    t = t.detach().cpu().contiguous()
-    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
-    h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
 @dataclass
 class _Request:
     rid: str
-    started: bool = False  # past the pause gate, producing tokens
+    started: bool = False  # past the pause gate: holds SGLang's reader lock until it answers
     aborted: bool = False
 
 
-def load_model(path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-class FakeSGLang:
+class FakeSGLang(WeightRoutes):
     def __init__(
         self,
         model_path: str | Path,
         *,
-        sglang_version: str = "0.5.9",
+        sglang_version: str = "0.5.23",
         weight_version: str = "default",
         token_delay_s: float = 0.0,
         abort_delay_s: float = 0.0,
         random_seed: int = 1,
         return_original_logprob: bool | None = None,
+        pause_poll_s: float = 1.0,
+        health_timeout_s: float = 20.0,
     ):
         self.sglang_version = sglang_version
         self.api = parse_version(sglang_version)
@@ -106,6 +109,8 @@ class FakeSGLang:
         self.token_delay_s = token_delay_s
         self.abort_delay_s = abort_delay_s
         self.random_seed = random_seed
+        self.pause_poll_s = pause_poll_s
+        self.health_timeout_s = health_timeout_s
         if return_original_logprob is None:
             return_original_logprob = any(
                 os.environ.get(k, "").lower() in ("1", "true")
@@ -117,9 +122,12 @@ class FakeSGLang:
         self.paused = False
         self.pause_mode = "abort"
         self.updating = False
+        self.update_session = False  # between /begin_weight_update and /end_weight_update
         self.requests: list[_Request] = []
         self.groups: dict[str, object] = {}
         self.stats = {"requests": 0, "tokens": 0, "aborted": 0, "updates": 0}
+        self.calls: list[dict] = []
+        """Every call but health and fake_*: {"method", "path", "body"} (body: JSON or None)."""
         self.mangle: Callable[[dict], dict | str] | None = None
         """Test hook: rewrites each /generate answer (a str is sent as a plain-text body)."""
         self.url = ""
@@ -129,14 +137,14 @@ class FakeSGLang:
 
     # ---------------------------------------------------------------- lifecycle
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._middleware])
         r = app.router
         for path in ("/health", "/health_generate"):
             r.add_get(path, self.health)
         r.add_get("/get_server_info", self.server_info)
+        r.add_get("/server_info", self.server_info)
         r.add_get("/model_info" if self.api >= (0, 5, 9) else "/get_model_info", self.model_info)
-        if self.api >= (0, 5, 1):
-            r.add_get("/get_weight_version", self.get_weight_version)
+        r.add_get("/v1/models", self.models)
         r.add_post("/generate", self.generate)
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/pause_generation", self.pause_generation)
@@ -144,10 +152,29 @@ class FakeSGLang:
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        if self.api >= (0, 5, 21):
+            r.add_post("/begin_weight_update", self.begin_weight_update)
+            r.add_post("/end_weight_update", self.end_weight_update)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_get("/fake_stats", self.fake_stats)
         r.add_get("/fake_weights", self.fake_weights)
+        r.add_get("/fake_calls", self.fake_calls)
         return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        """Record the call; answer an HttpError with its status and JSON body."""
+        if not request.path.startswith(("/health", "/fake_")):
+            text = await request.text()
+            try:
+                body = json.loads(text) if text.strip() else None
+            except ValueError:
+                body = text
+            self.calls.append({"method": request.method, "path": request.path, "body": body})
+        try:
+            return await handler(request)
+        except HttpError as e:
+            return web.json_response(e.payload, status=e.status)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Serve HTTP at once (503 on health until the model is loaded); return the URL."""
@@ -183,9 +210,25 @@ class FakeSGLang:
     def _started(self) -> list[_Request]:
         return [r for r in self.requests if r.started]
 
+    @property
+    def context(self) -> int:
+        """The model's context length (SGLang's model_config.context_len)."""
+        return self.model.config.max_position_embeddings
+
     # ---------------------------------------------------------------- info
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.model is not None else 503)
+        """SGLang's probe is a one-token request: while paused it waits behind the pause and
+        the check fails after health_timeout_s (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s)."""
+        if self.model is None:
+            return web.Response(status=503)
+        if self.paused:
+            try:
+                await asyncio.wait_for(
+                    self._wait_for(lambda: not self.paused), self.health_timeout_s
+                )
+            except TimeoutError:
+                return web.Response(status=503)
+        return web.Response(status=200)
 
     def _info(self) -> dict:
         info = {
@@ -203,8 +246,11 @@ class FakeSGLang:
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response(self._info())
 
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.weight_version})
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.model_path, "object": "model", "root": self.model_path}
+        if self.model is not None:
+            card["max_model_len"] = self.context
+        return web.json_response({"object": "list", "data": [card]})
 
     async def fake_stats(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -216,25 +262,22 @@ class FakeSGLang:
             }
         )
 
-    async def fake_weights(self, request: web.Request) -> web.Response:
-        state = self.model.state_dict()
-        return web.json_response({name: tensor_digest(t) for name, t in state.items()})
+    async def fake_calls(self, request: web.Request) -> web.Response:
+        return web.json_response(self.calls)
 
     # ---------------------------------------------------------------- generation
     async def generate(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        try:
-            ids = body.get("input_ids")
-            if ids is None:
-                raise HttpError(400, "this fake needs input_ids (text input is not supported)")
-            sp = body.get("sampling_params") or {}
-            logprob = bool(body.get("return_logprob", False))
-            rid = body.get("rid")
-            if (ids and isinstance(ids[0], list)) or int(sp.get("n", 1)) != 1:
-                raise HttpError(400, "this fake serves one sample per request (no batch, n=1)")
-            answer = await self._one(ids, sp, rid, logprob)
-        except HttpError as e:
-            return web.json_response({"error": {"message": str(e)}}, status=e.status)
+        body = await json_body(request)
+        ids = body.get("input_ids")
+        if ids is None:
+            raise HttpError(400, "this fake needs input_ids (text input is not supported)")
+        sp = body.get("sampling_params") or {}
+        check_sampling_keys(sp)
+        if (ids and isinstance(ids[0], list)) or int(sp.get("n") or 1) != 1:
+            raise HttpError(400, "this fake serves one sample per request (no batch, n=1)")
+        if self.model is None:
+            raise HttpError(503, "the server is still starting")
+        answer = await self._one(ids, sp, body.get("rid"), bool(body.get("return_logprob")))
         if self.mangle is not None:
             answer = self.mangle(answer)
             if isinstance(answer, str):
@@ -244,58 +287,51 @@ class FakeSGLang:
     async def _one(self, ids: list[int], sp: dict, rid: str | None, logprob: bool) -> dict:
         if not ids:
             raise HttpError(400, "input_ids is empty")
-        if self.model is None:
-            raise HttpError(503, "the server is still starting")
-        context = self.model.config.max_position_embeddings
-        if len(ids) >= context:
-            raise HttpError(
-                400,
-                f"The input ({len(ids)} tokens) is longer than the model's "
-                f"context length ({context} tokens).",
-            )
+        if rid is not None and any(r.rid == rid for r in self.requests):
+            raise HttpError(400, f"Duplicate request ID detected: {rid}")
         req = _Request(rid or uuid.uuid4().hex)
         self.requests.append(req)
         self.stats["requests"] += 1
         try:
             await self._wait_for(lambda: req.aborted or not (self.paused or self.updating))
+            max_new = 128 if sp.get("max_new_tokens") is None else int(sp["max_new_tokens"])
+            check_context(len(ids), max_new, self.context)
+            sp = normalized_sampling({**sp, "max_new_tokens": max_new})
             req.started = True
-            return await self._decode(req, list(ids), sp, logprob, context)
+            answer = await self._decode(req, list(ids), sp, logprob)
         finally:
+            req.started = False
             self.requests.remove(req)
             await self._changed()
+        if req.aborted:  # the answer travels back after the scheduler dropped the request
+            await asyncio.sleep(self.abort_delay_s)
+        return answer
 
-    async def _decode(
-        self, req: _Request, ids: list[int], sp: dict, logprob: bool, context: int
-    ) -> dict:
+    async def _decode(self, req: _Request, ids: list[int], sp: dict, logprob: bool) -> dict:
         model = self.model  # no swap while a request runs
-        max_new = min(int(sp.get("max_new_tokens", 128)), context - len(ids))
+        max_new = sp["max_new_tokens"]
         stop_ids = set(sp.get("stop_token_ids") or [])
         if not sp.get("ignore_eos", False):
             eos = model.config.eos_token_id
             stop_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        stops = sp.get("stop") or []
-        stops = [stops] if isinstance(stops, str) else stops
-        seed = int(sp.get("sampling_seed", self.random_seed))
+        stops = sp["stop"]
+        seed = int(sp.get("sampling_seed") or self.random_seed)
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(req.rid.encode()))
         out: list[int] = []
         lps: list[float] = []
         feed, cache = ids, None
-        while True:
+        finish = {"type": "length", "length": max_new}
+        while len(out) < max_new:
             if self.paused and self.pause_mode != "abort" and not req.aborted:
                 await self._wait_for(lambda: not self.paused or req.aborted)
             if req.aborted:
                 self.stats["aborted"] += 1
                 finish = {"type": "abort", "message": "Abort before or during generation."}
-                # The scheduler has dropped it (a weight swap may go ahead); the answer
-                # travels back through the detokenizer, possibly after the swap.
-                req.started = False
-                await self._changed()
-                await asyncio.sleep(self.abort_delay_s)
                 break
             with torch.inference_mode():
                 res = model(input_ids=torch.tensor([feed]), past_key_values=cache, use_cache=True)
             cache = res.past_key_values
-            token, lp = self.sample(res.logits[0, -1].float(), sp, gen)
+            token, lp = sample(res.logits[0, -1].float(), sp, gen, self.original_logprob)
             out.append(token)
             lps.append(lp)
             self.stats["tokens"] += 1
@@ -307,11 +343,9 @@ class FakeSGLang:
             if hit is not None:
                 finish = {"type": "stop", "matched": hit}
                 break
-            if len(out) >= max_new:
-                finish = {"type": "length", "length": max_new}
-                break
             feed = [token]
-            await asyncio.sleep(self.token_delay_s)  # a token boundary: pause/abort land here
+            if len(out) < max_new:
+                await asyncio.sleep(self.token_delay_s)  # a token boundary: pause/abort land here
         meta = {
             "id": req.rid,
             "finish_reason": finish,
@@ -321,169 +355,55 @@ class FakeSGLang:
         }
         if logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, out, strict=True)]
-        if self.api >= (0, 5, 1):  # read when the answer is built, as SGLang does
+        if self.api >= (0, 5, 1):  # the version when the request finished, as SGLang
             meta["weight_version"] = self.weight_version
         return {"text": self._text(out), "output_ids": out, "meta_info": meta}
-
-    def sample(self, logits: torch.Tensor, sp: dict, gen: torch.Generator | None = None):
-        """(token, logprob) the way SGLang samples: temperature 0 is greedy; top-k/top-p
-        filter the sampling distribution but not the reported logprob."""
-        temperature = float(sp.get("temperature", 1.0))
-        top_k = int(sp.get("top_k", -1))
-        top_p = float(sp.get("top_p", 1.0))
-        raw = torch.log_softmax(logits, dim=-1)
-        if temperature < 1e-5 or top_k == 1:
-            token = int(torch.argmax(logits))
-            return token, float(raw[token])
-        probs = torch.softmax(logits / temperature, dim=-1)
-        table = (
-            raw
-            if self.original_logprob
-            else torch.log(probs).clamp(min=torch.finfo(probs.dtype).min)
-        )
-        keep = probs.clone()
-        if 0 < top_k < keep.numel():
-            keep[keep < torch.topk(keep, top_k).values[-1]] = 0.0
-        if top_p < 1.0:
-            sorted_p, order = torch.sort(keep, descending=True)
-            sorted_p[(torch.cumsum(sorted_p, 0) - sorted_p) > top_p] = 0.0
-            keep = torch.zeros_like(keep).scatter_(0, order, sorted_p)
-        token = int(torch.multinomial(keep, 1, generator=gen))
-        return token, float(table[token])
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
 
     # ---------------------------------------------------------------- control
-    async def abort_request(self, request: web.Request) -> web.Response:
-        body = await request.json() if request.can_read_body else {}
-        for req in self.requests:
-            if body.get("abort_all") or req.rid == body.get("rid"):
+    def _abort(self, rid: str, abort_all: bool, started_only: bool = False) -> None:
+        """SGLang's scheduler: every request whose id starts with `rid` (an empty rid without
+        abort_all aborts nothing)."""
+        if not abort_all and not rid:
+            return
+        for req in self._started() if started_only else self.requests:
+            if abort_all or req.rid.startswith(rid):
                 req.aborted = True
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        self._abort(str(body.get("rid") or ""), bool(body.get("abort_all")))
         await self._changed()
         return web.Response(status=200)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         mode = "abort"
-        if self.api >= (0, 5, 5) and request.can_read_body:
-            mode = (await request.json() or {}).get("mode", "abort")
+        if self.api >= (0, 5, 5):
+            mode = (await json_body(request)).get("mode", "abort")
+            if mode not in PAUSE_MODES:
+                raise unprocessable("mode", f"Input should be one of {PAUSE_MODES}, got {mode!r}")
         self.paused, self.pause_mode = True, mode
-        if mode == "abort":
-            for req in self._started():
-                req.aborted = True
+        while mode == "abort":  # abort the running requests until none holds the lock
+            self._abort("", abort_all=True, started_only=True)
+            await self._changed()
+            if not self._started():
+                break
+            await asyncio.sleep(self.pause_poll_s)
         await self._changed()
-        return web.json_response({"status": "ok", "message": "Generation paused successfully."})
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
+        if self.api >= (0, 5, 5):
+            await json_body(request)
         self.paused = False
         await self._changed()
-        return web.json_response({"status": "ok", "message": "Generation continued successfully."})
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         busy = bool(self._started())
         return web.Response(status=400 if busy else 200, text="Cache flushed.\n")
-
-    def _set_version(self, body: dict) -> str:
-        if self.api >= (0, 5, 1) and body.get("weight_version") is not None:
-            self.weight_version = str(body["weight_version"])
-            return f" Weight version updated to {self.weight_version}."
-        return ""
-
-    async def _exclusive(self, body: dict, swap) -> None:
-        """Block new requests, wait for the running ones (SGLang's writer lock), run swap."""
-        if body.get("abort_all_requests"):
-            for req in self.requests:
-                req.aborted = True
-        self.updating = True
-        try:
-            await self._wait_for(lambda: not self._started())
-            await swap()
-        finally:
-            self.updating = False
-            await self._changed()
-
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        path = body.get("model_path") or ""
-
-        def fail(message: str) -> web.Response:
-            return web.json_response(
-                {"success": False, "message": message, "num_paused_requests": 0}, status=400
-            )
-
-        if not (Path(path) / "config.json").is_file():
-            return fail(
-                f"Failed to update weights: {path!r} is not a model directory (no config.json)"
-            )
-        try:
-            new = await asyncio.to_thread(load_model, path)
-        except Exception as e:  # noqa: BLE001 - reported like SGLang does
-            return fail(f"Failed to update weights: {type(e).__name__}: {e}")
-        old_shapes = {k: v.shape for k, v in self.model.state_dict().items()}
-        new_shapes = {k: v.shape for k, v in new.state_dict().items()}
-        if old_shapes != new_shapes:
-            return fail(
-                f"Failed to update weights: the model at {path!r} has other parameters "
-                "or shapes than the served one"
-            )
-
-        async def swap():
-            self.model, self.model_path = new, path
-
-        await self._exclusive(body, swap)
-        self.stats["updates"] += 1
-        message = "Succeeded to update model weights." + self._set_version(body)
-        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
-
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        b = await request.json()
-        try:
-            self.groups[b["group_name"]] = await asyncio.to_thread(
-                init_custom_group,
-                b.get("backend", "nccl"),
-                b["master_address"],
-                int(b["master_port"]),
-                int(b["rank_offset"]),
-                int(b["world_size"]),
-                b["group_name"],
-            )
-        except Exception as e:  # noqa: BLE001
-            return web.json_response({"success": False, "message": str(e)}, status=400)
-        return web.json_response({"success": True, "message": "Succeeded to initialize group."})
-
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        b = await request.json()
-        group = self.groups.get(b.get("group_name"))
-        if group is None:
-            return web.json_response(
-                {
-                    "success": False,
-                    "message": f"no weights update group {b.get('group_name')!r}: init it first",
-                },
-                status=400,
-            )
-
-        def receive():
-            import torch.distributed as dist
-
-            device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-            state = self.model.state_dict(keep_vars=True)
-            with torch.no_grad():
-                for name, dtype, shape in zip(b["names"], b["dtypes"], b["shapes"], strict=True):
-                    t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-                    dist.broadcast(t, src=0, group=group)
-                    state[name].copy_(t.to("cpu", state[name].dtype))
-
-        async def swap():
-            await asyncio.to_thread(receive)
-
-        await self._exclusive(b, swap)
-        return web.json_response(
-            {
-                "success": True,
-                "message": "Succeeded to update parameter online." + self._set_version(b),
-            }
-        )
 
 
 # -------------------------------------------------------------------- for tests
@@ -578,9 +498,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--weight-version", default="default")
     p.add_argument("--random-seed", type=int, default=1)
-    p.add_argument("--sglang-version", default="0.5.9")
+    p.add_argument("--sglang-version", default="0.5.23")
     p.add_argument("--token-delay-s", type=float, default=0.0)
     p.add_argument("--abort-delay-s", type=float, default=0.0)
+    p.add_argument("--pause-poll-s", type=float, default=1.0)
+    p.add_argument("--health-timeout-s", type=float, default=20.0)
     args, ignored = p.parse_known_args(argv)  # --tp-size, --mem-fraction-static, ...
     logging.basicConfig(level=logging.INFO, format="fake_sglang %(message)s")
     log.info("starting on %s:%s (ignoring %s)", args.host, args.port, " ".join(ignored))
@@ -594,6 +516,8 @@ def main(argv: list[str] | None = None) -> None:
             token_delay_s=args.token_delay_s,
             abort_delay_s=args.abort_delay_s,
             random_seed=args.random_seed,
+            pause_poll_s=args.pause_poll_s,
+            health_timeout_s=args.health_timeout_s,
         )
         await fake.start(args.host, args.port)
         stop = asyncio.Event()

@@ -6,7 +6,6 @@ version differences, the managed child (restart after a kill), and the collectiv
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import signal
 import threading
@@ -21,7 +20,12 @@ from asyncrl.tiny import build_tiny_model
 from services.rollout.engine import GenRequest
 from services.rollout.sglang_config import SGLangConfig
 from services.rollout.sglang_engine import SGLangBadResponse, SGLangEngine, SGLangError
-from services.rollout.sglang_process import SGLANG_MISSING, LaunchConfig, SGLangNotInstalled
+from services.rollout.sglang_process import (
+    SGLANG_MISSING,
+    LaunchConfig,
+    SGLangNotInstalled,
+    sglang_launchable,
+)
 from services.trainer.weight_sync import WeightBroadcaster
 from tests.fakes.sglang_server import fake_launch_cmd, serve_fake, spawn_fake
 
@@ -259,7 +263,7 @@ async def test_generate_malformed_answer_raises_bad_response_naming_the_fault(
     fake.mangle = mangle
     with pytest.raises(SGLangBadResponse, match=message) as exc:
         await engine.generate(req("bad", max_new=6))
-    assert str(exc.value).startswith("/generate bad: ")
+    assert str(exc.value).startswith("/generate 8:bad/r0.0: ")  # the id sent (wire_rid)
     fake.mangle = None  # the engine is not wedged by a bad answer
     out = await engine.generate(req("good", max_new=6))
     assert 0 < len(out.output_ids) == len(out.logprobs) <= 6
@@ -341,7 +345,7 @@ async def test_managed_child_killed_restarts_with_current_weights(models, tmp_pa
         check_logprobs(models, PROMPT, out)  # the restarted server really serves v1
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang installed")
+@pytest.mark.skipif(sglang_launchable(), reason="sglang can launch here")
 def test_launch_without_sglang_raises_clear_error():
     with pytest.raises(SGLangNotInstalled) as exc:
         SGLangEngine(SGLangConfig(launch=LaunchConfig()))
