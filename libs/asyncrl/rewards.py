@@ -51,8 +51,7 @@ def exact_match(completion: str, answer: str, prompt: str = "", **kwargs: str) -
 
     kwargs: case_sensitive ("true" | "false", default "true").
     """
-    flag = kwargs.get("case_sensitive", "true")
-    case_sensitive = flag == "true" or parse_bool("case_sensitive", flag)  # the default at once
+    case_sensitive = parse_bool("case_sensitive", kwargs.get("case_sensitive", "true"))
     got, want = completion.strip(), answer.strip()
     if not case_sensitive:
         got, want = got.casefold(), want.casefold()
