@@ -345,7 +345,8 @@ async def started_experiment(
         ({"reward": {"function": "no_such_reward"}}, "reward.function"),
         ({"dataset": {"path": "/nonexistent/train.jsonl"}}, "dataset.path"),
         ({"rollout": {"workflow": {"name": "no_such_flow"}}}, "rollout.workflow.name"),
-        ({"rollout": {"workflow": {"name": "pkg..missing:Flow"}}}, "rollout.workflow"),
+        # one plugin-name rule (asyncrl.registry.PLUGIN_NAME): refused by the spec itself
+        ({"rollout": {"workflow": {"name": "pkg..missing:Flow"}}}, "rollout.workflow.name"),
         ({"reward": {"function": "plugin:pkg..missing:fn"}}, "reward.function"),
         (
             {"rollout": {"workflow": {"name": "multi_turn", "args": {"turns": 2}}}},
