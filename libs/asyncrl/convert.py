@@ -37,16 +37,18 @@ def sample_to_proto(s: Sample) -> trajectory_pb2.Sample:
 
 
 def sample_from_proto(m: trajectory_pb2.Sample) -> Sample:
+    """Repeated fields copied to lists by slicing: list() iterates them element by element,
+    twice the time (the trainer decodes every sample it pulls)."""
     return Sample(
-        output_ids=list(m.output_ids),
-        logprobs=list(m.logprobs),
-        versions=list(m.versions),
+        output_ids=m.output_ids[:],
+        logprobs=m.logprobs[:],
+        versions=m.versions[:],
         finish_reason=m.finish_reason,
         reward=m.reward,
         reward_status=status_from_proto(m.reward_status),
         reward_reason=m.reward_reason,
         text=m.text,
-        loss_mask=list(m.loss_mask),
+        loss_mask=m.loss_mask[:],
     )
 
 
@@ -74,7 +76,7 @@ def group_from_proto(m: trajectory_pb2.TrajectoryGroup) -> TrajectoryGroup:
         prompt_id=m.prompt_id,
         prompt=m.prompt,
         answer=m.answer,
-        prompt_ids=list(m.prompt_ids),
+        prompt_ids=m.prompt_ids[:],
         samples=[sample_from_proto(s) for s in m.samples],
         start_version=m.start_version,
         eval=m.eval,
