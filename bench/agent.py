@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from asyncrl.spec import SamplingParams
 from asyncrl.tiny import CHAT_TEMPLATE
-from asyncrl.workflow import Completion, Trajectory, WorkflowContext
+from asyncrl.workflow import Trajectory, WorkflowContext
 from bench.report import Context, Result
 from services.rollout.engine import GenRequest
 from services.rollout.openai_api import OpenAIEndpoint
@@ -41,8 +41,8 @@ def _context(engine: TorchEngine, tok, i: int, params: SamplingParams) -> Workfl
 
     async def generate(rid, input_ids, p):
         out = await engine.generate(GenRequest(rid, input_ids, p, [tok.eos_token_id]))
-        text = tok.decode(out.output_ids, skip_special_tokens=True)
-        return Completion(out.output_ids, out.logprobs, out.versions, out.finish_reason, text)
+        out.text = tok.decode(out.output_ids, skip_special_tokens=True)
+        return out
 
     return WorkflowContext(
         prompt=prompt, answer="", prompt_ids=tok.encode(chat_prompt, add_special_tokens=False),

@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import math
 import random
-import re
 
+from asyncrl.types import GroupId
 from asyncrl.workflow import Trajectory, Workflow, WorkflowContext
-
-_ATTEMPT = re.compile(r"-a(\d+):\d+$")
 
 
 def target_length(
@@ -48,9 +46,10 @@ def target_lengths(
 
 
 def attempt_of(request_id: str) -> int:
-    """The attempt of a training group's sample `<experiment>-e<e>-p<i>-a<k>:<j>`; 0 else."""
-    m = _ATTEMPT.search(request_id)
-    return int(m.group(1)) if m else 0
+    """The attempt of a training group's sample `<group id>:<j>` (`asyncrl.types.GroupId`); 0
+    for any other (an eval group's)."""
+    gid = GroupId.parse(request_id.rpartition(":")[0])
+    return gid.attempt if gid else 0
 
 
 class LongTail(Workflow):

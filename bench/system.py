@@ -81,7 +81,7 @@ import psutil
 import torch
 
 from asyncrl.client import AsyncrlClient, is_terminal, state_name
-from asyncrl.ledger import prompt_of, read_events, summarize
+from asyncrl.ledger import read_events, summarize
 from asyncrl.natsutil import connect
 from asyncrl.net import free_port
 from asyncrl.proc import kill_tree, pid_alive
@@ -89,6 +89,7 @@ from asyncrl.security import Credentials
 from asyncrl.settings import settings
 from asyncrl.spec import SamplingParams
 from asyncrl.tiny import build_tiny_model
+from asyncrl.types import GroupId
 from bench import overlap
 from bench.longtail import target_lengths
 from bench.report import Context, Result, cpu_affinity
@@ -461,8 +462,9 @@ def run_experiment(cluster: LocalCluster, spec: dict, eta: int, timeout_s: float
 
 
 def dispatch_of(group_id: str) -> tuple[int, int]:
-    """(dataset index, attempt) of a training group id `<experiment>-e<e>-p<index>-a<attempt>`."""
-    return prompt_of(group_id)[1], int(group_id.rpartition("-a")[2])
+    """(dataset index, attempt) of a training group id (`asyncrl.types.GroupId`)."""
+    gid = GroupId.parse(group_id)
+    return gid.index, gid.attempt
 
 
 def _finished(events: list[dict], until: float) -> list[tuple[int, int]]:

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 from asyncrl.registry import ENGINES, TRAINER_BACKENDS
-from asyncrl.types import TrajectoryGroup
-from services.rollout.engine import Engine, GenOutput, GenRequest
+from asyncrl.types import Completion, TrajectoryGroup
+from services.rollout.engine import Engine, GenRequest
 from services.trainer.backends.base import TrainerBackend
 
 PROFILE_ENV = "ASYNCRL_BENCH_PROFILE"
@@ -72,16 +72,16 @@ class ZeroEngine(Engine):
         self._version = version
         return 0
 
-    async def generate(self, req: GenRequest) -> GenOutput:
+    async def generate(self, req: GenRequest) -> Completion:
         return self._answer(req)
 
-    async def generate_many(self, reqs: list[GenRequest]) -> list[GenOutput]:
+    async def generate_many(self, reqs: list[GenRequest]) -> list[Completion]:
         """At once, as `generate` (the torch engine queues a group's requests in one call)."""
         return [self._answer(req) for req in reqs]
 
-    def _answer(self, req: GenRequest) -> GenOutput:
+    def _answer(self, req: GenRequest) -> Completion:
         n = min(self.output_len, req.params.max_new_tokens)
-        return GenOutput(
+        return Completion(
             output_ids=self._ids[:n],
             logprobs=[-1.0] * n,
             versions=[self._version] * n,

@@ -6,14 +6,36 @@ machine never imports the SGLang adapter, a torch trainer never imports megatron
 
     ENGINES.names                      # ("torch", "sglang")
     ENGINES.load("torch")(seed=0)      # services.rollout.torch_engine.TorchEngine(seed=0)
+
+A user's own code is named the same way, `dotted.module.path:attribute` (`PLUGIN_NAME`): a
+workflow as `rollout.workflow.name`, a reward function after `plugin:` in `reward.function`.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Any, Literal
 
 from asyncrl.errors import SpecError
+
+PLUGIN_NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+"""`dotted.module.path:attribute`, identifiers only: how a plugin is named."""
+
+
+def is_plugin_name(name: str) -> bool:
+    """Whether `name` is a plugin's name (by syntax: nothing is imported)."""
+    return PLUGIN_NAME.fullmatch(name) is not None
+
+
+def import_object(path: str) -> Any:
+    """The object `module:attribute` names (`attribute` may be dotted), imported now; the
+    import's or getattr's own error otherwise."""
+    module, _, attr = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 class Registry:
@@ -35,11 +57,7 @@ class Registry:
         """The implementation of `name` (imported now); SpecError naming the field if unknown."""
         if name not in self.entries:
             raise SpecError(self.field, f"unknown {name!r} (one of {', '.join(self.names)})")
-        module, _, attr = self.entries[name].partition(":")
-        obj: Any = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-        return obj
+        return import_object(self.entries[name])
 
 
 ENGINES = Registry(

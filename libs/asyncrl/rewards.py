@@ -19,12 +19,11 @@ from collections.abc import Callable
 from fractions import Fraction
 
 from asyncrl.errors import SpecError
+from asyncrl.registry import is_plugin_name
 
 RewardFn = Callable[..., float]
 
 PLUGIN_PREFIX = "plugin:"
-MODULE_ATTR = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
-"""`dotted.module.path:attribute`, identifiers only: how a plugin is named."""
 
 
 def parse_bool(name: str, value: str) -> bool:
@@ -51,8 +50,7 @@ def exact_match(completion: str, answer: str, prompt: str = "", **kwargs: str) -
 
     kwargs: case_sensitive ("true" | "false", default "true").
     """
-    flag = kwargs.get("case_sensitive", "true")
-    case_sensitive = flag == "true" or parse_bool("case_sensitive", flag)  # the default at once
+    case_sensitive = parse_bool("case_sensitive", kwargs.get("case_sensitive", "true"))
     got, want = completion.strip(), answer.strip()
     if not case_sensitive:
         got, want = got.casefold(), want.casefold()
@@ -177,11 +175,16 @@ def _unknown(name: str, detail: str = "") -> SpecError:
     return SpecError("reward.function", f"{reason}; known: {known}")
 
 
+def is_plugin(name: str) -> bool:
+    """Whether `name` names a plugin reward function, `plugin:<module.path>:<fn>` (by syntax:
+    nothing is imported)."""
+    return name.startswith(PLUGIN_PREFIX) and is_plugin_name(name.removeprefix(PLUGIN_PREFIX))
+
+
 def _load_plugin(name: str) -> RewardFn:
-    parts = name[len(PLUGIN_PREFIX) :].split(":")
-    if len(parts) != 2 or not all(parts):
-        raise _unknown(name, "a plugin is named plugin:<module>:<fn>")
-    module_name, fn_name = parts
+    if not is_plugin(name):
+        raise _unknown(name, "a plugin is named plugin:<module.path>:<fn>")
+    module_name, _, fn_name = name.removeprefix(PLUGIN_PREFIX).partition(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - any import failure makes the name invalid
@@ -224,8 +227,7 @@ def check_reward_function(name: str, kwargs: dict[str, str] | None = None) -> No
     if name in REWARD_FUNCTIONS:
         _check_kwargs_or_raise(name, kwargs)
         return
-    plugin = name.removeprefix(PLUGIN_PREFIX)
-    if plugin == name or not MODULE_ATTR.fullmatch(plugin):
+    if not is_plugin(name):
         raise _unknown(name, "a plugin is named plugin:<module.path>:<fn>")
 
 

@@ -11,7 +11,6 @@ field (e.g. ``trainer.lr``) so servers answer INVALID_ARGUMENT with it.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -28,8 +27,8 @@ from pydantic import (
 )
 
 from asyncrl.errors import SpecError
-from asyncrl.registry import ENGINES, FILTERS, TRAINER_BACKENDS, WORKFLOWS
-from asyncrl.rewards import PLUGIN_PREFIX, REWARD_FUNCTIONS
+from asyncrl.registry import ENGINES, FILTERS, TRAINER_BACKENDS, WORKFLOWS, is_plugin_name
+from asyncrl.rewards import REWARD_FUNCTIONS, is_plugin
 
 __all__ = ["SpecError"]  # raised by every validator here; defined with its kin in asyncrl.errors
 
@@ -37,7 +36,6 @@ MAX_NAME = 200
 """Longest name or key (experiment name, dataset keys)."""
 MAX_PATH = 4096
 """Longest file or directory path."""
-_PLUGIN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
 class _Section(BaseModel):
@@ -98,8 +96,7 @@ class RewardSpec(_Section):
     @classmethod
     def _known_or_plugin(cls, v: str) -> str:
         """Checked by name only: the reward service that runs a plugin imports it."""
-        plugin = v.removeprefix(PLUGIN_PREFIX)
-        if v not in REWARD_FUNCTIONS and not (v != plugin and _PLUGIN.fullmatch(plugin)):
+        if v not in REWARD_FUNCTIONS and not is_plugin(v):
             known = ", ".join([*REWARD_FUNCTIONS, "plugin:<module>:<fn>"])
             raise ValueError(f"unknown reward function {v!r} (one of {known})")
         return v
@@ -119,7 +116,7 @@ class WorkflowSpec(_Section):
     @classmethod
     def _known_or_plugin(cls, v: str) -> str:
         """Checked by name only: the rollout that runs a plugin imports it."""
-        if v not in WORKFLOWS.names and not _PLUGIN.fullmatch(v):
+        if v not in WORKFLOWS.names and not is_plugin_name(v):
             known = ", ".join([*WORKFLOWS.names, "module:Class"])
             raise ValueError(f"unknown workflow {v!r} (one of {known})")
         return v

@@ -2,7 +2,11 @@
 
 - `Sample`: one sample of a group, from the workflow that builds it turn by turn, through
   scoring and JetStream, to the trainer (`Trajectory` is the name workflows know it by).
-- `Score`: what a reward function's verdict on one completion is, wherever it is computed.
+- `GroupId`: the id of one dispatch of one training prompt, formatted and parsed here only.
+- `Completion`: what one generation returns, from the engine to the workflow that appends it
+  to its `Sample`.
+- `ScoreItem` and `Score`: what is scored (one completion against its answer) and the reward
+  function's verdict on it, wherever it is computed.
 - `RewardStatus`, `StepMetrics`, `EvalResult`: the proto messages in `protos/asyncrl/v1` are
   their definition (field docs there); the classes here are derived from the messages' own
   descriptors, so a field added to the message appears here, in the converters and in the
@@ -15,6 +19,7 @@ Protobuf stops at the edge: `asyncrl.convert` turns these into messages and back
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -54,6 +59,40 @@ class TrainerState(StrEnum):
     def active(self) -> bool:
         """Running an experiment (the scheduler sends such a trainer back to it)."""
         return self in (TrainerState.LOADING, TrainerState.WAITING, TrainerState.TRAINING)
+
+
+_GROUP_ID = re.compile(r"(?P<experiment>.+)-e(?P<epoch>\d+)-p(?P<index>\d+)-a(?P<attempt>\d+)")
+
+
+@dataclass(frozen=True)
+class GroupId:
+    """The id of one dispatch of one training prompt: `<experiment>-e<epoch>-p<index>-a<attempt>`
+    (str() formats it, `parse` reads it back). It is the group's Nats-Msg-Id, so a retry of the
+    same dispatch keeps it and JetStream keeps one copy; a prompt sampled afresh (dropped as too
+    stale) gets the next attempt."""
+
+    experiment_id: str
+    epoch: int
+    index: int
+    """The prompt's row in the dataset."""
+    attempt: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.experiment_id}-e{self.epoch}-p{self.index}-a{self.attempt}"
+
+    @classmethod
+    def parse(cls, text: str) -> GroupId | None:
+        """The id `text` formats, or None when it is not a training group's (an eval group's
+        `<experiment>-eval-v<version>-p<index>-a<attempt>`, anything else)."""
+        m = _GROUP_ID.fullmatch(text)
+        if m is None:
+            return None
+        return cls(
+            experiment_id=m["experiment"],
+            epoch=int(m["epoch"]),
+            index=int(m["index"]),
+            attempt=int(m["attempt"]),
+        )
 
 
 _PY_TYPES = {
@@ -96,6 +135,17 @@ EvalResult = _record_from_proto(
 
 
 @dataclass
+class ScoreItem:
+    """One completion to score with the experiment's reward function (Reward.Score's item)."""
+
+    id: str
+    """`<group id>:<sample index>`: which sample it is, unique within a Score call."""
+    prompt: str
+    completion: str
+    answer: str
+
+
+@dataclass
 class Score:
     """A reward function's verdict on one completion."""
 
@@ -107,14 +157,20 @@ class Score:
 
 @dataclass
 class Completion:
-    """What one generation returns: the policy's tokens with their behaviour logprobs and the
-    version that produced each (a weight update mid-way shows as two versions)."""
+    """What one generation returns, from the engine to the workflow: the policy's tokens with
+    their behaviour logprobs and the version that produced each (a weight update mid-way shows
+    as two versions)."""
 
     output_ids: list[int]
     logprobs: list[float]
     versions: list[int]
     finish_reason: str
+    """stop | length | abort"""
     text: str = ""
+    """The tokens decoded (special tokens skipped); the rollout service sets it, an engine
+    leaves it empty."""
+    interruptions: int = 0
+    """Weight updates the generation was interrupted by (and continued after)."""
 
 
 @dataclass

@@ -1,13 +1,15 @@
 """Rollout workflows: how *one* trajectory is produced from one prompt.
 
 The system does the grouping. For every group the scheduler dispatches, the rollout service
-runs the experiment's workflow `n_samples` times concurrently (each run gets its own
-`WorkflowContext`), scores the trajectories that asked to be scored, applies the dynamic filter
-and publishes the group. A workflow therefore never deals with groups, versions, retries or
-transport: it calls `ctx.generate(...)` (interruptible, per-token versions kept), optionally
-`ctx.score(text)` (the experiment's reward function, on the reward services), appends
-environment tokens with `Trajectory.add_env`, and returns one `Trajectory` (an
-`asyncrl.types.Sample`).
+gives the experiment's workflow one `WorkflowContext` per sample and calls `run_group`, which
+by default runs `run` once per context, concurrently; it then scores the trajectories that
+asked to be scored, applies the dynamic filter and publishes the group. A workflow therefore
+never deals with versions, retries or transport: `run` calls `ctx.generate(...)`
+(interruptible, per-token versions kept), optionally `ctx.score(text)` (the experiment's reward
+function, on the reward services), appends environment tokens with `Trajectory.add_env`, and
+returns one `Trajectory` (an `asyncrl.types.Sample`). A workflow whose samples can be made
+together overrides `run_group` (`SingleTurn`: the n completions in one engine call,
+`generate_all`).
 
 A trajectory's tokens after the group's prompt are `output_ids`; `loss_mask` marks which of
 them the policy produced (1, trained) and which the environment inserted (0: feedback, tool
@@ -26,20 +28,40 @@ constructor.
 
 from __future__ import annotations
 
-import importlib
+import asyncio
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, TypeVar
 
-from asyncrl.rewards import MODULE_ATTR
+from asyncrl.registry import WORKFLOWS, import_object, is_plugin_name
 from asyncrl.spec import SamplingParams
 from asyncrl.types import Completion, RewardStatus, Sample, Score
 
 Trajectory = Sample
 """What a workflow builds and returns: one `asyncrl.types.Sample` (the same object is scored,
 published and trained on)."""
+
+GenerateFn = Callable[[str, list[int], SamplingParams], Awaitable[Completion]]
+"""(request id, input ids, sampling params) -> the completion."""
+GenerateManyFn = Callable[
+    [list[tuple[str, list[int], SamplingParams]]], Awaitable[list[Completion]]
+]
+"""The same for several requests in one engine call, completions in their order."""
+
+T = TypeVar("T")
+
+
+async def run_together(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run `coros` concurrently and return their results in order; the first failure cancels
+    the others and is raised (itself, not an ExceptionGroup)."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(c) for c in coros]
+    except ExceptionGroup as eg:
+        raise eg.exceptions[0] from eg
+    return [t.result() for t in tasks]
 
 
 class WorkflowContext:
@@ -55,13 +77,14 @@ class WorkflowContext:
         is_eval: bool,
         params: SamplingParams,
         tokenizer,
-        generate: Callable[[str, list[int], SamplingParams], Awaitable[Completion]],
+        generate: GenerateFn,
         score: Callable[[str, str], Awaitable[Score]],
         version: Callable[[], int],
         request_id: str,
         chat_prompt: str | None = None,
         openai_session: Callable[[ChatSession], AbstractAsyncContextManager[dict[str, str]]]
         | None = None,
+        generate_many: GenerateManyFn | None = None,
     ):
         self.prompt, self.answer, self.prompt_ids = prompt, answer, list(prompt_ids)
         self.index, self.is_eval, self.params, self.tokenizer = index, is_eval, params, tokenizer
@@ -70,6 +93,8 @@ class WorkflowContext:
         self.chat_prompt = chat_prompt
         """The text `prompt_ids` encode when the prompt is chat-templated, else None."""
         self._openai_session = openai_session
+        self._generate_many = generate_many
+        """The group's engine call for several requests at once (`generate_all`), if any."""
 
     @property
     def version(self) -> int:
@@ -86,10 +111,16 @@ class WorkflowContext:
         """Sample one completion of `input_ids` with the experiment's sampling settings
         (`overrides`, e.g. max_new_tokens=16, replace single fields). Each call has a stable
         request id `<group>:<sample>` (`:t<k>` from the second call on)."""
+        return await self._generate(*self._request(input_ids, overrides))
+
+    def _request(
+        self, input_ids: list[int], overrides: dict[str, Any]
+    ) -> tuple[str, list[int], SamplingParams]:
+        """The next call's request id, input and sampling settings."""
         params = self.params.model_copy(update=overrides) if overrides else self.params
         rid = self._rid if self._calls == 0 else f"{self._rid}:t{self._calls}"
         self._calls += 1
-        return await self._generate(rid, list(input_ids), params)
+        return rid, list(input_ids), params
 
     async def score(self, text: str) -> Score:
         """The experiment's reward function on `text` against this prompt's answer."""
@@ -184,6 +215,19 @@ class ChatSession:
         return reply
 
 
+async def generate_all(ctxs: list[WorkflowContext], **overrides: Any) -> list[Completion]:
+    """One completion of each context's prompt, as `ctx.generate(ctx.prompt_ids, **overrides)`
+    gives it (same request ids), made together: one engine call where the service offers it,
+    else concurrently (the first failure cancels the others)."""
+    requests = [ctx._request(ctx.prompt_ids, overrides) for ctx in ctxs]
+    generate_many = ctxs[0]._generate_many if ctxs else None
+    if generate_many is not None:
+        return await generate_many(requests)
+    return await run_together(
+        [ctx._generate(*req) for ctx, req in zip(ctxs, requests, strict=True)]
+    )
+
+
 class Workflow(ABC):
     """Subclass and implement `run`; constructor keyword arguments come from
     `rollout.workflow.args`. One instance serves every sample of a group."""
@@ -195,13 +239,26 @@ class Workflow(ABC):
     @abstractmethod
     async def run(self, ctx: WorkflowContext) -> Trajectory: ...
 
+    async def run_group(self, ctxs: list[WorkflowContext]) -> list[Trajectory]:
+        """The group's trajectories, one per context, in order: `run` for each, concurrently;
+        the first failure cancels the others and is raised. Override to make them together."""
+        return await run_together([self.run(ctx) for ctx in ctxs])
+
 
 class SingleTurn(Workflow):
-    """One completion of the prompt, scored by the experiment's reward function."""
+    """One completion of the prompt, scored by the experiment's reward function. A group's n
+    completions are one engine call (`run_group`)."""
 
     async def run(self, ctx: WorkflowContext) -> Trajectory:
-        traj = Trajectory()
-        traj.add_policy(await ctx.generate(ctx.prompt_ids))
+        return self._trajectory(await ctx.generate(ctx.prompt_ids))
+
+    async def run_group(self, ctxs: list[WorkflowContext]) -> list[Trajectory]:
+        return [self._trajectory(c) for c in await generate_all(ctxs)]
+
+    @staticmethod
+    def _trajectory(completion: Completion) -> Trajectory:
+        traj = Trajectory(text=completion.text)  # all of it is the policy's: what is scored
+        traj.add_policy(completion)
         return traj
 
 
@@ -270,20 +327,12 @@ class AgentWorkflow(Workflow):
         """Solve `prompt` through the endpoint; return the answer to score."""
 
 
-BUILTIN: dict[str, type[Workflow]] = {"single_turn": SingleTurn, "multi_turn": MultiTurn}
-
-
 def resolve_workflow(name: str) -> type[Workflow]:
-    """A built-in name or `module:Class`; ValueError saying what is wrong otherwise."""
-    if name in BUILTIN:
-        return BUILTIN[name]
-    if ":" not in name:
-        raise ValueError(
-            f"unknown workflow {name!r}: use one of {sorted(BUILTIN)} or 'module:Class'"
-        )
-    module_name, _, attr = name.partition(":")
+    """A built-in name (`asyncrl.registry.WORKFLOWS`) or `module.path:Class`; ValueError saying
+    what is wrong otherwise."""
+    _check_name(name)
     try:
-        cls = getattr(importlib.import_module(module_name), attr)
+        cls = WORKFLOWS.load(name) if name in WORKFLOWS.names else import_object(name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"workflow {name!r} cannot be loaded: {e}") from None
     if not (isinstance(cls, type) and issubclass(cls, Workflow)):
@@ -295,11 +344,16 @@ def check_workflow(name: str, args: dict[str, Any]) -> None:
     """Check a workflow without importing user code: a built-in is constructed with `args`; a
     plugin is checked by name only (`module.path:Class`), the rollout loads it when the
     experiment binds there. ValueError saying what is wrong."""
-    if name in BUILTIN:
+    _check_name(name)
+    if name in WORKFLOWS.names:
         make_workflow(name, args)
-    elif not MODULE_ATTR.fullmatch(name):
+
+
+def _check_name(name: str) -> None:
+    if name not in WORKFLOWS.names and not is_plugin_name(name):
         raise ValueError(
-            f"unknown workflow {name!r}: use one of {sorted(BUILTIN)} or 'module.path:Class'"
+            f"unknown workflow {name!r}: use one of {sorted(WORKFLOWS.names)} or"
+            " 'module.path:Class'"
         )
 
 

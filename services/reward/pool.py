@@ -26,13 +26,12 @@ import multiprocessing
 import numbers
 import os
 import time
-from dataclasses import dataclass
 
 import pebble
 from pebble.common import ProcessExpired
 
 from asyncrl import rewards
-from asyncrl.types import RewardStatus, Score
+from asyncrl.types import RewardStatus, Score, ScoreItem
 
 # Workers fork from a forkserver that has these imported: a fresh worker (also the one that
 # replaces a worker killed at a timeout) starts in milliseconds and does not spend an item's
@@ -49,17 +48,6 @@ TASK_SLACK_S = 0.5
 
 Outcome = tuple[bool, float | str, float]
 """(True, reward, seconds) or (False, reason, seconds), as a worker reports an item."""
-
-
-@dataclass(slots=True)
-class Item:
-    """Not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__,
-    twice the cost of building the item (256 a Score call)."""
-
-    id: str
-    completion: str
-    answer: str
-    prompt: str = ""
 
 
 def default_workers() -> int:
@@ -79,37 +67,23 @@ def timed_out(timeout_s: float) -> str:
     return f"timed out after {timeout_s:g}s"
 
 
-def score_one(function: str, kwargs: dict[str, str], item: Item) -> tuple[bool, float | str]:
+def score_one(function: str, kwargs: dict[str, str], item: ScoreItem) -> tuple[bool, float | str]:
     """(True, reward) or (False, reason). Never raises, so no exception has to be pickled back
     from a worker."""
     try:
-        fn = rewards.resolve(function)
+        value = rewards.resolve(function)(item.completion, item.answer, item.prompt, **kwargs)
     except Exception as e:  # noqa: BLE001 - reported as the item's FAILED reason
         return False, f"{type(e).__name__}: {e}"
-    return _call(fn, kwargs, item)
-
-
-def _call(fn: rewards.RewardFn, kwargs: dict[str, str], item: Item) -> tuple[bool, float | str]:
-    """score_one with the function resolved."""
-    try:
-        value = fn(item.completion, item.answer, item.prompt, **kwargs)
-    except Exception as e:  # noqa: BLE001 - reported as the item's FAILED reason
-        return False, f"{type(e).__name__}: {e}"
-    return _checked(value)
-
-
-def _checked(value: object) -> tuple[bool, float | str]:
-    """(True, reward) for a finite real `value`, else (False, why not)."""
-    if type(value) is float or isinstance(value, numbers.Real):  # float: no ABC check
-        reward = float(value)
-        if math.isfinite(reward):
-            return True, reward
+    if not isinstance(value, numbers.Real):
+        return False, f"reward function returned a non-numeric value: {type(value).__name__}"
+    reward = float(value)
+    if not math.isfinite(reward):
         return False, f"reward function returned a non-finite value: {reward}"
-    return False, f"reward function returned a non-numeric value: {type(value).__name__}"
+    return True, reward
 
 
 def score_items(
-    function: str, kwargs: dict[str, str], items: list[Item], timeout_s: float
+    function: str, kwargs: dict[str, str], items: list[ScoreItem], timeout_s: float
 ) -> list[Outcome]:
     """Run in a worker: score `items` one after another. An item that took longer than
     `timeout_s` is reported timed out (the pool would have killed it). No item is started once
@@ -129,11 +103,18 @@ def score_items(
     return out
 
 
-_FAILED = RewardStatus.FAILED
+def _short(item: ScoreItem) -> bool:
+    """Whether `item`'s texts are short enough to be scored inline (see the module docstring)."""
+    return (
+        len(item.completion) <= rewards.INLINE_MAX_CHARS
+        and len(item.answer) <= rewards.INLINE_MAX_CHARS
+    )
 
 
 def _score(ok: bool, value: float | str) -> Score:
-    return Score(value) if ok else Score(0.0, _FAILED, value)
+    if ok:
+        return Score(reward=value)
+    return Score(reward=0.0, status=RewardStatus.FAILED, reason=value)
 
 
 class ScoringPool:
@@ -150,29 +131,17 @@ class ScoringPool:
         """Moving average of seconds per item, per function scored in the pool."""
 
     async def score(
-        self, function: str, kwargs: dict[str, str], items: list[Item], timeout_s: float
+        self, function: str, kwargs: dict[str, str], items: list[ScoreItem], timeout_s: float
     ) -> list[Score]:
         """Score `items` with the reward function called `function`; results in item order."""
         results: list[Score | None] = [None] * len(items)
         pooled = []
-        if function in rewards.INLINE:  # a built-in: resolved once, each short item inline
-            fn = rewards.REWARD_FUNCTIONS[function]
-            limit = rewards.INLINE_MAX_CHARS
-            for i, item in enumerate(items):
-                if len(item.completion) > limit or len(item.answer) > limit:
-                    pooled.append(i)
-                    continue
-                try:  # _call, its common case inline (a call per item less)
-                    value = fn(item.completion, item.answer, item.prompt, **kwargs)
-                except Exception as e:  # noqa: BLE001 - reported as the item's FAILED reason
-                    results[i] = Score(0.0, _FAILED, f"{type(e).__name__}: {e}")
-                    continue
-                if type(value) is float and math.isfinite(value):
-                    results[i] = Score(value)
-                else:
-                    results[i] = _score(*_checked(value))
-        else:
-            pooled = list(range(len(items)))
+        inline = function in rewards.INLINE
+        for i, item in enumerate(items):
+            if inline and _short(item):
+                results[i] = _score(*score_one(function, kwargs, item))
+            else:
+                pooled.append(i)
         if pooled:
             scores = await self._pooled(function, kwargs, [items[i] for i in pooled], timeout_s)
             for i, s in zip(pooled, scores, strict=True):
@@ -180,7 +149,7 @@ class ScoringPool:
         return results
 
     async def _pooled(
-        self, function: str, kwargs: dict[str, str], items: list[Item], timeout_s: float
+        self, function: str, kwargs: dict[str, str], items: list[ScoreItem], timeout_s: float
     ) -> list[Score]:
         if len(items) == 1 or self._cost.get(function, 0.0) > BATCH_MAX_ITEM_S:
             return await self._one_by_one(function, kwargs, items, timeout_s)
@@ -197,7 +166,7 @@ class ScoringPool:
         return scores
 
     async def _one_by_one(
-        self, function: str, kwargs: dict[str, str], items: list[Item], timeout_s: float
+        self, function: str, kwargs: dict[str, str], items: list[ScoreItem], timeout_s: float
     ) -> list[Score]:
         return list(
             await asyncio.gather(
@@ -206,24 +175,28 @@ class ScoringPool:
         )
 
     async def _score_item(
-        self, function: str, kwargs: dict[str, str], item: Item, timeout_s: float
+        self, function: str, kwargs: dict[str, str], item: ScoreItem, timeout_s: float
     ) -> Score:
         try:
             [(ok, value, _)] = await self._run(function, kwargs, [item], timeout_s, timeout_s)
         except TimeoutError:
             self._observe(function, timeout_s)
-            return Score(0.0, RewardStatus.FAILED, timed_out(timeout_s))
+            return Score(reward=0.0, status=RewardStatus.FAILED, reason=timed_out(timeout_s))
         except ProcessExpired as e:
-            return Score(0.0, RewardStatus.FAILED, f"worker died (exit code {e.exitcode})")
+            return Score(
+                reward=0.0,
+                status=RewardStatus.FAILED,
+                reason=f"worker died (exit code {e.exitcode})",
+            )
         except Exception as e:  # noqa: BLE001 - e.g. unpicklable arguments; still a result
-            return Score(0.0, RewardStatus.FAILED, f"{type(e).__name__}: {e}")
+            return Score(reward=0.0, status=RewardStatus.FAILED, reason=f"{type(e).__name__}: {e}")
         return _score(ok, value)
 
     async def _run(
         self,
         function: str,
         kwargs: dict[str, str],
-        items: list[Item],
+        items: list[ScoreItem],
         timeout_s: float,
         deadline_s: float,
     ) -> list[Outcome]:

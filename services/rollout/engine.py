@@ -1,22 +1,21 @@
 """The inference-engine contract behind the rollout service (torch embedded, or SGLang).
 
-An engine serves one model at a time. `generate` returns a *complete* sample: when a weight
-update interrupts it, the engine continues from the partial output under the new version and
-records, per token, the version that produced it. Cancelling the `generate` coroutine aborts
-the request.
+An engine serves one model at a time. `generate` returns a *complete* sample, an
+`asyncrl.types.Completion` (its `text` left to the service): when a weight update interrupts
+it, the engine continues from the partial output under the new version and records, per token,
+the version that produced it (and counts the interruption). Cancelling the `generate` coroutine
+aborts the request.
 """
 
 from __future__ import annotations
 
-import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 from asyncrl.spec import SamplingParams
-
-T = TypeVar("T")
+from asyncrl.types import Completion
+from asyncrl.workflow import run_together
 
 
 @dataclass
@@ -42,15 +41,6 @@ class UpdatePhases:
     """The weights into the model while generation is stopped."""
     resume_s: float = 0.0
     """Until generation runs again."""
-
-
-@dataclass
-class GenOutput:
-    output_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: str  # stop | length
-    interruptions: int = 0
 
 
 class Engine(ABC):
@@ -80,9 +70,9 @@ class Engine(ABC):
         Returns how many requests were interrupted."""
 
     @abstractmethod
-    async def generate(self, req: GenRequest) -> GenOutput: ...
+    async def generate(self, req: GenRequest) -> Completion: ...
 
-    async def generate_many(self, reqs: list[GenRequest]) -> list[GenOutput]:
+    async def generate_many(self, reqs: list[GenRequest]) -> list[Completion]:
         """The outputs of `reqs` (a group's samples), in order, generated concurrently as
         `generate` would: cancelling aborts every request; the first failure aborts the others
         and is raised. Here, one task per request; an engine that can take a batch at once
@@ -97,14 +87,3 @@ class Engine(ABC):
         """Cumulative counters of the engine's work (name: value), for /metrics; empty where
         the engine keeps none."""
         return {}
-
-
-async def run_together(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
-    """Run `coros` concurrently and return their results in order; the first failure cancels
-    the others and is raised (itself, not an ExceptionGroup)."""
-    try:
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(c) for c in coros]
-    except ExceptionGroup as eg:
-        raise eg.exceptions[0] from eg
-    return [t.result() for t in tasks]

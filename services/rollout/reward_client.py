@@ -23,7 +23,7 @@ from asyncrl.convert import status_from_proto
 from asyncrl.grpcutil import channel
 from asyncrl.logging import get_logger
 from asyncrl.retry import RETRYABLE_CODES, idempotent_rpc
-from asyncrl.types import RewardStatus, Score
+from asyncrl.types import RewardStatus, Score, ScoreItem
 from asyncrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 log = get_logger(component="reward_client")
@@ -32,14 +32,6 @@ log = get_logger(component="reward_client")
 class RewardUnavailable(RuntimeError):
     """No reward service answered within the client's `max_wait_s`; the message says what the
     last attempt got."""
-
-
-@dataclass
-class ScoreItem:
-    id: str
-    prompt: str
-    completion: str
-    answer: str
 
 
 def score_deadline(timeout_s: float, n_items: int) -> float:
@@ -138,7 +130,7 @@ class RewardClient:
             log.warning("reward_call_failed", reason=reason, addresses=addresses)
             if e.code() in RETRYABLE_CODES:
                 raise RewardUnavailable(reason) from None
-            return [Score(0.0, RewardStatus.FAILED, reason) for _ in items]
+            return [Score(reward=0.0, status=RewardStatus.FAILED, reason=reason) for _ in items]
         by_id = {r.id: r for r in resp.results}
         return [_score(by_id.get(i.id)) for i in items]
 
@@ -203,8 +195,12 @@ class _Batch:
 
 def _score(result: reward_pb2.ScoreResult | None) -> Score:
     if result is None:
-        return Score(0.0, RewardStatus.FAILED, "no result from the reward service")
+        return Score(
+            reward=0.0, status=RewardStatus.FAILED, reason="no result from the reward service"
+        )
     status = status_from_proto(result.status)
     if status is RewardStatus.OK:
-        return Score(result.reward)
-    return Score(0.0, status, result.reason or "reward failed without a reason")
+        return Score(reward=result.reward)
+    return Score(
+        reward=0.0, status=status, reason=result.reason or "reward failed without a reason"
+    )

@@ -1,14 +1,14 @@
 """The rollout service logic: weights, group generation, scoring, filtering, publishing.
 
-A group is the unit of work: the experiment's workflow (asyncrl.workflow) runs n times
-concurrently for one prompt, each run yielding one trajectory (the built-in `single_turn`, one
-engine request per run, is one engine call for the n samples); the trajectories the workflow
-left unscored are scored with one Reward.Score call, the filter decides, and an accepted group
-(or any eval group) is published to JetStream with Nats-Msg-Id = group id *before* the summary
-goes back to the scheduler. A cancelled GenerateGroup cancels its engine requests and publishes
-nothing; so does AbortGroups (the scheduler found the group too stale) for a group not yet
-being published, which then answers ABORTED: the scheduler learns that the trainer cannot have
-it and samples the prompt again at once.
+A group is the unit of work: the experiment's workflow (asyncrl.workflow) makes n
+trajectories for one prompt with `run_group`, one context per sample (by default a run per
+sample, concurrently; the built-in `single_turn` makes them in one engine call); the
+trajectories the workflow left unscored are scored with one Reward.Score call, the filter
+decides, and an accepted group (or any eval group) is published to JetStream with Nats-Msg-Id =
+group id *before* the summary goes back to the scheduler. A cancelled GenerateGroup cancels its
+engine requests and publishes nothing; so does AbortGroups (the scheduler found the group too
+stale) for a group not yet being published, which then answers ABORTED: the scheduler learns
+that the trainer cannot have it and samples the prompt again at once.
 """
 
 from __future__ import annotations
@@ -29,26 +29,14 @@ from asyncrl.runtime import freeze_heap
 from asyncrl.settings import settings
 from asyncrl.spec import ExperimentSpec, SamplingParams, SpecError, spec_from_json
 from asyncrl.throughput import Throughput
-from asyncrl.types import Completion, RewardStatus, Sample, Score, TrajectoryGroup
+from asyncrl.types import Completion, RewardStatus, Sample, Score, ScoreItem, TrajectoryGroup
 from asyncrl.weights import uri_to_path
 from asyncrl.weights_nats import fetch_version, is_nats_uri
-from asyncrl.workflow import (
-    SingleTurn,
-    Workflow,
-    WorkflowContext,
-    make_workflow,
-    resolve_workflow,
-)
-from services.rollout.codec import Codec
-from services.rollout.engine import Engine, GenRequest, UpdatePhases, run_together
+from asyncrl.workflow import Workflow, WorkflowContext, make_workflow, resolve_workflow
+from services.rollout.engine import Engine, GenRequest, UpdatePhases
 from services.rollout.filters import GroupStatus, decide, failed_samples
 from services.rollout.openai_api import OpenAIEndpoint
-from services.rollout.reward_client import (
-    RewardBinding,
-    RewardClient,
-    RewardUnavailable,
-    ScoreItem,
-)
+from services.rollout.reward_client import RewardBinding, RewardClient, RewardUnavailable
 
 log = get_logger(component="rollout")
 
@@ -184,8 +172,8 @@ class RolloutService:
         self.experiment_id = ""
         """The experiment whose model is loaded (set once UpdateWeights loaded it)."""
         self.tokenizer = None
-        self.codec: Codec | None = None
-        """`tokenizer`'s encode and decode, on the Rust tokenizer where that is the same."""
+        self.eos_token_id: int | None = None
+        """The tokenizer's EOS (a transformers property costs ~5 µs a read: read once)."""
         self.rewards = RewardClient()
         self.throughput = Throughput()
         self._tally = Tally("groups_done", log)
@@ -297,7 +285,7 @@ class RolloutService:
         if binding.spec.rollout.workflow.chat_template and not tokenizer.chat_template:
             raise SpecError("rollout.workflow.chat_template", "the tokenizer has no chat template")
         await self.engine.load(str(path), version)
-        self.tokenizer, self.codec = tokenizer, Codec(tokenizer)
+        self.tokenizer, self.eos_token_id = tokenizer, tokenizer.eos_token_id
         self.experiment_id = binding.experiment_id
         freeze_heap()  # the model and tokenizer: never scanned by the collector again
         log.info("experiment_loaded", experiment=binding.experiment_id, version=version)
@@ -427,49 +415,88 @@ class RolloutService:
                 add_generation_prompt=True,
                 tokenize=False,
             )
-        return self.codec.encode(chat_prompt or job.prompt), chat_prompt
+        return self.tokenizer.encode(
+            chat_prompt or job.prompt, add_special_tokens=False
+        ), chat_prompt
 
     async def _samples(
         self, job: GroupJob, binding: Binding, prompt_ids: list[int], chat_prompt: str | None
     ) -> list[Sample]:
-        """The group's n trajectories: the workflow run once per sample, concurrently, each
-        with its own context (one failure cancels the others). The built-in single_turn is one
-        engine call for the n samples instead: what n runs of it would do, without a context,
-        a task and a second decode per sample."""
-        n = binding.n(job.eval)
-        if binding.workflow_cls is SingleTurn:
-            return await self._single_turn(job, binding, prompt_ids, n)
-        contexts = [self._context(job, binding, prompt_ids, i, chat_prompt) for i in range(n)]
-        return await _run_all(binding.workflow(), contexts)
-
-    async def _single_turn(
-        self, job: GroupJob, binding: Binding, prompt_ids: list[int], n: int
-    ) -> list[Sample]:
-        """n completions of the prompt, request ids `<group>:<sample>` as
-        `WorkflowContext.generate` gives them, left for `_score`."""
-        params = binding.params(job.eval)
-        stops, decode = self._stops(params), self.codec.decode
-        outs = await self.engine.generate_many(
-            [GenRequest(f"{job.group_id}:{i}", prompt_ids, params, stops, decode) for i in range(n)]
-        )
-        samples = [  # one policy turn each: what `add_policy` makes of it, built at once
-            Sample(
-                output_ids=out.output_ids,
-                logprobs=out.logprobs,
-                versions=out.versions,
-                finish_reason=out.finish_reason,
-                text=decode(out.output_ids),  # all of it is the policy's
-                loss_mask=[1] * len(out.output_ids),
-                turns=1,
-            )
-            for out in outs
+        """The group's n trajectories: the workflow's `run_group` with one context per sample
+        (by default a run per sample, concurrently; one failure cancels the others)."""
+        contexts = [
+            self._context(job, binding, prompt_ids, i, chat_prompt)
+            for i in range(binding.n(job.eval))
         ]
-        self.throughput.add(sum(len(out.output_ids) for out in outs))
-        return samples
+        return await binding.workflow().run_group(contexts)
+
+    def _context(
+        self,
+        job: GroupJob,
+        binding: Binding,
+        prompt_ids: list[int],
+        index: int,
+        chat_prompt: str | None = None,
+    ) -> WorkflowContext:
+        """Sample `index`'s view of the system: the engine (interruptible, per-token
+        versions) and the experiment's reward function."""
+
+        async def score(prompt: str, text: str) -> Score:
+            item = ScoreItem(
+                id=f"{job.group_id}:{index}", prompt=prompt, completion=text, answer=job.answer
+            )
+            [got] = await self.rewards.score(job.reward_addresses, binding.rewards, [item])
+            return got
+
+        return WorkflowContext(
+            prompt=job.prompt,
+            answer=job.answer,
+            prompt_ids=prompt_ids,
+            index=index,
+            is_eval=job.eval,
+            params=binding.params(job.eval),
+            tokenizer=self.tokenizer,
+            generate=self._generate,
+            generate_many=self._generate_many,
+            score=score,
+            version=lambda: self.engine.version,
+            request_id=f"{job.group_id}:{index}",
+            chat_prompt=chat_prompt,
+            openai_session=self.openai.session,
+        )
+
+    async def _generate(self, rid: str, input_ids: list[int], params: SamplingParams) -> Completion:
+        """One completion, its text decoded (a workflow's `ctx.generate`)."""
+        completion = await self.engine.generate(self._request(rid, input_ids, params))
+        return self._decoded(completion)
+
+    async def _generate_many(
+        self, requests: list[tuple[str, list[int], SamplingParams]]
+    ) -> list[Completion]:
+        """Several completions in one engine call (`asyncrl.workflow.generate_all`)."""
+        completions = await self.engine.generate_many([self._request(*r) for r in requests])
+        return [self._decoded(c) for c in completions]
+
+    def _request(self, rid: str, input_ids: list[int], params: SamplingParams) -> GenRequest:
+        return GenRequest(
+            rid=rid,
+            input_ids=input_ids,
+            params=params,
+            stop_token_ids=self._stops(params),
+            decode=self._decode,
+        )
+
+    def _decoded(self, completion: Completion) -> Completion:
+        self.throughput.add(len(completion.output_ids))
+        completion.text = self._decode(completion.output_ids)
+        return completion
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _stops(self, params: SamplingParams) -> list[int]:
         """The token ids that end a sample: the spec's, and EOS unless `ignore_eos`."""
-        eos = self.codec.eos_token_id
+        eos = self.eos_token_id
         if eos is None or params.ignore_eos:
             return list(params.stop_token_ids)
         return [*params.stop_token_ids, eos]
@@ -495,47 +522,6 @@ class RolloutService:
         _, summary.duplicate = await publish_group(self.js, group)
         summary.published = True
 
-    def _context(
-        self,
-        job: GroupJob,
-        binding: Binding,
-        prompt_ids: list[int],
-        index: int,
-        chat_prompt: str | None = None,
-    ) -> WorkflowContext:
-        """Sample `index`'s view of the system: the engine (interruptible, per-token
-        versions) and the experiment's reward function."""
-        decode = self.codec.decode
-
-        async def generate(rid: str, input_ids: list[int], params: SamplingParams) -> Completion:
-            out = await self.engine.generate(
-                GenRequest(rid, input_ids, params, self._stops(params), decode)
-            )
-            self.throughput.add(len(out.output_ids))
-            text = decode(out.output_ids)
-            return Completion(out.output_ids, out.logprobs, out.versions, out.finish_reason, text)
-
-        async def score(prompt: str, text: str) -> Score:
-            item = ScoreItem(f"{job.group_id}:{index}", prompt, text, job.answer)
-            [got] = await self.rewards.score(job.reward_addresses, binding.rewards, [item])
-            return got
-
-        return WorkflowContext(
-            prompt=job.prompt,
-            answer=job.answer,
-            prompt_ids=prompt_ids,
-            index=index,
-            is_eval=job.eval,
-            params=binding.params(job.eval),
-            tokenizer=self.tokenizer,
-            generate=generate,
-            score=score,
-            version=lambda: self.engine.version,
-            request_id=f"{job.group_id}:{index}",
-            chat_prompt=chat_prompt,
-            openai_session=self.openai.session,
-        )
-
     def _finish(self, samples: list[Sample]) -> None:
         """What to score when a workflow left `text` empty: the policy's tokens, decoded."""
         for sample in samples:
@@ -544,7 +530,7 @@ class RolloutService:
             ids = sample.output_ids
             if sample.loss_mask and not all(sample.loss_mask):
                 ids = [t for t, m in zip(ids, sample.loss_mask, strict=True) if m]
-            sample.text = self.codec.decode(ids)
+            sample.text = self._decode(ids)
 
     async def _score(self, job: GroupJob, binding: Binding, samples: list[Sample]) -> None:
         """Score the samples the workflow left unscored (one Score call). An unreachable reward
@@ -552,7 +538,9 @@ class RolloutService:
         if not samples:
             return
         items = [
-            ScoreItem(f"{job.group_id}:{i}", job.prompt, s.text, job.answer)
+            ScoreItem(
+                id=f"{job.group_id}:{i}", prompt=job.prompt, completion=s.text, answer=job.answer
+            )
             for i, s in enumerate(samples)
         ]
         scores = await self.rewards.score(job.reward_addresses, binding.rewards, items)
@@ -602,8 +590,3 @@ class RolloutService:
         await self.engine.stop()
         await self.openai.stop()
         await self.rewards.close()
-
-
-async def _run_all(workflow: Workflow, contexts: list[WorkflowContext]) -> list[Sample]:
-    """The group: one workflow run per sample, concurrently; one failure cancels the others."""
-    return await run_together([workflow.run(ctx) for ctx in contexts])

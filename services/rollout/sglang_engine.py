@@ -47,7 +47,8 @@ from typing import Any
 import aiohttp
 
 from asyncrl.logging import get_logger
-from services.rollout.engine import Engine, GenOutput, GenRequest, UpdatePhases
+from asyncrl.types import Completion
+from services.rollout.engine import Engine, GenRequest, UpdatePhases
 from services.rollout.sglang_config import SGLangConfig
 from services.rollout.sglang_process import (
     SGLangNotInstalled,
@@ -222,7 +223,7 @@ class SGLangEngine(Engine):
             pause_s=paused - t0, load_s=loaded - paused, resume_s=time.perf_counter() - loaded
         )
 
-    async def generate(self, req: GenRequest) -> GenOutput:
+    async def generate(self, req: GenRequest) -> Completion:
         p = req.params
         stop_ids = sorted(set(req.stop_token_ids) | set(p.stop_token_ids))
         out_ids: list[int] = []
@@ -266,7 +267,13 @@ class SGLangEngine(Engine):
                 finish = "length"
             if finish not in ("stop", "length"):
                 finish = "length"
-            return GenOutput(out_ids, lps, versions, finish, interruptions=segment - 1)
+            return Completion(
+                output_ids=out_ids,
+                logprobs=lps,
+                versions=versions,
+                finish_reason=finish,
+                interruptions=segment - 1,
+            )
         finally:
             self._running -= 1
 

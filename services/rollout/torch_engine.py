@@ -52,8 +52,9 @@ from transformers import DynamicCache
 
 from asyncrl.logging import get_logger
 from asyncrl.spec import SamplingParams
+from asyncrl.types import Completion
 from asyncrl.weights import load_state_dict_files
-from services.rollout.engine import Engine, GenOutput, GenRequest, UpdatePhases
+from services.rollout.engine import Engine, GenRequest, UpdatePhases
 from services.rollout.kv_pool import ATTENTION, KVPool, prefill_buckets
 
 log = get_logger(component="torch_engine")
@@ -243,7 +244,7 @@ class TorchEngine(Engine):
             _Op("update", str(model_dir), version, self._new_future(), state, read_s)
         )
 
-    async def generate(self, req: GenRequest) -> GenOutput:
+    async def generate(self, req: GenRequest) -> Completion:
         [slot] = self._queue([req])
         try:
             return await slot.future
@@ -251,7 +252,7 @@ class TorchEngine(Engine):
             self._discard(slot)
             raise
 
-    async def generate_many(self, reqs: list[GenRequest]) -> list[GenOutput]:
+    async def generate_many(self, reqs: list[GenRequest]) -> list[Completion]:
         """A group's requests queued together: one call, no task per request."""
         slots = self._queue(reqs)
         try:
@@ -338,7 +339,7 @@ class TorchEngine(Engine):
                 self._discard(slot)
                 if not slot.future.done():
                     slot.future.set_result(
-                        GenOutput(
+                        Completion(
                             output_ids=slot.output_ids,
                             logprobs=slot.logprobs,
                             versions=slot.versions,

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.spec import SpecError
-
-_GROUP_ID = re.compile(r"-e(\d+)-p(\d+)-a(\d+)$")
+from asyncrl.types import GroupId
 
 
 @dataclass(frozen=True)
@@ -69,15 +67,18 @@ class Ticket:
     attempt: int = 0
 
     def group_id(self, experiment_id: str) -> str:
-        return f"{experiment_id}-e{self.epoch}-p{self.index}-a{self.attempt}"
+        gid = GroupId(
+            experiment_id=experiment_id, epoch=self.epoch, index=self.index, attempt=self.attempt
+        )
+        return str(gid)
 
     def retry(self) -> Ticket:
         return Ticket(self.epoch, self.index, self.attempt + 1)
 
     @staticmethod
     def parse(group_id: str) -> Ticket | None:
-        m = _GROUP_ID.search(group_id)
-        return Ticket(*(int(g) for g in m.groups())) if m else None
+        gid = GroupId.parse(group_id)
+        return Ticket(epoch=gid.epoch, index=gid.index, attempt=gid.attempt) if gid else None
 
 
 class DatasetCursor:

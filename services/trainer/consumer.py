@@ -21,7 +21,9 @@ what the trainer still needs for its step and stays open across `pull`s, which t
 brought so far: about one request per step, where nats-py's `fetch` made one or two per `pull`,
 each bringing the few groups published since the last and a status reply (bench/control_plane.py:
 trainer ~55 and nats-server ~30 CPU-µs per group more). A re-created consumer gets a new inbox,
-so nothing a request of the old one brings reaches it.
+so nothing a request of the old one brings reaches it. The requests go out on the connection
+under the JetStream context, which nats-py keeps private (`jetstream_connection`, the one place
+that reaches for it, with its contract test in tests/integration/test_group_consumer_nats.py).
 
 `pull(n)` hands out at most n messages, in stream order. A request can bring more than a
 `pull` asked for (one made for an earlier, larger `pull`); the surplus waits here for the next
@@ -44,6 +46,8 @@ from dataclasses import dataclass
 
 import nats
 from google.protobuf.message import DecodeError
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
 
 from asyncrl.convert import group_from_bytes
@@ -86,17 +90,11 @@ class Pulled:
     """Why the payload did not decode."""
 
 
-def _delivery(msg) -> tuple[int, int, int]:
-    """(consumer sequence, stream sequence, times delivered) of a JetStream message, read from
-    its reply subject as nats-server sends it,
-    `$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<timestamp>.<pending>`:
-    `msg.metadata` parses the same tokens into two frozen dataclasses and a datetime (2.8 -> 0.7
-    µs a message). Any other form (with a domain; none: not a JetStream message) is left to it."""
-    tokens = (msg.reply or "").split(".")
-    if len(tokens) == 9 and tokens[0] == "$JS" and tokens[1] == "ACK":
-        return int(tokens[6]), int(tokens[5]), int(tokens[4])
-    meta = msg.metadata
-    return meta.sequence.consumer, meta.sequence.stream, meta.num_delivered
+def jetstream_connection(js: JetStreamContext) -> NATS:
+    """The NATS connection a JetStream context works on: the pull requests are plain publishes
+    on it, their messages come to an inbox subscribed on it. nats-py has no public accessor;
+    it keeps the connection in `_nc` (the contract test checks that it is the client)."""
+    return js._nc
 
 
 def _decode(seq: int, data: bytes) -> Pulled:
@@ -155,7 +153,7 @@ class GroupConsumer:
             ack_wait=60.0,
         )
         await self.js.add_consumer(STREAM, config=cfg)
-        nc = self.js._nc  # nats-py keeps the connection there; a pull request is a publish
+        nc = jetstream_connection(self.js)
         self._inbox = nc.new_inbox()
         self._sub = await nc.subscribe(self._inbox, cb=self._receive)
         self._arrivals.clear()
@@ -210,7 +208,7 @@ class GroupConsumer:
         await self._ack()
         expires_ns = max(1_000_000, int(timeout * EXPIRY_SHARE * 1e9))
         body = json.dumps({"batch": n, "expires": expires_ns}).encode()
-        await self.js._nc.publish(self._next_subject, body, reply=self._inbox)
+        await jetstream_connection(self.js).publish(self._next_subject, body, reply=self._inbox)
         self._owed, self._open_until = n, time.monotonic() + timeout
 
     def _drain(self) -> list:
@@ -243,21 +241,21 @@ class GroupConsumer:
         for re-creation."""
         taken = None
         for msg in msgs:
-            delivery, seq, delivered = _delivery(msg)
-            if delivery != self._next_delivery or delivered > 1:
+            meta = msg.metadata
+            if meta.sequence.consumer != self._next_delivery or meta.num_delivered > 1:
                 self._broken = True
                 log.warning(
                     "consumer_delivery_gap",
                     experiment=self.experiment_id,
                     expected=self._next_delivery,
-                    got=delivery,
-                    delivered=delivered,
-                    seq=seq,
+                    got=meta.sequence.consumer,
+                    delivered=meta.num_delivered,
+                    seq=meta.sequence.stream,
                     last_seq=self._last_seq,
                 )
                 break
             self._next_delivery += 1
-            self._last_seq = seq
+            self._last_seq = meta.sequence.stream
             self._surplus.append(_decode(self._last_seq, msg.data))
             taken = msg
         if taken is not None:

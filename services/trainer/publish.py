@@ -13,16 +13,11 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import uuid
 from collections.abc import Coroutine
 from pathlib import Path
 
-from asyncrl.weights import (
-    TOKENIZER_FILES,
-    make_temp_dir,
-    prune,
-    publish_version,
-    version_name,
-)
+from asyncrl.weights import TOKENIZER_FILES, prune, publish_version, version_dir
 
 
 def write_version(
@@ -35,54 +30,35 @@ def write_version(
 ) -> str:
     """`files` (+ the tokenizer's) as `version` in the weight store: written to a temporary
     directory and renamed into place, so a reader never sees it partial; the newest `keep`
-    versions are kept. Returns the version's URI.
-
-    Once per trainer step, so: plain `os` calls on strings, each tried before what it needs
-    is checked; the version pruned is kept as the next one's temporary directory."""
-    exp = os.path.join(root, experiment_id)
-    name = version_name(version)
-    tmp = make_temp_dir(root, experiment_id, name)
+    versions are kept. Returns the version's URI."""
+    final = version_dir(root, experiment_id, version)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
     try:
-        for fname, data in files.items():
-            _write_file(f"{tmp}/{fname}", data)
-        _add_tokenizer(os.fspath(tokenizer_dir), f"{exp}/{version_name(version - 1)}", tmp)
-        uri = publish_version(tmp, f"{exp}/{name}")
-    except BaseException:
+        tmp.mkdir()
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        _add_tokenizer(Path(tokenizer_dir), version_dir(root, experiment_id, version - 1), tmp)
+        uri = publish_version(tmp, final)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    prune(root, experiment_id, keep=keep, spare=True)
+    prune(root, experiment_id, keep=keep)
     return uri
 
 
-def _write_file(path: str, data: bytes) -> None:
-    """`data` as a new file: open, write, close (no buffered file object's fstat, ioctl and
-    lseek)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
-
-
-def _add_tokenizer(tokenizer_dir: str, previous: str, dst: str) -> None:
+def _add_tokenizer(tokenizer_dir: Path, previous: Path, dst: Path) -> None:
     """The tokenizer's files into `dst`: hard links to those of the `previous` version where it
     has them (a version is never changed in place, so they hold the same bytes), else copies.
     A copy creates a file per tokenizer file per step: on the machine bench/control_plane.py
     ran on, ~340 CPU-µs each against 15 for a link."""
-    try:  # one listing, not a stat per name
-        listed = set(os.listdir(tokenizer_dir))
-        names = [name for name in TOKENIZER_FILES if name in listed]
-    except OSError:  # no such directory (a hub name), not listable
-        names = [name for name in TOKENIZER_FILES if os.path.exists(f"{tokenizer_dir}/{name}")]
-    for name in names:
+    for name in TOKENIZER_FILES:
+        src = tokenizer_dir / name
+        if not src.exists():
+            continue
         try:
-            os.link(f"{previous}/{name}", f"{dst}/{name}")
+            os.link(previous / name, dst / name)
         except OSError:  # no previous version (the first, a rewind), another file system
-            src = f"{tokenizer_dir}/{name}"
-            if os.path.exists(src):  # a listed broken link: skipped, as before
-                shutil.copy2(src, f"{dst}/{name}")
+            shutil.copy2(src, dst / name)
 
 
 class InFlight:

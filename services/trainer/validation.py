@@ -9,11 +9,11 @@ arrays, token ids outside the vocabulary, versions the trainer has not produced.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
-from math import isfinite
 
 from asyncrl.types import Sample, TrajectoryGroup
 from services.trainer.metrics import is_too_stale
@@ -46,9 +46,10 @@ def _tokens_reason(name: str, ids: list[int], vocab_size: int) -> str:
 
 
 def _sample_reason(i: int, s: Sample, a: Admission) -> str:
-    """Why sample i is bad, "" if it is not: for a sample `invalid_reason`'s quick check did not
-    pass. A non-finite logprob makes the float sum NaN or inf; only a non-finite sum is checked
-    element by element, since finite values can overflow it."""
+    """Why sample i is bad, "" if it is not. Every sample of every group pulled is checked, so
+    the common case is a few C calls: min/max per list, and one float sum of the logprobs (a
+    NaN or inf makes it non-finite; only then is each checked, as finite values can overflow
+    the sum)."""
     n = len(s.output_ids)
     for name, values in (("logprobs", s.logprobs), ("versions", s.versions)):
         if len(values) != n:
@@ -57,53 +58,30 @@ def _sample_reason(i: int, s: Sample, a: Admission) -> str:
         return f"sample {i}: {len(s.loss_mask)} loss_mask for {n} output_ids"
     if n == 0:
         return ""
-    if min(s.output_ids) < 0 or max(s.output_ids) >= a.vocab_size:
-        return _tokens_reason(f"sample {i} output_ids", s.output_ids, a.vocab_size)
+    if reason := _tokens_reason(f"sample {i} output_ids", s.output_ids, a.vocab_size):
+        return reason
     if min(s.versions) < 0 or max(s.versions) > a.trainer_version:
         bad = next(v for v in s.versions if not 0 <= v <= a.trainer_version)
         return f"sample {i}: version {bad} outside [0, trainer version {a.trainer_version}]"
-    if not isfinite(sum(s.logprobs)) and not all(map(isfinite, s.logprobs)):
+    if not math.isfinite(sum(s.logprobs)) and not all(map(math.isfinite, s.logprobs)):
         return f"sample {i}: a logprob is not finite"
     return ""
 
 
 def invalid_reason(group: TrajectoryGroup, a: Admission) -> str:
-    """Why `group` must not be trained; "" when it is well-formed for this trainer.
-
-    Every sample of every group pulled is checked, so the common case is a few C calls per
-    sample, inline: aligned lengths, min/max of the ids, the versions within range (when one
-    version made every token, as is common, `list.count` shows it ~10x cheaper than min and
-    max), a finite logprob sum. A sample that does not pass (a bad one, or finite logprobs
-    whose sum overflows) is left to `_sample_reason`, which names its first problem or finds
-    none."""
+    """Why `group` must not be trained; "" when it is well-formed for this trainer."""
     if group.experiment_id != a.experiment_id:
         return f"experiment {group.experiment_id!r} is not {a.experiment_id!r}"
     if not group.samples:
         return "no samples"
-    top, vocab = a.trainer_version, a.vocab_size
-    if not 0 <= group.start_version <= top:
-        return f"start_version {group.start_version} outside [0, trainer version {top}]"
-    if reason := _tokens_reason("prompt_ids", group.prompt_ids, vocab):
+    if not 0 <= group.start_version <= a.trainer_version:
+        return (
+            f"start_version {group.start_version} outside [0, trainer version {a.trainer_version}]"
+        )
+    if reason := _tokens_reason("prompt_ids", group.prompt_ids, a.vocab_size):
         return reason
-    for i, s in enumerate(group.samples):
-        out, versions, mask = s.output_ids, s.versions, s.loss_mask
-        n = len(out)
-        if (
-            n
-            and len(s.logprobs) == n
-            and len(versions) == n
-            and (not mask or len(mask) == n)
-            and min(out) >= 0
-            and max(out) < vocab
-            and (
-                0 <= v <= top
-                if versions.count(v := versions[0]) == n
-                else min(versions) >= 0 and max(versions) <= top
-            )
-            and isfinite(sum(s.logprobs))
-        ):
-            continue
-        if reason := _sample_reason(i, s, a):
+    for i, sample in enumerate(group.samples):
+        if reason := _sample_reason(i, sample, a):
             return reason
     return ""
 

@@ -53,5 +53,7 @@ class AskTwice(AgentWorkflow):
 
 
 class PerSample(SingleTurn):
-    """The built-in single turn under a plugin name: run once per sample, each with its own
-    context (the general path), where `single_turn` itself is one engine call per group."""
+    """The built-in single turn under a plugin name, run once per sample, each with its own
+    context (`Workflow.run_group`), where `single_turn` is one engine call per group."""
+
+    run_group = Workflow.run_group

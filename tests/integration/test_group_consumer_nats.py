@@ -7,7 +7,7 @@ import asyncio
 
 from asyncrl.natsutil import STREAM, publish_group
 from asyncrl.types import Sample, TrajectoryGroup
-from services.trainer.consumer import GroupConsumer
+from services.trainer.consumer import GroupConsumer, jetstream_connection
 
 EXP = "exp1"
 
@@ -45,6 +45,12 @@ async def _acked(js, name: str, timeout: float = 5.0) -> tuple[int, int]:
         if got[1] == 0 or asyncio.get_running_loop().time() > deadline:
             return got
         await asyncio.sleep(0.02)
+
+
+async def test_jetstream_connection_is_the_client_it_was_made_from(nc, js):
+    """The contract behind the consumer's one use of a private nats-py attribute."""
+    assert jetstream_connection(js) is nc
+    assert jetstream_connection(nc.jetstream()) is nc
 
 
 async def test_pull_one_ack_per_fetch_moves_ack_floor_to_newest(nc, js):

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from asyncrl.net import free_port
-from asyncrl.types import RewardStatus
-from services.rollout.reward_client import RewardBinding, RewardClient, RewardUnavailable, ScoreItem
+from asyncrl.types import RewardStatus, ScoreItem
+from services.rollout.reward_client import RewardBinding, RewardClient, RewardUnavailable
 
 SPEC = json.dumps(
     {
@@ -39,7 +39,10 @@ async def counted():
 
 
 def items(group: str, answers: list[str]) -> list[ScoreItem]:
-    return [ScoreItem(f"{group}:{i}", "q", text, "42") for i, text in enumerate(answers)]
+    return [
+        ScoreItem(id=f"{group}:{i}", prompt="q", completion=text, answer="42")
+        for i, text in enumerate(answers)
+    ]
 
 
 async def test_groups_finishing_together_share_one_score_call(reward_address, counted):

@@ -9,6 +9,7 @@ re-queue on worker death, completion), not the real rollout/trainer (the e2e tes
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import grpc
@@ -18,6 +19,7 @@ from asyncrl.grpcutil import channel
 from asyncrl.natsutil import wait_until
 from asyncrl.runtime import ServiceRuntime
 from asyncrl.spec import spec_from_json
+from asyncrl.types import GroupId
 from asyncrl.v1 import (
     common_pb2,
     rollout_pb2,
@@ -34,9 +36,9 @@ from services.scheduler.state import record_key
 
 
 def attempt(group_id: str, k: int) -> str:
-    """`group_id` as attempt `k` of the same prompt: only the `-a<n>` suffix changes (the
-    experiment id's random hex can hold "-a1" too)."""
-    return f"{group_id.rpartition('-a')[0]}-a{k}"
+    """`group_id` as attempt `k` of the same prompt (the experiment id's random hex can hold
+    "-a1" too: only the attempt changes)."""
+    return str(dataclasses.replace(GroupId.parse(group_id), attempt=k))
 
 
 ROLLOUT, REWARD, TRAINER = (
@@ -343,7 +345,8 @@ async def started_experiment(
         ({"reward": {"function": "no_such_reward"}}, "reward.function"),
         ({"dataset": {"path": "/nonexistent/train.jsonl"}}, "dataset.path"),
         ({"rollout": {"workflow": {"name": "no_such_flow"}}}, "rollout.workflow.name"),
-        ({"rollout": {"workflow": {"name": "pkg..missing:Flow"}}}, "rollout.workflow"),
+        # one plugin-name rule (asyncrl.registry.PLUGIN_NAME): refused by the spec itself
+        ({"rollout": {"workflow": {"name": "pkg..missing:Flow"}}}, "rollout.workflow.name"),
         ({"reward": {"function": "plugin:pkg..missing:fn"}}, "reward.function"),
         (
             {"rollout": {"workflow": {"name": "multi_turn", "args": {"turns": 2}}}},

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from asyncrl.rewards import INLINE_MAX_CHARS
-from asyncrl.types import RewardStatus, Score
-from services.reward.pool import Item, ScoringPool, score_items
+from asyncrl.types import RewardStatus, Score, ScoreItem
+from services.reward.pool import ScoringPool, score_items
 
 SCRIPTED = "plugin:tests.fixtures_plugins.rewards:scripted"
 FAILED = RewardStatus.FAILED
@@ -22,8 +22,11 @@ async def pool():
     await p.close()
 
 
-def _items(*completions: str, answer: str = "1") -> list[Item]:
-    return [Item(f"i{k}", c, answer, "p") for k, c in enumerate(completions)]
+def _items(*completions: str, answer: str = "1") -> list[ScoreItem]:
+    return [
+        ScoreItem(id=f"i{k}", prompt="p", completion=c, answer=answer)
+        for k, c in enumerate(completions)
+    ]
 
 
 async def test_score_inline_builtin_needs_no_pool_process(pool):
@@ -36,7 +39,11 @@ async def test_score_inline_builtin_needs_no_pool_process(pool):
 
 async def test_score_inline_builtin_raises_that_item_failed_with_reason(pool):
     await pool.close()  # inline: no pool process
-    items = [*_items("1"), Item("bad", "1", "no digits", "p"), *_items("2")]
+    items = [
+        *_items("1"),
+        ScoreItem(id="bad", prompt="p", completion="1", answer="no digits"),
+        *_items("2"),
+    ]
     assert await pool.score("numeric_match", {}, items, timeout_s=1) == [
         Score(1.0),
         Score(0.0, FAILED, "ValueError: answer has no number: 'no digits'"),

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.spec import SamplingParams
 from asyncrl.types import Sample, TrajectoryGroup
-from asyncrl.workflow import Completion, Trajectory, WorkflowContext
+from asyncrl.workflow import Trajectory, WorkflowContext
 from examples.smollm2.fetch import fetch
 from services.rollout.engine import GenRequest
 from services.rollout.torch_engine import TorchEngine
@@ -83,8 +83,8 @@ async def test_chat_session_two_turns_on_real_chatml_template_spell_the_conversa
 
         async def generate(rid, input_ids, p):
             out = await engine.generate(GenRequest(rid, input_ids, p, [tok.eos_token_id]))
-            text = tok.decode(out.output_ids, skip_special_tokens=True)
-            return Completion(out.output_ids, out.logprobs, out.versions, out.finish_reason, text)
+            out.text = tok.decode(out.output_ids, skip_special_tokens=True)
+            return out
 
         chat_prompt = tok.apply_chat_template(
             [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False

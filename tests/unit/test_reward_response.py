@@ -1,19 +1,26 @@
-"""The reward service's response: each result as the keyword constructor would write it."""
+"""The reward service's response: one result per item, in item order, reason only if FAILED."""
 
 from __future__ import annotations
 
-from asyncrl.types import RewardStatus, Score
+from asyncrl.types import RewardStatus, Score, ScoreItem
 from asyncrl.v1 import common_pb2, reward_pb2
-from services.reward.pool import Item
 from services.reward.server import response_to_proto
 
 
 def test_response_to_proto_ok_and_failed_same_bytes_as_keywords():
-    items = [Item("g:0", "12", "12"), Item("g:1", "x", "12"), Item("g:2", "y", "z", "p")]
+    items = [
+        ScoreItem(id="g:0", prompt="", completion="12", answer="12"),
+        ScoreItem(id="g:1", prompt="", completion="x", answer="12"),
+        ScoreItem(id="g:2", prompt="p", completion="y", answer="z"),
+    ]
     scores = [
-        Score(1.0),
-        Score(0.0),
-        Score(0.0, RewardStatus.FAILED, "ValueError: answer has no number: 'z'"),
+        Score(reward=1.0),
+        Score(reward=0.0),
+        Score(
+            reward=0.0,
+            status=RewardStatus.FAILED,
+            reason="ValueError: answer has no number: 'z'",
+        ),
     ]
     want = reward_pb2.ScoreResponse(
         results=[

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 from structlog.testing import capture_logs
 
 from asyncrl.tiny import build_char_tokenizer
+from asyncrl.types import Completion
 from asyncrl.weights import path_to_uri
-from services.rollout.engine import Engine, GenOutput
+from services.rollout.engine import Engine
 from services.rollout.service import GroupJob, RolloutService
 
 EXP = "exp1"
@@ -32,7 +33,9 @@ class FakeEngine(Engine):
 
     async def generate(self, req):
         n = req.params.max_new_tokens
-        return GenOutput([10] * n, [0.0] * n, [0] * n, "length")
+        return Completion(
+            output_ids=[10] * n, logprobs=[0.0] * n, versions=[0] * n, finish_reason="length"
+        )
 
 
 class FakeJetStream:

@@ -8,38 +8,27 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-import pytest
 from nats.aio.msg import Msg
-from nats.errors import NotJSMessageError
 
 from asyncrl.convert import group_to_bytes
 from asyncrl.types import Sample, TrajectoryGroup
-from services.trainer.consumer import GroupConsumer, _delivery, header_safe
+from services.trainer.consumer import GroupConsumer, header_safe
 
 
 class FakeMsg:
-    """A JetStream message as delivered: its delivery metadata in the reply subject, in the
-    form nats-server sends or, with `domain`, the form with a domain and an account hash."""
+    """A JetStream message as delivered: its delivery metadata in the reply subject, as
+    nats-server sends it, read by nats-py's `Msg.metadata`."""
 
-    def __init__(
-        self,
-        seq: int,
-        data: bytes,
-        delivery: int | None = None,
-        delivered: int = 1,
-        domain: bool = False,
-    ):
+    def __init__(self, seq: int, data: bytes, delivery: int | None = None, delivered: int = 1):
         delivery = seq if delivery is None else delivery
-        head = "$JS.ACK.hub.ACCHASH" if domain else "$JS.ACK"
-        tail = ".123456789.0.r4nd0m" if domain else ".1700000000000000000.0"
-        self.reply = f"{head}.ASYNCRL_TRAJ.trainer-e.{delivered}.{seq}.{delivery}{tail}"
+        self.reply = f"$JS.ACK.ASYNCRL_TRAJ.trainer-e.{delivered}.{seq}.{delivery}.1700000000.0"
         self.data = data
         self.headers = None
         self.acked = False
 
     @property
     def metadata(self) -> Msg.Metadata:
-        return Msg.Metadata._from_reply(self.reply)
+        return Msg(None, subject="x", reply=self.reply).metadata
 
     async def ack(self) -> None:
         self.acked = True
@@ -148,34 +137,6 @@ async def test_pull_redelivery_marks_broken_acks_nothing():
     consumer, _ = _consumer([msgs])
     assert await consumer.pull(1, timeout=0.1) == []
     assert consumer._broken and not msgs[0].acked
-
-
-@pytest.mark.parametrize("domain", [False, True])
-def test_delivery_from_reply_subject_same_as_nats_metadata(domain):
-    msg = Msg(None, subject="x", reply=FakeMsg(12, b"", 5, delivered=3, domain=domain).reply)
-    meta = msg.metadata
-    assert _delivery(msg) == (5, 12, 3)
-    assert _delivery(msg) == (meta.sequence.consumer, meta.sequence.stream, meta.num_delivered)
-
-
-def test_delivery_not_a_jetstream_message_raises_as_nats_metadata():
-    for reply in ("", "_INBOX.abc.1", "$JS.ACK.too.few.tokens"):
-        with pytest.raises(NotJSMessageError):
-            _delivery(Msg(None, subject="x", reply=reply))
-
-
-async def test_pull_domain_reply_form_gap_and_redelivery_checked():
-    msgs = [
-        FakeMsg(10, _bytes("a"), 1, domain=True),
-        FakeMsg(12, _bytes("b"), 2, domain=True),
-        FakeMsg(15, _bytes("c"), 4, domain=True),
-    ]
-    consumer, _ = _consumer([msgs])
-    assert [p.seq for p in await consumer.pull(3, timeout=0.1)] == [10, 12]
-    assert consumer._broken and consumer._last_seq == 12
-    consumer, _ = _consumer([[FakeMsg(3, _bytes("a"), 1, delivered=2, domain=True)]])
-    assert await consumer.pull(1, timeout=0.1) == []
-    assert consumer._broken
 
 
 def test_header_safe_one_printable_ascii_line():

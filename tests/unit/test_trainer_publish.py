@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.weights import spare_dir, version_dir
+from asyncrl.weights import version_dir
 from services.trainer.publish import write_version
 
 
@@ -74,29 +74,12 @@ def test_write_version_first_version_makes_experiment_dir(tmp_path):
     assert (version_dir(root, "e", 1) / "config.json").read_bytes() == b"{}"
 
 
-def test_write_version_keeps_newest_and_an_empty_spare_beside(tmp_path):
+def test_write_version_keeps_newest(tmp_path):
     src, root = _tokenizer(tmp_path), tmp_path / "weights"
     for version in range(1, 8):
         write_version(root, "e", version, {"config.json": b"%d" % version}, src, keep=3)
     assert sorted(p.name for p in (root / "e").iterdir()) == ["v000005", "v000006", "v000007"]
-    assert list(Path(spare_dir(root, "e")).iterdir()) == []
     assert (version_dir(root, "e", 7) / "config.json").read_bytes() == b"7"
-
-
-def test_write_version_pruned_version_dir_is_next_ones_temp_dir(tmp_path):
-    src, root = _tokenizer(tmp_path), tmp_path / "weights"
-    for version in (1, 2):
-        write_version(root, "e", version, {"config.json": b"{}"}, src, keep=1)
-    spare = Path(spare_dir(root, "e")).stat().st_ino  # version 1's directory, emptied
-    write_version(root, "e", 3, {"config.json": b"3"}, src, keep=1)
-    third = version_dir(root, "e", 3)
-    assert third.stat().st_ino == spare
-    assert sorted(p.name for p in third.iterdir()) == [
-        "config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-    ]
-    assert (third / "config.json").read_bytes() == b"3"
 
 
 def test_write_version_leftover_temp_dir_left_alone_not_a_version(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from asyncrl.weights import make_temp_dir, prune, publish_version, spare_dir, version_dir
+from asyncrl.weights import prune, publish_version, version_dir
 
 
 def _version(root: Path, version: int, exp: str = "e") -> Path:
@@ -66,39 +66,6 @@ def test_prune_symlinked_version_not_followed(tmp_path):
     _version(tmp_path, 2)
     prune(tmp_path, "e", keep=1)
     assert (elsewhere / "config.json").read_text() == "keep me"
-
-
-def test_prune_spare_first_removed_emptied_kept_beside_rest_removed(tmp_path):
-    first = _version(tmp_path, 1).stat().st_ino
-    for v in range(2, 5):
-        _version(tmp_path, v)
-    prune(tmp_path, "e", keep=2, spare=True)
-    assert _names(tmp_path / "e") == ["v000003", "v000004"]
-    spare = Path(spare_dir(tmp_path, "e"))
-    assert spare.parent == tmp_path and spare.stat().st_ino == first
-    assert _names(spare) == []
-
-
-def test_prune_spare_replaces_an_empty_one(tmp_path):
-    for v in range(1, 3):
-        _version(tmp_path, v)
-    Path(spare_dir(tmp_path, "e")).mkdir()
-    prune(tmp_path, "e", keep=1, spare=True)
-    assert _names(tmp_path / "e") == ["v000002"]
-    assert _names(Path(spare_dir(tmp_path, "e"))) == []
-
-
-def test_make_temp_dir_takes_spare_else_makes_one(tmp_path):
-    root, exp = tmp_path / "weights", tmp_path / "weights" / "e"
-    made = Path(make_temp_dir(root, "e", "v000001"))  # no experiment dir yet
-    assert made.parent == exp and made.name.startswith(".tmp-v000001-")
-    Path(spare_dir(root, "e")).mkdir()
-    spare = Path(spare_dir(root, "e")).stat().st_ino
-    taken = Path(make_temp_dir(root, "e", "v000002"))
-    assert taken.parent == exp and taken.name.startswith(".tmp-v000002-")
-    assert taken.stat().st_ino == spare and not Path(spare_dir(root, "e")).exists()
-    again = Path(make_temp_dir(root, "e", "v000002"))
-    assert again != taken and _names(again) == []
 
 
 def test_publish_version_replaces_existing_version(tmp_path):

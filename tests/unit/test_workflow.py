@@ -3,6 +3,8 @@ resolution, and the spec/wire form of `rollout.workflow`."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from asyncrl.convert import sample_from_proto, sample_to_proto
@@ -14,7 +16,9 @@ from asyncrl.workflow import (
     Score,
     SingleTurn,
     Trajectory,
+    Workflow,
     WorkflowContext,
+    generate_all,
     make_workflow,
     resolve_workflow,
 )
@@ -30,7 +34,25 @@ class CharTok:
         return "".join(chr(i) for i in ids)
 
 
-def scripted_context(answers: list[str], right: str = "7", fail_on: str = "", version=3):
+def _completion(text: str, version: int) -> Completion:
+    ids = [ord(c) for c in text]
+    return Completion(
+        output_ids=ids,
+        logprobs=[-1.0] * len(ids),
+        versions=[version] * len(ids),
+        finish_reason="stop",
+        text=text,
+    )
+
+
+def scripted_context(
+    answers: list[str],
+    right: str = "7",
+    fail_on: str = "",
+    version=3,
+    index: int = 0,
+    generate_many=None,
+):
     """A context whose engine returns `answers` in turn (version `version`, logprob -1 per
     token) and whose reward is 1.0 for `right`, FAILED for `fail_on`, 0 otherwise."""
     calls: list[tuple[str, list[int], SamplingParams]] = []
@@ -39,8 +61,7 @@ def scripted_context(answers: list[str], right: str = "7", fail_on: str = "", ve
 
     async def generate(rid, input_ids, params):
         calls.append((rid, input_ids, params))
-        ids = [ord(c) for c in next(it)]
-        return Completion(ids, [-1.0] * len(ids), [version] * len(ids), "stop")
+        return _completion(next(it), version)
 
     async def score(prompt, text):
         scored.append(text)
@@ -52,16 +73,71 @@ def scripted_context(answers: list[str], right: str = "7", fail_on: str = "", ve
         prompt="q",
         answer=right,
         prompt_ids=[ord("q")],
-        index=0,
+        index=index,
         is_eval=False,
         params=SamplingParams(max_new_tokens=8),
         tokenizer=CharTok(),
         generate=generate,
         score=score,
         version=lambda: version,
-        request_id="g:0",
+        request_id=f"g:{index}",
+        generate_many=generate_many,
     )
     return ctx, calls, scored
+
+
+async def test_single_turn_run_group_is_one_engine_call_with_each_samples_request_id():
+    batches = []
+
+    async def generate_many(requests):
+        batches.append(requests)
+        return [_completion(f"a{i}", 5) for i in range(len(requests))]
+
+    ctxs = [scripted_context([], index=i, generate_many=generate_many)[0] for i in range(3)]
+    trajs = await SingleTurn().run_group(ctxs)
+    [batch] = batches
+    assert [(rid, ids) for rid, ids, _ in batch] == [("g:0", [113]), ("g:1", [113]), ("g:2", [113])]
+    assert [t.output_ids for t in trajs] == [[97, 48], [97, 49], [97, 50]]
+    assert [(t.text, t.loss_mask, t.versions, t.turns) for t in trajs] == [
+        (f"a{i}", [1, 1], [5, 5], 1) for i in range(3)
+    ]
+    assert [t.reward for t in trajs] == [None] * 3  # left for the rollout to score
+
+
+async def test_generate_all_without_group_call_generates_each_context_in_order():
+    made = [scripted_context([f"x{i}"], index=i) for i in range(3)]
+    got = await generate_all([ctx for ctx, _, _ in made], max_new_tokens=2)
+    assert [c.text for c in got] == ["x0", "x1", "x2"]
+    assert [calls[0][0] for _, calls, _ in made] == ["g:0", "g:1", "g:2"]
+    assert all(calls[0][2].max_new_tokens == 2 for _, calls, _ in made)
+
+
+class FailsAt(Workflow):
+    """Sample 1 raises; the others wait until cancelled."""
+
+    def __init__(self):
+        self.cancelled = 0
+
+    async def run(self, ctx):
+        if ctx.index == 1:
+            await asyncio.sleep(0)  # the others are running by then
+            raise RuntimeError("sample 1 failed")
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+async def test_workflow_run_group_default_runs_each_first_failure_cancels_others():
+    ctxs = [scripted_context(["ab", "cd"], index=i)[0] for i in range(2)]
+    trajs = await MultiTurn(max_turns=1).run_group(ctxs)
+    assert [t.output_ids for t in trajs] == [[97, 98], [97, 98]]
+    flow = FailsAt()
+    ctxs = [scripted_context([], index=i)[0] for i in range(3)]
+    with pytest.raises(RuntimeError, match="sample 1 failed"):
+        await flow.run_group(ctxs)
+    assert flow.cancelled == 2
 
 
 async def test_single_turn_is_one_call_unscored_all_policy_tokens():
