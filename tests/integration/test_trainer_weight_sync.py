@@ -18,7 +18,7 @@ from services.rollout.sglang_config import SGLangConfig
 from services.rollout.sglang_engine import SGLangEngine
 from services.trainer.server import create_trainer
 from tests.fakes.sglang_server import spawn_fake, tensor_digest
-from tests.integration.test_trainer_service import EXP, RecordingScheduler, _group, _spec
+from tests.fakes.trainer_env import EXP, RecordingScheduler, _group, _spec
 
 
 class UpdatingScheduler(RecordingScheduler):

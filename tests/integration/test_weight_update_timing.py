@@ -26,8 +26,8 @@ from services.rollout.service import RolloutService
 from services.rollout.torch_engine import TorchEngine
 from services.trainer.backends.torch_backend import TorchBackend
 from services.trainer.server import TrainerCollector
-from tests.integration import test_trainer_service
-from tests.integration.test_trainer_service import (
+from tests.fakes import trainer_env
+from tests.fakes.trainer_env import (
     EXP,
     RecordingScheduler,
     _group,
@@ -37,7 +37,7 @@ from tests.integration.test_trainer_service import (
 )
 
 COMMIT_DELAY_S = 0.3
-start_trainer = test_trainer_service.start_trainer  # its trainers commit to `scheduler` below
+start_trainer = trainer_env.start_trainer  # its trainers commit to `scheduler` below
 
 
 def _samples(collector, name: str) -> dict[tuple, float]:

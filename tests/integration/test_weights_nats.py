@@ -26,11 +26,11 @@ from services.rollout.server import RolloutServicer
 from services.rollout.service import RolloutService
 from services.rollout.torch_engine import TorchEngine
 from services.trainer.service import keep_versions
-from tests.integration import test_trainer_service
-from tests.integration.test_trainer_service import EXP, _group, _spec, _wait_commits
+from tests.fakes import trainer_env
+from tests.fakes.trainer_env import EXP, _group, _spec, _wait_commits
 
-scheduler = test_trainer_service.scheduler  # the recording scheduler and a trainer factory
-start_trainer = test_trainer_service.start_trainer
+scheduler = trainer_env.scheduler  # the recording scheduler and a trainer factory
+start_trainer = trainer_env.start_trainer
 
 
 @pytest.fixture
