@@ -36,7 +36,7 @@ from services.scheduler.context import (
 from services.scheduler.dataset import Prompt, load_prompts
 from services.scheduler.experiments import ExperimentRunner
 from services.scheduler.history import HistoryLog
-from services.scheduler.records import CommitResult, ExperimentRecord, ExperimentState
+from services.scheduler.records import CommitResult, ExperimentRecord
 from services.scheduler.registry import Registry, Worker, WorkerKind
 from services.scheduler.state import StateStore
 
@@ -129,16 +129,19 @@ class Scheduler:
         spec = validate_spec(record.spec)
         prompts: list[Prompt] = []
         eval_prompts: list[Prompt] = []
+        error = None
         if not record.state.terminal:
             try:
                 prompts, eval_prompts = await asyncio.to_thread(load_datasets, spec)
             except (SpecError, OSError) as e:
-                record.state, record.message = ExperimentState.FAILED, f"cannot resume: {e}"
-                log.error("experiment_resume_failed", experiment=record.id, error=str(e))
-                await self.store.save(record)
+                error = e
         runner = ExperimentRunner(record, spec, prompts, eval_prompts, self._ctx)
         self.runners[record.id] = runner
-        if not record.state.terminal:
+        if error is not None:
+            runner.abandon(f"cannot resume: {error}")
+            log.error("experiment_resume_failed", experiment=record.id, error=str(error))
+            await self.store.save(record)
+        elif not record.state.terminal:
             log.info("experiment_resuming", experiment=record.id, version=record.progress.version)
             runner.start()
 

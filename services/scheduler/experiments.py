@@ -45,6 +45,7 @@ from services.scheduler.calls import (
 from services.scheduler.context import RunnerContext
 from services.scheduler.dataset import Prompt
 from services.scheduler.dispatch import Dispatcher, DispatchHooks
+from services.scheduler.lifecycle import Lifecycle, Phase
 from services.scheduler.policy import StalenessManager
 from services.scheduler.records import (
     CommitResult,
@@ -94,20 +95,13 @@ class ExperimentRunner:
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self._subscribers: set[asyncio.Queue] = set()
-        self._finishing = False
-        self._ending = False
-        """`_end` is under way (it stops the trainer before the state turns terminal)."""
-        self._finish_reason = ""
+        self.lifecycle = Lifecycle(record)
         self._start_failures = 0
         self._trainer_id: str | None = None
         """The trainer StartExperiment last succeeded on (any other bound trainer is started)."""
         self._started_trainer: Worker | None = None
         """That trainer: it may still commit (to be told to stop) once it is no longer bound."""
         self._trainer_known = asyncio.Event()
-        self._redrive = ""
-        """Why the bound trainer must be started again (set by the watchdog)."""
-        self._fail = ""
-        """Set by the watchdog when the experiment must end FAILED (with this reason)."""
         self._trainer_failures = 0
         """Failures the trainer reported since the last commit."""
         self._poll_now = asyncio.Event()
@@ -139,16 +133,16 @@ class ExperimentRunner:
 
     @property
     def terminal(self) -> bool:
-        return self.record.state.terminal
+        return self.lifecycle.terminal
 
     @property
     def finishing(self) -> bool:
-        return self._finishing
+        return self.lifecycle.phase is Phase.FINISHING
 
     @property
     def ending(self) -> bool:
         """Entering its terminal state: takes no more workers."""
-        return self._ending
+        return self.lifecycle.phase is Phase.ENDING
 
     def trainer(self) -> Worker | None:
         bound = self.registry.bound(self.id, WorkerKind.TRAINER)
@@ -173,7 +167,13 @@ class ExperimentRunner:
             self._task = asyncio.create_task(self._run(), name=f"experiment-{self.id}")
 
     async def cancel(self) -> None:
-        await self._end(ExperimentState.CANCELLED, "cancelled by user")
+        await self._end(Phase.CANCELLED, "cancelled by user")
+
+    def abandon(self, message: str) -> None:
+        """A persisted experiment that cannot resume (its dataset is gone): FAILED, never
+        started (nothing is bound to it yet)."""
+        self.lifecycle.to(Phase.ENDING)
+        self.lifecycle.to(Phase.FAILED, message=message)
 
     async def shutdown(self) -> None:
         """The scheduler is stopping: stop all tasks and keep the state as it is (it resumes,
@@ -186,16 +186,14 @@ class ExperimentRunner:
         self._subscribers.clear()
 
     async def _run(self) -> None:
+        """PENDING -> BINDING -> STARTING -> RUNNING (dispatch, under the watchdog) until the
+        run ends; back to PENDING when the trainer is lost or must be started again."""
         try:
             while not self.terminal:
-                if self._fail:  # the watchdog gave up on the trainer
-                    await self._end(ExperimentState.FAILED, self._fail)
+                if self.lifecycle.phase is Phase.FAILING:  # the watchdog gave up on the trainer
+                    await self._end(Phase.FAILED, self.lifecycle.reason)
                     return
-                await self._wait_for_workers()
-                await self._bind_rewards()
-                if self.terminal:
-                    return
-                if await self._start_trainer():
+                if self.finishing or await self._prepare():
                     watchdog = asyncio.create_task(self._watch(), name=f"watchdog-{self.id}")
                     try:
                         await self._dispatch_loop()
@@ -205,7 +203,19 @@ class ExperimentRunner:
             raise
         except Exception as e:  # noqa: BLE001 - a bug must fail the experiment visibly
             self.log.exception("experiment_runner_crashed")
-            await self._end(ExperimentState.FAILED, f"scheduler error: {type(e).__name__}: {e}")
+            await self._end(Phase.FAILED, f"scheduler error: {type(e).__name__}: {e}")
+
+    async def _prepare(self) -> bool:
+        """Wait for workers, bind the reward workers, start the trainer: True once RUNNING
+        (or finishing: a commit at total_steps landed meanwhile)."""
+        why = self.lifecycle.reason if self.lifecycle.phase is Phase.RESTARTING else ""
+        await self._wait_for_workers()
+        if self.lifecycle.phase is not Phase.PENDING:  # finishing meanwhile
+            return False
+        await self._bind_rewards()
+        if self.lifecycle.phase is not Phase.BINDING:  # a worker refused the spec
+            return False
+        return await self._start_trainer(why)
 
     def _missing_workers(self) -> list[str]:
         missing = []
@@ -218,8 +228,11 @@ class ExperimentRunner:
         return missing
 
     async def _wait_for_workers(self) -> None:
-        self._set_state(ExperimentState.PENDING)
-        while True:
+        """Enter PENDING and return once a trainer, a rollout and a reward worker are there
+        (or the run began finishing meanwhile)."""
+        if self.lifecycle.phase is not Phase.PENDING:
+            self._enter(Phase.PENDING)
+        while self.lifecycle.phase is Phase.PENDING:
             self._wake.clear()
             missing = self._missing_workers()
             if not missing:
@@ -231,13 +244,13 @@ class ExperimentRunner:
                 self._persist()
             await self._wake.wait()
 
-    async def _start_trainer(self) -> bool:
+    async def _start_trainer(self, why: str) -> bool:
         """StartExperiment -> version k (0 or a checkpoint): the fleet resumes at k."""
         trainer = self.trainer()
         if trainer is None:
             return False
-        why, self._redrive = self._redrive, ""
-        self.record.message = f"starting trainer {trainer.worker_id}" + (f" ({why})" if why else "")
+        message = f"starting trainer {trainer.worker_id}" + (f" ({why})" if why else "")
+        self._enter(Phase.STARTING, message=message)
         self._persist()
         try:
             resp = await self.calls.start_trainer(trainer, self.config.trainer_start_timeout_s)
@@ -259,7 +272,10 @@ class ExperimentRunner:
                 self.record.fleet_uri = self._uri_for(k)
                 self.fleet.ready.clear()
             self.fleet.set_target(k, self.record.fleet_uri)  # a later version is not trained
-        self._set_state(ExperimentState.RUNNING, "")
+        if self.lifecycle.phase is Phase.STARTING:  # else finishing: a commit landed meanwhile
+            self._enter(Phase.RUNNING, message="")
+        else:
+            self.record.message = ""
         self.log.info(
             "experiment_started", version=k, resumed=resp.resumed, worker=trainer.worker_id
         )
@@ -275,6 +291,7 @@ class ExperimentRunner:
         """Send the spec to every reward worker before the trainer starts: a worker that cannot
         load the reward function refuses it (INVALID_ARGUMENT) and the experiment fails with
         its message. Any other error is left to the rollouts, which bind it again anyway."""
+        self._enter(Phase.BINDING)
         addresses = self.registry.reward_addresses()
         timeout = self.config.bind_timeout_s
         results = await asyncio.gather(
@@ -282,7 +299,7 @@ class ExperimentRunner:
         )
         for address, result in zip(addresses, results, strict=True):
             if isinstance(result, BindRefused):
-                await self._end(ExperimentState.FAILED, f"reward worker {address} {result}")
+                await self._end(Phase.FAILED, f"reward worker {address} {result}")
                 return
             if isinstance(result, grpc.aio.AioRpcError):
                 self.log.warning(
@@ -310,9 +327,7 @@ class ExperimentRunner:
             e.code() == grpc.StatusCode.INVALID_ARGUMENT
             or self._start_failures >= self.config.max_start_failures
         ):
-            await self._end(
-                ExperimentState.FAILED, f"trainer could not start the experiment: {e.details()}"
-            )
+            await self._end(Phase.FAILED, f"trainer could not start the experiment: {e.details()}")
             return
         self.registry.unbind(trainer, self.config.fence_cooldown_s)
         self.record.message = f"trainer {trainer.worker_id} failed to start: {e.details()}"
@@ -330,9 +345,10 @@ class ExperimentRunner:
         dispatched = 0
         while True:
             self._wake.clear()
-            if self.terminal:
+            phase = self.lifecycle.phase
+            if not self.lifecycle.live:
                 return
-            if self._finishing:
+            if phase is Phase.FINISHING:
                 if self.dispatcher.evaluator.idle and self.version >= self.committed_version:
                     await self._end(*self._outcome())
                     return
@@ -349,8 +365,7 @@ class ExperimentRunner:
                 continue
             ready = [w for w in self.rollouts() if w.worker_id in self.fleet.ready]
             training = (
-                not self._finishing
-                and self.state == ExperimentState.RUNNING
+                phase is Phase.RUNNING
                 and self.version >= self.committed_version  # never on weights already stale
             )
             if self.dispatcher.dispatch_one(ready, self.registry.reward_addresses(), training):
@@ -364,12 +379,14 @@ class ExperimentRunner:
 
     def _trainer_changed(self) -> str:
         """Why the loop must start a trainer again; "" while the one it started runs."""
+        if self.lifecycle.phase in (Phase.RESTARTING, Phase.FAILING):  # the watchdog's word
+            return self.lifecycle.reason
         trainer = self.trainer()
         if trainer is None:
             return "trainer lost"
         if trainer.worker_id != self._trainer_id:
             return f"trainer {trainer.worker_id} replaced {self._trainer_id}"
-        return self._redrive
+        return ""
 
     async def settled(self) -> None:
         """Return once the dispatch loop has handled every event so far and waits for the next
@@ -389,31 +406,35 @@ class ExperimentRunner:
     # ---- watchdog ----------------------------------------------------------------------------
 
     async def _watch(self) -> None:
-        """Poll the trainer and the progress; a reason to act wakes the dispatch loop, which
-        goes back to `_start_trainer` (that ends the experiment when `_fail` is set)."""
+        """Poll the trainer and the progress while RUNNING; a reason to act is RESTARTING (the
+        loop starts the trainer again) or, when the watchdog gives up, FAILING (the loop ends
+        the run FAILED with that reason)."""
         while True:
             try:
                 await asyncio.wait_for(self._poll_now.wait(), self.config.trainer_poll_interval_s)
             except TimeoutError:
                 pass
             self._poll_now.clear()
-            if self._finishing or self.terminal or self._redrive:
+            if self.lifecycle.phase is not Phase.RUNNING:
                 continue
-            why = await self._check_trainer() or self._check_progress()
-            if why:
-                self.log.warning("trainer_check_failed", reason=why, fail=self._fail)
-                self._redrive = why
+            why, fail = await self._check_trainer()
+            if not why:
+                why, fail = self._check_progress()
+            if self.lifecycle.phase is Phase.RUNNING and why:
+                self.log.warning("trainer_check_failed", reason=why, fail=fail)
+                self._enter(Phase.FAILING if fail else Phase.RESTARTING, reason=fail or why)
                 self._wake.set()
 
     def check_trainer_soon(self) -> None:
         """The bound trainer registered again (it may have restarted): ask it now."""
         self._poll_now.set()
 
-    async def _check_trainer(self) -> str:
-        """Why the trainer this runner started must be started again ("" if it runs fine)."""
+    async def _check_trainer(self) -> tuple[str, str]:
+        """Why the trainer this runner started must be started again ("" if it runs fine),
+        and why the run must fail instead ("" unless it failed too often in a row)."""
         trainer = self.trainer()
         if trainer is None or trainer.worker_id != self._trainer_id:
-            return ""  # the dispatch loop sees that itself
+            return "", ""  # the dispatch loop sees that itself
         stub = trainer_pb2_grpc.TrainerStub(self.ctx.channels.get(trainer.address))
         try:
             status = await stub.GetStatus(
@@ -421,19 +442,19 @@ class ExperimentRunner:
             )
         except grpc.aio.AioRpcError as e:
             self.log.warning("trainer_status_failed", worker=trainer.worker_id, code=e.code().name)
-            return ""  # dead or busy: its lease decides
+            return "", ""  # dead or busy: its lease decides
         state = TrainerState.reported(status.state)
         if status.experiment_id == self.id and state == TrainerState.FAILED:
             self._trainer_failures += 1
             why = f"trainer {trainer.worker_id} failed: {status.message or 'no message'}"
             if self._trainer_failures >= self.config.max_start_failures:
-                self._fail = f"{why} ({self._trainer_failures} failures in a row)"
-            return why
+                return why, f"{why} ({self._trainer_failures} failures in a row)"
+            return why, ""
         if status.experiment_id != self.id or not state.active:
-            return f"trainer {trainer.worker_id} is {state.value}, not running {self.id}"
-        return ""
+            return f"trainer {trainer.worker_id} is {state.value}, not running {self.id}", ""
+        return "", ""
 
-    def _check_progress(self) -> str:
+    def _check_progress(self) -> tuple[str, str]:
         """A reason if nothing moved (no commit, no group settled, no rollout joined) for
         progress_timeout_s; the second time in a row the experiment fails with it."""
         s = self.staleness
@@ -443,18 +464,17 @@ class ExperimentRunner:
         now = time.monotonic()
         if mark != self._progress_mark:
             self._progress_mark, self._progress_at, self._stalled = mark, now, False
-            return ""
+            return "", ""
         idle_s = now - self._progress_at
         if idle_s < self.config.progress_timeout_s:
-            return ""
+            return "", ""
         why = (
             f"no progress for {idle_s:.0f}s: no step committed after v{self.version} and no"
             f" group settled ({s.running} running on {len(self.fleet.ready)} ready rollouts)"
         )
-        if self._stalled:
-            self._fail = why + ", also after the trainer was started again"
+        fail = why + ", also after the trainer was started again" if self._stalled else ""
         self._stalled, self._progress_at = True, now
-        return why
+        return why, fail
 
     # ---- workers -----------------------------------------------------------------------------
 
@@ -476,7 +496,7 @@ class ExperimentRunner:
                 worker, lambda: worker.experiment_id == self.id, self.config.bind_timeout_s
             )
         except BindRefused as e:
-            await self._end(ExperimentState.FAILED, f"rollout {worker.worker_id} {e}")
+            await self._end(Phase.FAILED, f"rollout {worker.worker_id} {e}")
             return
         except grpc.aio.AioRpcError as e:
             self._fence(worker, f"UpdateWeights failed: {e.code().name}")
@@ -556,7 +576,7 @@ class ExperimentRunner:
         at total_steps. The ready rollouts load it in the background (`_update_fleet`).
         The caller was authorized first (`authorize_trainer`)."""
         t0 = time.perf_counter()
-        over = self.terminal or self._finishing
+        over = self.lifecycle.stopping
         if over or version <= self.committed_version:  # a retry, or late
             return CommitResult(self.version, 0, 0, over)
         self.fleet.set_target(version, uri)
@@ -593,13 +613,13 @@ class ExperimentRunner:
         self.fleet.commit_s = time.perf_counter() - t0
         self._observe("commit", self.fleet.commit_s)
         await self._fleet_reaches(version - fleet_lag(self.spec.rollout), version)
-        return CommitResult(self.version, 0, 0, self._finishing or self.terminal)
+        return CommitResult(self.version, 0, 0, self.lifecycle.stopping)
 
     async def _fleet_reaches(self, target: int, committed: int) -> None:
         """Return once the fleet serves `target`, or once waiting makes no sense any more (the
         run ends, or the trainer was started again from an older version than `committed`)."""
         while self.version < target and self.committed_version >= committed:
-            if self.terminal or self._ending:
+            if not self.lifecycle.live:
                 return
             await self.fleet.moved()
 
@@ -638,7 +658,7 @@ class ExperimentRunner:
             fenced=len(update.failed),
             **{f"{k}_s": round(v, 4) for k, v in seconds.items()},
         )
-        if not self._finishing:
+        if not self.lifecycle.stopping:
             self._maybe_eval(update.version, since=update.previous)
         elif update.version >= self.committed_version:
             self._maybe_eval(update.version, final=True)
@@ -695,10 +715,9 @@ class ExperimentRunner:
     def _begin_finish(self, reason: str) -> None:
         """Stop training dispatch, cancel training groups in flight (not counted as drops), and
         run the final eval; the dispatch loop completes the experiment once evals are done."""
-        if self._finishing:
+        if self.lifecycle.stopping:
             return
-        self._finishing = True
-        self._finish_reason = reason
+        self._enter(Phase.FINISHING, reason=reason)
         batch = self.spec.trainer.batch_size
         untrained = self.staleness.accepted - self.committed_version * batch
         self.record.progress.left_over = max(0, untrained)
@@ -711,15 +730,15 @@ class ExperimentRunner:
         self._wake.set()
         self._persist()
 
-    def _outcome(self) -> tuple[ExperimentState, str]:
+    def _outcome(self) -> tuple[Phase, str]:
         """COMPLETED with the finish reason (and the groups left over), or FAILED when no step
         was trained, saying what happened to the groups."""
         p, batch = self.snapshot().progress, self.spec.trainer.batch_size
-        reason = self._finish_reason
+        reason = finish_reason = self.lifecycle.reason  # FINISHING's
         if p.left_over:
             reason += f"; {p.left_over} accepted groups left over, never trained"
         if self.version > 0 or self.record.history:
-            return ExperimentState.COMPLETED, reason
+            return Phase.COMPLETED, reason
         counts = (
             f"{p.accepted} groups accepted (batch_size={batch}), {p.rejected} filtered,"
             f" {p.failed} failed"
@@ -727,17 +746,16 @@ class ExperimentRunner:
         top = sorted(self.record.failure_reasons.items(), key=lambda kv: -kv[1])[:3]
         if top:
             counts += " (" + "; ".join(f"{n}x {why}" for why, n in top) + ")"
-        return ExperimentState.FAILED, f"trained nothing: {self._finish_reason}: {counts}"
+        return Phase.FAILED, f"trained nothing: {finish_reason}: {counts}"
 
-    async def _end(self, state: ExperimentState, message: str) -> None:
-        """Enter a terminal state: stop everything, free the workers, stop the trainer, and
-        only then say so, so a client that sees the end also sees the trainer's last ledger
-        events (what it left over) and its final checkpoint."""
-        if self.terminal or self._ending:
+    async def _end(self, phase: Phase, message: str) -> None:
+        """ENDING, then the terminal `phase`: stop everything, free the workers, stop the
+        trainer, and only then say so, so a client that sees the end also sees the trainer's
+        last ledger events (what it left over) and its final checkpoint."""
+        if not self.lifecycle.live:
             return
-        self._ending = True
+        self._enter(Phase.ENDING)  # a commit meanwhile is told to stop
         self.fleet.notify()
-        self._finishing = True  # a commit meanwhile is told to stop
         self.dispatcher.cancel(training_only=False)
         current = asyncio.current_task()
         for t in (self._task, *self._background):
@@ -758,19 +776,18 @@ class ExperimentRunner:
         await self.dispatcher.ledger.flush()
         for w in self.rollouts():  # bound while the trainer stopped (still live, finishing):
             self.registry.unbind(w)  # a terminal experiment must hold no worker
-        self._finishing = False
-        self._set_state(state, message)
-        self.log.info("experiment_ended", state=state.value, message=message, version=self.version)
+        self._enter(phase, message=message)
+        self.log.info(
+            "experiment_ended", state=self.state.value, message=message, version=self.version
+        )
         self.ctx.workers_changed()
 
     # ---- plumbing ----------------------------------------------------------------------------
 
-    def _set_state(self, state: ExperimentState, message: str | None = None) -> None:
-        changed = state != self.record.state
-        self.record.state = state
-        if message is not None:
-            self.record.message = message
-        if changed:
+    def _enter(self, phase: Phase, reason: str = "", message: str | None = None) -> None:
+        """The one way the runner changes phase (`Lifecycle.to` refuses an illegal one); a
+        change of the public state is persisted and told to watchers."""
+        if self.lifecycle.to(phase, reason, message):
             self._persist()
             self._emit(Event("state"))
 

@@ -29,6 +29,7 @@ from asyncrl.v1 import (
 )
 from asyncrl.worker import WorkerAgent
 from services.rollout.server import GroupCallError, GroupsServicer
+from services.scheduler.lifecycle import Phase
 from services.scheduler.server import create_scheduler
 from services.scheduler.state import record_key
 
@@ -801,7 +802,7 @@ async def test_trainer_freed_by_an_ending_experiment_stays_free_for_the_next(clu
     core = cluster.scheduler
     runner = core.get(exp_id)
     trainer = runner.trainer()
-    runner._ending = True  # as `_end` is between freeing its trainer and its terminal state
+    runner.lifecycle.to(Phase.ENDING)  # as `_end` between freeing its trainer and the end
     core.registry.unbind(trainer)
     core._reconcile()
     assert runner.trainer() is None and trainer.experiment_id is None
