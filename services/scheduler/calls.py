@@ -216,13 +216,14 @@ class FleetWeights:
     trainer's newest commit). `lock` is held across a fleet update (broadcast then version
     change), so a rollout being synced sees an update fully done or not started."""
 
-    def __init__(self, calls: WorkerCalls, fleet: Callable[[], tuple[int, str]]):
+    def __init__(self, calls: WorkerCalls, version: int, uri: str):
         self.calls = calls
-        self.fleet = fleet
-        """Returns the fleet's (version, uri)."""
+        self.version = version
+        """The fleet version: the weights the ready rollouts serve (admission uses it)."""
+        self.uri = uri
         self.ready: set[str] = set()
         self.lock = asyncio.Lock()
-        self.target: tuple[int, str] = fleet()
+        self.target: tuple[int, str] = (version, uri)
         """The trainer's newest committed (version, uri): where the fleet is being taken."""
         self.target_at = time.monotonic()
         self.task: asyncio.Task | None = None
@@ -266,12 +267,12 @@ class FleetWeights:
         refuses the experiment, AioRpcError on any other failure."""
         await self.calls.bind(worker, timeout)
         while True:
-            version, uri = self.fleet()
+            version, uri = self.version, self.uri
             await self.calls.update_weights(worker, version, uri, timeout)
             async with self.lock:
                 if not still_bound():
                     return None
-                if version == self.fleet()[0]:
+                if version == self.version:
                     worker.version = version
                     self.ready.add(worker.worker_id)
                     return version

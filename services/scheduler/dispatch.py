@@ -88,7 +88,7 @@ class Dispatcher:
         self.staleness = StalenessManager(
             spec.rollout.max_concurrent_rollouts, spec.trainer.batch_size, self.eta, version
         )
-        self.staleness.load_counters(vars(record.progress))
+        self.staleness.load_counters(record.progress)
         self.cursor = DatasetCursor(
             len(prompts),
             spec.dataset.epochs,
@@ -124,12 +124,8 @@ class Dispatcher:
         self.throughput = Throughput(THROUGHPUT_WINDOW_S)
         """Tokens the fleet generated for this experiment."""
 
-    def snapshot_into(self, record: ExperimentRecord) -> None:
-        p = record.progress
-        for name, value in self.staleness.counters().items():
-            setattr(p, name, value)
-        p.epoch, p.cursor = self.cursor.epoch, self.cursor.position
-        p.rollout_tokens_per_s = self.throughput.rate()
+    def save_into(self, record: ExperimentRecord) -> None:
+        """What a resume needs: the cursor and the tickets in flight and awaiting."""
         record.cursor = self.cursor.state()
         record.inflight = [
             [i.ticket.epoch, i.ticket.index, i.ticket.attempt]
@@ -151,8 +147,9 @@ class Dispatcher:
         """No prompt left, none in flight, and fewer untrained accepted groups than a batch
         (the trainer committed `trained_version`, so it trained that many batches)."""
         batch = self.spec.trainer.batch_size
-        untrained = self.staleness.accepted - trained_version * batch
-        return self.cursor.exhausted and self.staleness.running == 0 and untrained < batch
+        counts = self.staleness.counts
+        untrained = counts.accepted - trained_version * batch
+        return self.cursor.exhausted and counts.running == 0 and untrained < batch
 
     # ---- dispatch ----------------------------------------------------------------------------
 
@@ -198,7 +195,6 @@ class Dispatcher:
             epoch=ticket.epoch,
         )
         self.staleness.on_submit()
-        self.record.progress.dispatched += 1
         self._start(InFlight(request.group_id, worker, version, ticket=ticket), request)
         self.ledger.emit(
             "dispatched",

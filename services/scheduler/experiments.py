@@ -47,6 +47,7 @@ from services.scheduler.dataset import Prompt
 from services.scheduler.dispatch import Dispatcher, DispatchHooks
 from services.scheduler.lifecycle import Lifecycle, Phase
 from services.scheduler.policy import StalenessManager
+from services.scheduler.progress import ProgressBook
 from services.scheduler.records import (
     CommitResult,
     Event,
@@ -77,7 +78,8 @@ class ExperimentRunner:
         self.registry = ctx.registry
         self.log = get_logger(experiment=record.id)
         self.calls = WorkerCalls(record.id, spec, ctx.channels)
-        self.fleet = FleetWeights(self.calls, lambda: (self.version, self.record.fleet_uri))
+        self.fleet = FleetWeights(self.calls, record.progress.version, record.fleet_uri)
+        self.book = ProgressBook(record, ctx.history, self.log)
         hooks = DispatchHooks(changed=self._changed, fence=self._fence, eval_done=self._eval_done)
         self.dispatcher = Dispatcher(
             record,
@@ -94,7 +96,6 @@ class ExperimentRunner:
         self._idle = asyncio.Event()  # the dispatch loop waits for an event, nothing dispatchable
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-        self._subscribers: set[asyncio.Queue] = set()
         self.lifecycle = Lifecycle(record)
         self._start_failures = 0
         self._trainer_id: str | None = None
@@ -120,7 +121,7 @@ class ExperimentRunner:
     @property
     def version(self) -> int:
         """The fleet version: the weights the rollouts serve."""
-        return self.record.progress.version
+        return self.fleet.version
 
     @property
     def committed_version(self) -> int:
@@ -156,8 +157,12 @@ class ExperimentRunner:
         return self.dispatcher.staleness
 
     def snapshot(self) -> ExperimentRecord:
-        """The record with live counters copied in (what is persisted and served)."""
-        self.dispatcher.snapshot_into(self.record)
+        """The record with its progress made now (what is persisted and served)."""
+        d = self.dispatcher
+        rate = d.throughput.rate()
+        self.record.progress = self.book.progress(d.staleness.counts, self.version, d.cursor, rate)
+        self.record.fleet_uri = self.fleet.uri
+        d.save_into(self.record)
         return self.record
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -183,7 +188,7 @@ class ExperimentRunner:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._subscribers.clear()
+        self.book.close()
 
     async def _run(self) -> None:
         """PENDING -> BINDING -> STARTING -> RUNNING (dispatch, under the watchdog) until the
@@ -268,10 +273,9 @@ class ExperimentRunner:
             if resp.uri:  # the trainer's own word on where version k lives
                 self.record.weight_uris[k] = resp.uri
             if k != self.version:
-                self.record.progress.version = k
-                self.record.fleet_uri = self._uri_for(k)
+                self.fleet.version, self.fleet.uri = k, self._uri_for(k)
                 self.fleet.ready.clear()
-            self.fleet.set_target(k, self.record.fleet_uri)  # a later version is not trained
+            self.fleet.set_target(k, self.fleet.uri)  # a later version is not trained
         if self.lifecycle.phase is Phase.STARTING:  # else finishing: a commit landed meanwhile
             self._enter(Phase.RUNNING, message="")
         else:
@@ -336,7 +340,7 @@ class ExperimentRunner:
     def _uri_for(self, version: int) -> str:
         if version in self.record.weight_uris:
             return self.record.weight_uris[version]
-        return self.spec.model.path if version == 0 else self.record.fleet_uri
+        return self.spec.model.path if version == 0 else self.fleet.uri
 
     # ---- dispatch ----------------------------------------------------------------------------
 
@@ -457,7 +461,7 @@ class ExperimentRunner:
     def _check_progress(self) -> tuple[str, str]:
         """A reason if nothing moved (no commit, no group settled, no rollout joined) for
         progress_timeout_s; the second time in a row the experiment fails with it."""
-        s = self.staleness
+        s = self.staleness.counts
         mark = (self.version, self.committed_version, s.accepted, s.rejected, s.failed)
         mark += (s.stale_dropped,)
         mark += (len(self.record.evals), len(self.fleet.ready))
@@ -592,7 +596,7 @@ class ExperimentRunner:
             )
         metrics.version = version
         self.fleet.into_metrics(metrics)
-        self._record_step(metrics)
+        self.book.add_step(metrics)
         self.log.info(
             "version_committed",
             version=version,
@@ -637,8 +641,7 @@ class ExperimentRunner:
                 update = await self.fleet.broadcast(workers, version, uri)
                 for w, reason in update.failed:
                     self._fence(w, f"UpdateWeights v{version} failed: {reason}")
-                self.record.progress.version = version
-                self.record.fleet_uri = uri
+                self.fleet.version, self.fleet.uri = version, uri
             update.previous, update.lag_s = previous, time.monotonic() - committed_at
             self._fleet_updated(update)
 
@@ -665,18 +668,6 @@ class ExperimentRunner:
         self._wake.set()
         self._persist()
 
-    def _record_step(self, metrics: StepMetrics) -> None:
-        """Append the step (replacing the steps of a lineage the trainer discarded)."""
-        p = self.record.progress
-        for old in self.record.add_step(metrics):
-            p.trained_groups -= old.groups
-            self.log.warning("step_discarded", version=old.version, groups=old.groups)
-        self.ctx.history.append_step(self.id, metrics)
-        p.trained_groups += metrics.groups
-        p.staleness_max = max(p.staleness_max, metrics.staleness_max)
-        p.stale_groups += metrics.stale_groups
-        self._emit(Event("step", step=metrics))
-
     def report_dropped(self, group_ids: list[str]) -> int:
         """The trainer dropped accepted groups as too stale: free capacity, re-queue prompts.
         A group id the scheduler did not dispatch and accept for this experiment is a
@@ -699,17 +690,7 @@ class ExperimentRunner:
             self._wake.set()
 
     def _eval_done(self, result: EvalResult) -> None:
-        self.record.evals.append(result)
-        self.ctx.history.append_eval(self.id, result)
-        self.log.info(
-            "eval_done",
-            version=result.version,
-            accuracy=round(result.accuracy, 4),
-            reward_mean=round(result.reward_mean, 4),
-            samples=result.n_samples,
-            failed=result.failed,
-        )
-        self._emit(Event("eval", eval=result))
+        self.book.add_eval(result)
         self._persist()
 
     def _begin_finish(self, reason: str) -> None:
@@ -719,8 +700,8 @@ class ExperimentRunner:
             return
         self._enter(Phase.FINISHING, reason=reason)
         batch = self.spec.trainer.batch_size
-        untrained = self.staleness.accepted - self.committed_version * batch
-        self.record.progress.left_over = max(0, untrained)
+        untrained = self.staleness.counts.accepted - self.committed_version * batch
+        self.book.left_over = max(0, untrained)
         cancelled = self.dispatcher.cancel(training_only=True)
         self.log.info(
             "experiment_finishing", reason=reason, version=self.version, cancelled=cancelled
@@ -789,7 +770,7 @@ class ExperimentRunner:
         change of the public state is persisted and told to watchers."""
         if self.lifecycle.to(phase, reason, message):
             self._persist()
-            self._emit(Event("state"))
+            self.book.emit(Event("state"))
 
     def _observe(self, phase: str, seconds: float) -> None:
         """Into the fleet histogram, through this experiment's child per phase (looked up once:
@@ -802,18 +783,6 @@ class ExperimentRunner:
     def _persist(self) -> None:
         self.record.updated_unix_ms = int(time.time() * 1000)
         self.ctx.store.mark_dirty(self.id, self.snapshot)
-
-    def _emit(self, event: Event) -> None:
-        for q in self._subscribers:
-            q.put_nowait(event)
-
-    def subscribe(self) -> asyncio.Queue:
-        q: asyncio.Queue = asyncio.Queue()
-        self._subscribers.add(q)
-        return q
-
-    def unsubscribe(self, q: asyncio.Queue) -> None:
-        self._subscribers.discard(q)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)

@@ -39,20 +39,32 @@ class ExperimentState(StrEnum):
 
 
 @dataclass
-class Progress:
-    version: int = 0
-    """Fleet version: the weights the rollouts serve."""
+class GroupCounters:
+    """Training groups by outcome: what admission counts (`policy.StalenessManager` is their
+    only writer) and what a Progress reports."""
+
     accepted: int = 0
     rejected: int = 0
     failed: int = 0
     stale_dropped: int = 0
+    """Aborted by the scheduler or dropped by the trainer as too stale."""
+    requeued: int = 0
+    """Re-queued after an infrastructure fault (a failed call, a lost rollout)."""
     running: int = 0
     dispatched: int = 0
+
+
+@dataclass
+class Progress(GroupCounters):
+    """What an experiment has done, made in one place (`progress.ProgressBook.progress`) from
+    the objects that own each part; persisted with the record, served by GetExperiment."""
+
+    version: int = 0
+    """Fleet version: the weights the rollouts serve."""
     trained_groups: int = 0
     epoch: int = 0
     cursor: int = 0
     rollout_tokens_per_s: float = 0.0
-    requeued: int = 0
     staleness_max: int = 0
     stale_groups: int = 0
     left_over: int = 0

@@ -65,7 +65,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             runner = self.scheduler.get(request.experiment_id)
         except NotFound as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        queue = runner.subscribe()
+        queue = runner.book.subscribe()
         try:
             yield scheduler_pb2.ProgressEvent(kind="snapshot", experiment=_experiment(runner))
             interval = self.scheduler.config.snapshot_interval_s
@@ -81,7 +81,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             while not queue.empty():  # what came with the end (final eval, the state change)
                 yield _event(runner, queue.get_nowait())
         finally:
-            runner.unsubscribe(queue)
+            runner.book.unsubscribe(queue)
 
     # ---- workers -----------------------------------------------------------------------------
 
@@ -176,7 +176,7 @@ class SchedulerCollector(Collector):
         }
         accuracy = gauge("asyncrl_scheduler_last_eval_accuracy", "Accuracy of the last eval", label)
         for runner in self.scheduler.runners.values():
-            record = runner.record
+            record = runner.snapshot()
             for key, family in progress.items():
                 family.add_metric([record.id], float(getattr(record.progress, key)))
             if record.history:
