@@ -26,7 +26,6 @@ import asyncio
 import time
 
 import grpc
-from prometheus_client import Histogram
 
 from asyncrl.errors import PermissionDenied, Unavailable
 from asyncrl.ledger import Ledger
@@ -35,16 +34,11 @@ from asyncrl.security import Principal
 from asyncrl.spec import ExperimentSpec
 from asyncrl.types import EvalResult, StepMetrics, TrainerState
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
-from services.scheduler.calls import (
-    BindRefused,
-    FleetUpdate,
-    FleetWeights,
-    WorkerCalls,
-    fleet_lag,
-)
+from services.scheduler.calls import BindRefused, WorkerCalls
 from services.scheduler.context import RunnerContext
 from services.scheduler.dataset import Prompt
 from services.scheduler.dispatch import Dispatcher, DispatchHooks
+from services.scheduler.fleet import Fleet, FleetHooks, FleetUpdate, fleet_lag
 from services.scheduler.lifecycle import Lifecycle, Phase
 from services.scheduler.policy import StalenessManager
 from services.scheduler.progress import ProgressBook
@@ -78,7 +72,11 @@ class ExperimentRunner:
         self.registry = ctx.registry
         self.log = get_logger(experiment=record.id)
         self.calls = WorkerCalls(record.id, spec, ctx.channels)
-        self.fleet = FleetWeights(self.calls, record.progress.version, record.fleet_uri)
+        self.lifecycle = Lifecycle(record)
+        hooks = FleetHooks(fence=self._fence, refused=self._refused, moved=self._fleet_moved)
+        self.fleet = Fleet(
+            self.calls, record, ctx.registry, self.lifecycle, hooks, ctx.fleet_seconds, self.log
+        )
         self.book = ProgressBook(record, ctx.history, self.log)
         hooks = DispatchHooks(changed=self._changed, fence=self._fence, eval_done=self._eval_done)
         self.dispatcher = Dispatcher(
@@ -96,7 +94,6 @@ class ExperimentRunner:
         self._idle = asyncio.Event()  # the dispatch loop waits for an event, nothing dispatchable
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-        self.lifecycle = Lifecycle(record)
         self._start_failures = 0
         self._trainer_id: str | None = None
         """The trainer StartExperiment last succeeded on (any other bound trainer is started)."""
@@ -109,8 +106,6 @@ class ExperimentRunner:
         self._stalled = False
         self._progress_mark: tuple = ()
         self._progress_at = time.monotonic()
-        self._fleet_children: dict[str, Histogram] = {}
-        """ctx.fleet_seconds' children of this experiment, by phase (`_observe`)."""
 
     # ---- views -------------------------------------------------------------------------------
 
@@ -126,7 +121,7 @@ class ExperimentRunner:
     @property
     def committed_version(self) -> int:
         """The trainer's newest committed version (the fleet loads it after the commit)."""
-        return self.fleet.target[0]
+        return self.fleet.committed_version
 
     @property
     def state(self) -> ExperimentState:
@@ -269,13 +264,7 @@ class ExperimentRunner:
         self._trainer_known.set()
         self._progress_at = time.monotonic()
         k = resp.version
-        async with self.fleet.lock:
-            if resp.uri:  # the trainer's own word on where version k lives
-                self.record.weight_uris[k] = resp.uri
-            if k != self.version:
-                self.fleet.version, self.fleet.uri = k, self._uri_for(k)
-                self.fleet.ready.clear()
-            self.fleet.set_target(k, self.fleet.uri)  # a later version is not trained
+        await self.fleet.resume_at(k, resp.uri)
         if self.lifecycle.phase is Phase.STARTING:  # else finishing: a commit landed meanwhile
             self._enter(Phase.RUNNING, message="")
         else:
@@ -285,7 +274,7 @@ class ExperimentRunner:
         )
         for w in self.rollouts():
             if w.worker_id not in self.fleet.ready:
-                self._spawn(self._sync_rollout(w))
+                self._spawn(self.fleet.join(w, self.config.bind_timeout_s))
         self._maybe_eval(k, start=True)
         if k >= self.spec.trainer.total_steps:
             self._begin_finish(f"trainer is at version {k} >= total_steps")
@@ -337,11 +326,6 @@ class ExperimentRunner:
         self.record.message = f"trainer {trainer.worker_id} failed to start: {e.details()}"
         self.ctx.workers_changed()
 
-    def _uri_for(self, version: int) -> str:
-        if version in self.record.weight_uris:
-            return self.record.weight_uris[version]
-        return self.spec.model.path if version == 0 else self.fleet.uri
-
     # ---- dispatch ----------------------------------------------------------------------------
 
     async def _dispatch_loop(self) -> None:
@@ -367,7 +351,7 @@ class ExperimentRunner:
             elif self.dispatcher.dataset_done(self.committed_version):
                 self._begin_finish("dataset exhausted")
                 continue
-            ready = [w for w in self.rollouts() if w.worker_id in self.fleet.ready]
+            ready = self.fleet.ready_rollouts()
             training = (
                 phase is Phase.RUNNING
                 and self.version >= self.committed_version  # never on weights already stale
@@ -492,24 +476,10 @@ class ExperimentRunner:
         """`worker` was bound here (or registered again): it loads the fleet's weights first."""
         self.fleet.ready.discard(worker.worker_id)
         if self.state == ExperimentState.RUNNING:
-            self._spawn(self._sync_rollout(worker))
+            self._spawn(self.fleet.join(worker, self.config.bind_timeout_s))
 
-    async def _sync_rollout(self, worker: Worker) -> None:
-        try:
-            version = await self.fleet.sync(
-                worker, lambda: worker.experiment_id == self.id, self.config.bind_timeout_s
-            )
-        except BindRefused as e:
-            await self._end(Phase.FAILED, f"rollout {worker.worker_id} {e}")
-            return
-        except grpc.aio.AioRpcError as e:
-            self._fence(worker, f"UpdateWeights failed: {e.code().name}")
-            return
-        if version is not None:
-            self.log.info(
-                "rollout_bound", worker=worker.worker_id, address=worker.address, version=version
-            )
-            self._wake.set()
+    async def _refused(self, reason: str) -> None:
+        await self._end(Phase.FAILED, reason)
 
     def release_rollout(self, worker: Worker, reason: str, cooldown_s: float = 0.0) -> None:
         """Unbind (fence) a rollout; its in-flight groups are cancelled and re-queued."""
@@ -583,8 +553,7 @@ class ExperimentRunner:
         over = self.lifecycle.stopping
         if over or version <= self.committed_version:  # a retry, or late
             return CommitResult(self.version, 0, 0, over)
-        self.fleet.set_target(version, uri)
-        self.record.add_weights(version, uri)
+        self.fleet.commit(version, uri, self._spawn)
         self._trainer_failures = 0
         aborted = self.dispatcher.abort_stale(version)
         if aborted:
@@ -610,63 +579,21 @@ class ExperimentRunner:
             self._begin_finish(f"reached total_steps={self.spec.trainer.total_steps}")
         elif self.dispatcher.dataset_done(self.committed_version):
             self._begin_finish("dataset exhausted")
-        if self.fleet.task is None or self.fleet.task.done():
-            self.fleet.task = self._spawn(self._update_fleet())
         self._wake.set()
         self._persist()
-        self.fleet.commit_s = time.perf_counter() - t0
-        self._observe("commit", self.fleet.commit_s)
-        await self._fleet_reaches(version - fleet_lag(self.spec.rollout), version)
+        self.fleet.commit_took(time.perf_counter() - t0)
+        await self.fleet.reaches(version - fleet_lag(self.spec.rollout), version)
         return CommitResult(self.version, 0, 0, self.lifecycle.stopping)
 
-    async def _fleet_reaches(self, target: int, committed: int) -> None:
-        """Return once the fleet serves `target`, or once waiting makes no sense any more (the
-        run ends, or the trainer was started again from an older version than `committed`)."""
-        while self.version < target and self.committed_version >= committed:
-            if not self.lifecycle.live:
-                return
-            await self.fleet.moved()
-
-    async def _update_fleet(self) -> None:
-        """Bring the ready rollouts to the newest committed version, one update at a time
-        (commits that land meanwhile coalesce into the next), fencing those that fail; the
-        fleet version moves on regardless, as the staleness rule needs."""
-        while not self.terminal:
-            async with self.fleet.lock:
-                (version, uri), committed_at = self.fleet.target, self.fleet.target_at
-                previous = self.version
-                if version <= previous:  # up to date (or the trainer was started again)
-                    return
-                workers = [w for w in self.rollouts() if w.worker_id in self.fleet.ready]
-                update = await self.fleet.broadcast(workers, version, uri)
-                for w, reason in update.failed:
-                    self._fence(w, f"UpdateWeights v{version} failed: {reason}")
-                self.fleet.version, self.fleet.uri = version, uri
-            update.previous, update.lag_s = previous, time.monotonic() - committed_at
-            self._fleet_updated(update)
-
-    def _fleet_updated(self, update: FleetUpdate) -> None:
-        """The fleet serves `update.version`: time it, evaluate if due, wake the dispatch."""
-        self.fleet.last = update
-        self.fleet.notify()
-        phases = update.phases()
-        seconds = {"update": update.seconds, "lag": update.lag_s, **phases}
-        for phase, value in seconds.items():
-            self._observe(phase, value)
-        self.log.info(
-            "fleet_updated",
-            version=update.version,
-            coalesced=max(0, update.version - update.previous - 1),
-            updated=update.updated,
-            fenced=len(update.failed),
-            **{f"{k}_s": round(v, 4) for k, v in seconds.items()},
-        )
-        if not self.lifecycle.stopping:
-            self._maybe_eval(update.version, since=update.previous)
-        elif update.version >= self.committed_version:
-            self._maybe_eval(update.version, final=True)
+    def _fleet_moved(self, update: FleetUpdate | None) -> None:
+        """A rollout became ready, or the fleet serves a new version: evaluate it if due."""
+        if update is not None:
+            if not self.lifecycle.stopping:
+                self._maybe_eval(update.version, since=update.previous)
+            elif update.version >= self.committed_version:
+                self._maybe_eval(update.version, final=True)
+            self._persist()
         self._wake.set()
-        self._persist()
 
     def report_dropped(self, group_ids: list[str]) -> int:
         """The trainer dropped accepted groups as too stale: free capacity, re-queue prompts.
@@ -771,14 +698,6 @@ class ExperimentRunner:
         if self.lifecycle.to(phase, reason, message):
             self._persist()
             self.book.emit(Event("state"))
-
-    def _observe(self, phase: str, seconds: float) -> None:
-        """Into the fleet histogram, through this experiment's child per phase (looked up once:
-        `labels` costs more than the observation)."""
-        child = self._fleet_children.get(phase)
-        if child is None:
-            child = self._fleet_children[phase] = self.ctx.fleet_seconds.labels(self.id, phase)
-        child.observe(seconds)
 
     def _persist(self) -> None:
         self.record.updated_unix_ms = int(time.time() * 1000)

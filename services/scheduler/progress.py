@@ -3,7 +3,7 @@ the record (the last ones), appended to the history log (all of them) and told t
 the one place a `Progress` is made, from the objects that own each of its parts:
 
     group counters      policy.StalenessManager.counts (admission's own count)
-    version             the fleet (`calls.FleetWeights.version`)
+    version             the fleet (`fleet.Fleet.version`)
     epoch, cursor       the dataset cursor
     tokens per second   the dispatcher's throughput window
     trained groups, staleness, left over    this book (from the steps and the finish)

@@ -141,6 +141,10 @@ class Registry:
         worker.experiment_id = None
         worker.cooldown_until = self.clock() + cooldown_s
 
+    def weights_loaded(self, worker: Worker, version: int) -> None:
+        """`worker` (a rollout) confirmed it serves `version`."""
+        worker.version = version
+
     def reward_addresses(self) -> list[str]:
         return [w.address for w in self._of(WorkerKind.REWARD)]
 
