@@ -217,7 +217,7 @@ class Scheduler:
     ) -> CommitResult:
         """Only the experiment's trainer may commit (PermissionDenied otherwise)."""
         runner = self.get(experiment_id)
-        await runner.authorize_trainer(caller, trainer_id)
+        await runner.authority.authorize(caller, trainer_id)
         if not uri:
             raise BadRequest("uri", "required")
         return await runner.commit(version, uri, metrics)
@@ -228,7 +228,7 @@ class Scheduler:
         """Only the experiment's trainer may report (PermissionDenied otherwise), and only
         groups the scheduler dispatched for it (BadRequest naming `groups` otherwise)."""
         runner = self.get(experiment_id)
-        await runner.authorize_trainer(caller, "")
+        await runner.authority.authorize(caller, "")
         return runner.report_dropped(group_ids)
 
     # ---- workers -----------------------------------------------------------------------------
@@ -273,7 +273,7 @@ class Scheduler:
             worker.probed = False
             self._spawn(self._probe_trainer(worker))
         elif kind == WorkerKind.TRAINER and runner is not None:
-            runner.check_trainer_soon()  # it may have restarted and forgotten the experiment
+            runner.supervisor.check_soon()  # it may have restarted and forgotten the experiment
         elif kind == WorkerKind.ROLLOUT and runner is not None:
             runner.attach_rollout(worker)  # it may have restarted: load the weights again
         self._reconcile()

@@ -27,13 +27,11 @@ import time
 
 import grpc
 
-from asyncrl.errors import PermissionDenied, Unavailable
 from asyncrl.ledger import Ledger
 from asyncrl.logging import get_logger
-from asyncrl.security import Principal
 from asyncrl.spec import ExperimentSpec
-from asyncrl.types import EvalResult, StepMetrics, TrainerState
-from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
+from asyncrl.types import EvalResult, StepMetrics
+from services.scheduler.authority import TrainerAuthority
 from services.scheduler.calls import BindRefused, WorkerCalls
 from services.scheduler.context import RunnerContext
 from services.scheduler.dataset import Prompt
@@ -49,10 +47,7 @@ from services.scheduler.records import (
     ExperimentState,
 )
 from services.scheduler.registry import Worker, WorkerKind
-
-TRAINER_WAIT_S = 10.0
-"""How long a trainer's call waits for the experiment to know its trainer (after a scheduler
-restart, until the trainer registered again and was started) before it is refused."""
+from services.scheduler.supervisor import TrainerStartFailed, TrainerSupervisor
 
 
 class ExperimentRunner:
@@ -94,18 +89,12 @@ class ExperimentRunner:
         self._idle = asyncio.Event()  # the dispatch loop waits for an event, nothing dispatchable
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-        self._start_failures = 0
-        self._trainer_id: str | None = None
-        """The trainer StartExperiment last succeeded on (any other bound trainer is started)."""
-        self._started_trainer: Worker | None = None
-        """That trainer: it may still commit (to be told to stop) once it is no longer bound."""
-        self._trainer_known = asyncio.Event()
-        self._trainer_failures = 0
-        """Failures the trainer reported since the last commit."""
-        self._poll_now = asyncio.Event()
-        self._stalled = False
-        self._progress_mark: tuple = ()
-        self._progress_at = time.monotonic()
+        self.supervisor = TrainerSupervisor(
+            record.id, ctx.registry, self.calls, ctx.channels, ctx.config, self.lifecycle, self.log
+        )
+        self.authority = TrainerAuthority(
+            record.id, ctx.registry, self.supervisor, self.lifecycle, self.log
+        )
 
     # ---- views -------------------------------------------------------------------------------
 
@@ -141,8 +130,7 @@ class ExperimentRunner:
         return self.lifecycle.phase is Phase.ENDING
 
     def trainer(self) -> Worker | None:
-        bound = self.registry.bound(self.id, WorkerKind.TRAINER)
-        return bound[0] if bound else None
+        return self.supervisor.bound()
 
     def rollouts(self) -> list[Worker]:
         return self.registry.bound(self.id, WorkerKind.ROLLOUT)
@@ -194,7 +182,8 @@ class ExperimentRunner:
                     await self._end(Phase.FAILED, self.lifecycle.reason)
                     return
                 if self.finishing or await self._prepare():
-                    watchdog = asyncio.create_task(self._watch(), name=f"watchdog-{self.id}")
+                    watch = self.supervisor.watch(self._progress_mark, self._trainer_verdict)
+                    watchdog = asyncio.create_task(watch, name=f"watchdog-{self.id}")
                     try:
                         await self._dispatch_loop()
                     finally:
@@ -253,16 +242,18 @@ class ExperimentRunner:
         self._enter(Phase.STARTING, message=message)
         self._persist()
         try:
-            resp = await self.calls.start_trainer(trainer, self.config.trainer_start_timeout_s)
-        except grpc.aio.AioRpcError as e:
-            await self._trainer_start_failed(trainer, e)
+            resp = await self.supervisor.start(trainer)
+        except TrainerStartFailed as e:
+            if e.fatal:
+                await self._end(
+                    Phase.FAILED, f"trainer could not start the experiment: {e.details}"
+                )
+            else:
+                self.record.message = str(e)
+                self.ctx.workers_changed()
             return False
-        if self.trainer() is not trainer:
-            return False  # its lease lapsed while it was starting
-        self._start_failures = 0
-        self._trainer_id, self._started_trainer = trainer.worker_id, trainer
-        self._trainer_known.set()
-        self._progress_at = time.monotonic()
+        if resp is None:
+            return False
         k = resp.version
         await self.fleet.resume_at(k, resp.uri)
         if self.lifecycle.phase is Phase.STARTING:  # else finishing: a commit landed meanwhile
@@ -303,28 +294,6 @@ class ExperimentRunner:
                 )
             elif isinstance(result, BaseException):
                 raise result
-
-    async def _trainer_start_failed(self, trainer: Worker, e: grpc.aio.AioRpcError) -> None:
-        """INVALID_ARGUMENT fails the experiment; a busy trainer (FAILED_PRECONDITION) is only
-        unbound; other errors fail it after max_start_failures."""
-        if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
-            self._start_failures += 1
-        self.log.warning(
-            "trainer_start_failed",
-            worker=trainer.worker_id,
-            code=e.code().name,
-            details=e.details(),
-            failures=self._start_failures,
-        )
-        if (
-            e.code() == grpc.StatusCode.INVALID_ARGUMENT
-            or self._start_failures >= self.config.max_start_failures
-        ):
-            await self._end(Phase.FAILED, f"trainer could not start the experiment: {e.details()}")
-            return
-        self.registry.unbind(trainer, self.config.fence_cooldown_s)
-        self.record.message = f"trainer {trainer.worker_id} failed to start: {e.details()}"
-        self.ctx.workers_changed()
 
     # ---- dispatch ----------------------------------------------------------------------------
 
@@ -369,12 +338,7 @@ class ExperimentRunner:
         """Why the loop must start a trainer again; "" while the one it started runs."""
         if self.lifecycle.phase in (Phase.RESTARTING, Phase.FAILING):  # the watchdog's word
             return self.lifecycle.reason
-        trainer = self.trainer()
-        if trainer is None:
-            return "trainer lost"
-        if trainer.worker_id != self._trainer_id:
-            return f"trainer {trainer.worker_id} replaced {self._trainer_id}"
-        return ""
+        return self.supervisor.changed()
 
     async def settled(self) -> None:
         """Return once the dispatch loop has handled every event so far and waits for the next
@@ -391,78 +355,25 @@ class ExperimentRunner:
         self._wake.set()
         self._persist()
 
-    # ---- watchdog ----------------------------------------------------------------------------
+    # ---- watchdog ---------------------------------------------------------------------------
 
-    async def _watch(self) -> None:
-        """Poll the trainer and the progress while RUNNING; a reason to act is RESTARTING (the
-        loop starts the trainer again) or, when the watchdog gives up, FAILING (the loop ends
-        the run FAILED with that reason)."""
-        while True:
-            try:
-                await asyncio.wait_for(self._poll_now.wait(), self.config.trainer_poll_interval_s)
-            except TimeoutError:
-                pass
-            self._poll_now.clear()
-            if self.lifecycle.phase is not Phase.RUNNING:
-                continue
-            why, fail = await self._check_trainer()
-            if not why:
-                why, fail = self._check_progress()
-            if self.lifecycle.phase is Phase.RUNNING and why:
-                self.log.warning("trainer_check_failed", reason=why, fail=fail)
-                self._enter(Phase.FAILING if fail else Phase.RESTARTING, reason=fail or why)
-                self._wake.set()
-
-    def check_trainer_soon(self) -> None:
-        """The bound trainer registered again (it may have restarted): ask it now."""
-        self._poll_now.set()
-
-    async def _check_trainer(self) -> tuple[str, str]:
-        """Why the trainer this runner started must be started again ("" if it runs fine),
-        and why the run must fail instead ("" unless it failed too often in a row)."""
-        trainer = self.trainer()
-        if trainer is None or trainer.worker_id != self._trainer_id:
-            return "", ""  # the dispatch loop sees that itself
-        stub = trainer_pb2_grpc.TrainerStub(self.ctx.channels.get(trainer.address))
-        try:
-            status = await stub.GetStatus(
-                trainer_pb2.GetTrainerStatusRequest(), timeout=self.config.trainer_poll_timeout_s
-            )
-        except grpc.aio.AioRpcError as e:
-            self.log.warning("trainer_status_failed", worker=trainer.worker_id, code=e.code().name)
-            return "", ""  # dead or busy: its lease decides
-        state = TrainerState.reported(status.state)
-        if status.experiment_id == self.id and state == TrainerState.FAILED:
-            self._trainer_failures += 1
-            why = f"trainer {trainer.worker_id} failed: {status.message or 'no message'}"
-            if self._trainer_failures >= self.config.max_start_failures:
-                return why, f"{why} ({self._trainer_failures} failures in a row)"
-            return why, ""
-        if status.experiment_id != self.id or not state.active:
-            return f"trainer {trainer.worker_id} is {state.value}, not running {self.id}", ""
-        return "", ""
-
-    def _check_progress(self) -> tuple[str, str]:
-        """A reason if nothing moved (no commit, no group settled, no rollout joined) for
-        progress_timeout_s; the second time in a row the experiment fails with it."""
+    def _progress_mark(self) -> tuple[tuple, str]:
+        """What moves while the run makes progress (a commit, a group settled, an eval, a
+        rollout joining), and what it waits for; the watchdog acts when it stands still."""
         s = self.staleness.counts
         mark = (self.version, self.committed_version, s.accepted, s.rejected, s.failed)
-        mark += (s.stale_dropped,)
-        mark += (len(self.record.evals), len(self.fleet.ready))
-        now = time.monotonic()
-        if mark != self._progress_mark:
-            self._progress_mark, self._progress_at, self._stalled = mark, now, False
-            return "", ""
-        idle_s = now - self._progress_at
-        if idle_s < self.config.progress_timeout_s:
-            return "", ""
-        why = (
-            f"no progress for {idle_s:.0f}s: no step committed after v{self.version} and no"
-            f" group settled ({s.running} running on {len(self.fleet.ready)} ready rollouts)"
+        mark += (s.stale_dropped, len(self.record.evals), len(self.fleet.ready))
+        waiting = (
+            f"no step committed after v{self.version} and no group settled ({s.running}"
+            f" running on {len(self.fleet.ready)} ready rollouts)"
         )
-        fail = why + ", also after the trainer was started again" if self._stalled else ""
-        self._stalled, self._progress_at = True, now
-        return why, fail
+        return mark, waiting
+
+    def _trainer_verdict(self, why: str, fail: str) -> None:
+        """The watchdog: start the trainer again (`why`), or end the run FAILED (`fail`)."""
+        self.log.warning("trainer_check_failed", reason=why, fail=fail)
+        self._enter(Phase.FAILING if fail else Phase.RESTARTING, reason=fail or why)
+        self._wake.set()
 
     # ---- workers -----------------------------------------------------------------------------
 
@@ -505,56 +416,17 @@ class ExperimentRunner:
 
     # ---- trainer calls -----------------------------------------------------------------------
 
-    async def authorize_trainer(self, caller: Principal | None, trainer_id: str) -> None:
-        """Only this experiment's trainer may commit or report drops: the bound one, or once
-        none is bound (the run ended, its lease lapsed) the one last started. The caller must
-        be the identity that registered it, and a `trainer_id` must be its worker id; else
-        PermissionDenied. Right after a scheduler restart no trainer is known yet: the call
-        waits up to TRAINER_WAIT_S for one to be started. A `trainer_id` registered nowhere
-        is Unavailable: the trainer's registration is older than this scheduler (or lapsed),
-        and it retries under the id it registers again with."""
-        if caller is None and not trainer_id:
-            return  # security is off and the call does not say who it is
-        trainer = self.trainer() or self._started_trainer
-        if trainer is None and not self.terminal:
-            try:
-                await asyncio.wait_for(self._trainer_known.wait(), TRAINER_WAIT_S)
-            except TimeoutError:
-                pass
-            trainer = self.trainer() or self._started_trainer
-        who = caller.subject if caller is not None else trainer_id
-        if trainer is None:
-            reason = f"experiment_id: {self.id} has no trainer; {who} may not act for it"
-        elif caller is not None and caller.subject != trainer.principal:
-            reason = (
-                f"experiment_id: {self.id} belongs to trainer {trainer.worker_id} of"
-                f" {trainer.principal}, not to {who}"
-            )
-        elif trainer_id and self.registry.get(trainer_id) is None:
-            raise Unavailable(
-                f"trainer_id: {trainer_id} is not registered (the scheduler restarted or its"
-                " lease lapsed): register again and retry with the new id"
-            )
-        elif trainer_id and trainer_id != trainer.worker_id:
-            reason = (
-                f"trainer_id: {trainer_id} is not {trainer.worker_id}, the trainer of {self.id}"
-            )
-        else:
-            return
-        self.log.warning("trainer_call_refused", caller=who, trainer_id=trainer_id, reason=reason)
-        raise PermissionDenied(reason)
-
     async def commit(self, version: int, uri: str, metrics: StepMetrics) -> CommitResult:
         """Record `version` (durable in the weight store) as the trainer's newest and answer at
         once: abort groups that can no longer be trained within eta, record the step, finish
         at total_steps. The ready rollouts load it in the background (`_update_fleet`).
-        The caller was authorized first (`authorize_trainer`)."""
+        The caller was authorized first (`TrainerAuthority.authorize`)."""
         t0 = time.perf_counter()
         over = self.lifecycle.stopping
         if over or version <= self.committed_version:  # a retry, or late
             return CommitResult(self.version, 0, 0, over)
         self.fleet.commit(version, uri, self._spawn)
-        self._trainer_failures = 0
+        self.supervisor.committed()
         aborted = self.dispatcher.abort_stale(version)
         if aborted:
             self.log.info(
@@ -672,15 +544,7 @@ class ExperimentRunner:
         for w in self.rollouts():
             self.registry.unbind(w)
         self.fleet.ready.clear()
-        trainer = self.trainer()
-        if trainer is not None:  # stopped before it is freed, so no other experiment races it
-            try:
-                await self.calls.stop_trainer(trainer, self.config.trainer_stop_timeout_s)
-            except grpc.aio.AioRpcError as e:
-                self.log.warning(
-                    "trainer_stop_failed", worker=trainer.worker_id, code=e.code().name
-                )
-            self.registry.unbind(trainer)
+        await self.supervisor.stop()
         await self.dispatcher.ledger.flush()
         for w in self.rollouts():  # bound while the trainer stopped (still live, finishing):
             self.registry.unbind(w)  # a terminal experiment must hold no worker
