@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import re
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -41,6 +40,7 @@ from asyncrl import natsutil
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import ensure_file_stream, read_subject
 from asyncrl.retry import jetstream_call
+from asyncrl.ticket import Ticket
 
 log = get_logger(component="ledger")
 
@@ -57,13 +57,12 @@ emits two events per group; written as they came (about one JetStream write per 
 cost the scheduler ~70 and nats-server ~40 CPU-µs per group (bench/control_plane.py). An
 emitted event was never stored at once (a crash loses what is still queued): this widens that
 window to 20 ms; `record` and `flush` still return only once everything emitted is stored."""
-_TICKET = re.compile(r"-e(\d+)-p(\d+)-a(\d+)$")
 
 
 def prompt_of(group_id: str) -> tuple[int, int] | None:
-    """(epoch, index) of a training group id `<experiment>-e<epoch>-p<index>-a<attempt>`."""
-    m = _TICKET.search(group_id)
-    return (int(m.group(1)), int(m.group(2))) if m else None
+    """(epoch, index) of a training group id (`asyncrl.ticket.Ticket.group_id`)."""
+    ticket = Ticket.parse(group_id)
+    return (ticket.epoch, ticket.index) if ticket else None
 
 
 def ledger_subject(experiment_id: str) -> str:

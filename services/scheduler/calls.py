@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import grpc
 
 from asyncrl.spec import ExperimentSpec, spec_to_json
+from asyncrl.ticket import Ticket
 from asyncrl.v1 import (
     common_pb2,
     reward_pb2_grpc,
@@ -20,7 +21,7 @@ from asyncrl.v1 import (
     trainer_pb2_grpc,
 )
 from services.scheduler.context import ChannelPool
-from services.scheduler.dataset import Prompt, Ticket
+from services.scheduler.dataset import Prompt
 from services.scheduler.evaluation import EvalRound
 from services.scheduler.registry import Worker
 

@@ -270,7 +270,7 @@ class Scheduler:
         )
         runner = self.runners.get(worker.experiment_id or "")
         if kind == WorkerKind.TRAINER and is_new:
-            worker.probed = False
+            self.registry.probing(worker)
             self._spawn(self._probe_trainer(worker))
         elif kind == WorkerKind.TRAINER and runner is not None:
             runner.supervisor.check_soon()  # it may have restarted and forgotten the experiment
@@ -295,15 +295,16 @@ class Scheduler:
     async def _probe_trainer(self, worker: Worker) -> None:
         """Ask a new trainer what it runs: after a scheduler restart it goes back to that."""
         stub = trainer_pb2_grpc.TrainerStub(self.channels.get(worker.address))
+        affinity = None
         try:
             status = await stub.GetStatus(
                 trainer_pb2.GetTrainerStatusRequest(), timeout=TRAINER_PROBE_TIMEOUT_S
             )
             if status.experiment_id and TrainerState.reported(status.state).active:
-                worker.affinity = status.experiment_id
+                affinity = status.experiment_id
         except grpc.aio.AioRpcError as e:
             log.warning("trainer_probe_failed", worker=worker.worker_id, code=e.code().name)
-        worker.probed = True
+        self.registry.probed(worker, affinity)
         self._reconcile()
 
     async def _sweep_forever(self) -> None:
@@ -331,7 +332,7 @@ class Scheduler:
             if worker.kind == WorkerKind.ROLLOUT:
                 runner.rollout_lost(worker)
             elif worker.kind == WorkerKind.TRAINER:
-                worker.experiment_id = None
+                self.registry.unbind(worker)
                 runner.trainer_lost(worker)
         if not any(w.address == worker.address for w in self.registry.workers()):
             await self.channels.close(worker.address)

@@ -80,6 +80,7 @@ class ExperimentRunner:
             prompts,
             eval_prompts,
             self.calls,
+            ctx.registry,
             hooks,
             self.log,
             lambda: self.version,

@@ -141,6 +141,27 @@ class Registry:
         worker.experiment_id = None
         worker.cooldown_until = self.clock() + cooldown_s
 
+    def probing(self, worker: Worker) -> None:
+        """A new trainer: not bound before it said what it runs (`probed`)."""
+        worker.probed = False
+
+    def probed(self, worker: Worker, affinity: str | None) -> None:
+        """The trainer said it runs experiment `affinity` (None: nothing, or no answer)."""
+        worker.probed = True
+        if affinity:
+            worker.affinity = affinity
+
+    def group_started(self, worker: Worker) -> None:
+        worker.running += 1
+
+    def group_ended(self, worker: Worker) -> None:
+        """One of its groups settled (answered, or ended by the scheduler)."""
+        worker.running -= 1
+
+    def group_done(self, worker: Worker) -> None:
+        """It answered one of its groups."""
+        worker.groups_done += 1
+
     def weights_loaded(self, worker: Worker, version: int) -> None:
         """`worker` (a rollout) confirmed it serves `version`."""
         worker.version = version
