@@ -126,6 +126,22 @@ class WorkerCalls:
         stub = reward_pb2_grpc.RewardStub(self.channels.get(address))
         await _bind(stub.BindExperiment, self._bind_request(), timeout)
 
+    async def bind_rewards(
+        self, addresses: list[str], timeout: float
+    ) -> dict[str, BindRefused | grpc.aio.AioRpcError]:
+        """`bind_reward` to every reward worker at once: the errors by address (any other
+        exception is raised)."""
+        results = await asyncio.gather(
+            *(self.bind_reward(a, timeout) for a in addresses), return_exceptions=True
+        )
+        errors = {}
+        for address, result in zip(addresses, results, strict=True):
+            if isinstance(result, BindRefused | grpc.aio.AioRpcError):
+                errors[address] = result
+            elif isinstance(result, BaseException):
+                raise result
+        return errors
+
     def generate_groups(
         self, worker: Worker, requests: list[rollout_pb2.GenerateGroupRequest]
     ) -> AsyncIterator[rollout_pb2.GroupSummaries]:

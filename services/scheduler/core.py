@@ -220,7 +220,7 @@ class Scheduler:
         await runner.authority.authorize(caller, trainer_id)
         if not uri:
             raise BadRequest("uri", "required")
-        return await runner.commit(version, uri, metrics)
+        return await runner.commits.commit(version, uri, metrics)
 
     async def report_dropped(
         self, experiment_id: str, group_ids: list[str], caller: Principal | None = None
@@ -229,7 +229,7 @@ class Scheduler:
         groups the scheduler dispatched for it (BadRequest naming `groups` otherwise)."""
         runner = self.get(experiment_id)
         await runner.authority.authorize(caller, "")
-        return runner.report_dropped(group_ids)
+        return runner.commits.report_dropped(group_ids)
 
     # ---- workers -----------------------------------------------------------------------------
 

@@ -47,6 +47,7 @@ class DispatchHooks:
     fence: Callable[[Worker, str], None]
     """A worker's call failed: unbind it (its other groups come back through `requeue`)."""
     eval_done: Callable[[EvalResult], None]
+    """An eval round's result (the group that completed it was settled: `changed` ran)."""
 
 
 _STATUS_NAMES = {

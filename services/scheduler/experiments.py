@@ -1,23 +1,20 @@
-"""One asyncio runner per experiment: wait for workers, start the trainer, dispatch groups under
-the staleness rule, broadcast committed weights, abort what became too stale, evaluate, finish.
+"""One asyncio runner per experiment: its lifecycle (`lifecycle.Lifecycle`, one transition
+table) and the loop that drives it, over the parts that each do one job:
 
-A commit is answered as soon as it is recorded: the trainer goes on with its next step while
-`_update_fleet` (one background task at a time) brings the ready rollouts to the newest
-committed version. Commits that land during an update coalesce into the next one. The fleet
-version, which admission uses, moves only once an update is done; stale aborts use the
-committed version, the trainer's; no training group starts while the fleet is behind it (it
-would start staler than admission assumes); a commit is answered once the fleet is at most
-`fleet_lag` versions behind. Periodic and final evals run on the fleet, once it serves their
-version.
+    fleet.Fleet                     which rollouts serve which weights; weight updates
+    dispatch.Dispatcher             admission under the staleness rule, each group's outcome
+    supervisor.TrainerSupervisor    starting and stopping the trainer; the watchdog
+    authority.TrainerAuthority      who may commit or report drops for the experiment
+    commits.CommitHandler           what a commit does; evals; the finish
+    progress.ProgressBook           steps, evals, watchers; the one maker of a Progress
 
-The loop top to bottom (`_run`): wait until a trainer, a rollout and a reward worker are there;
-`StartExperiment` tells the version to resume from; then dispatch (`Dispatcher`) while the
-staleness manager has capacity, woken by every event (a group finished, a commit, a worker
-joined) -- never by polling. Beside it a watchdog (`_watch`) asks the trainer it started for its
-status every `trainer_poll_interval_s`: a trainer that failed, was replaced or restarted (idle,
-not running this experiment), or an experiment without progress for `progress_timeout_s`, sends
-the loop back to `_start_trainer` (resume from the trainer's checkpoint), or ends it FAILED with
-the reason -- an experiment is never RUNNING in silence.
+The loop top to bottom (`_run`): PENDING until a trainer, a rollout and a reward worker are
+there; BINDING sends the spec to the reward workers; STARTING: `StartExperiment` tells the
+version to resume from; RUNNING dispatches while the staleness manager has capacity, woken by
+every event (a group finished, a commit, a worker joined) -- never by polling. Beside it the
+watchdog polls the trainer: RESTARTING goes back to PENDING (the trainer is started again from
+its checkpoint), FAILING ends the run FAILED. FINISHING runs the final eval; ENDING stops the
+trainer and frees the workers before the terminal state is shown.
 """
 
 from __future__ import annotations
@@ -25,23 +22,20 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
-
 from asyncrl.ledger import Ledger
 from asyncrl.logging import get_logger
 from asyncrl.spec import ExperimentSpec
-from asyncrl.types import EvalResult, StepMetrics
 from services.scheduler.authority import TrainerAuthority
 from services.scheduler.calls import BindRefused, WorkerCalls
+from services.scheduler.commits import CommitHandler, RunnerHooks
 from services.scheduler.context import RunnerContext
 from services.scheduler.dataset import Prompt
 from services.scheduler.dispatch import Dispatcher, DispatchHooks
-from services.scheduler.fleet import Fleet, FleetHooks, FleetUpdate, fleet_lag
+from services.scheduler.fleet import Fleet, FleetHooks
 from services.scheduler.lifecycle import Lifecycle, Phase
 from services.scheduler.policy import StalenessManager
 from services.scheduler.progress import ProgressBook
 from services.scheduler.records import (
-    CommitResult,
     Event,
     ExperimentRecord,
     ExperimentState,
@@ -61,19 +55,21 @@ class ExperimentRunner:
     ):
         self.record = record
         self.spec = spec
-        self.eval_prompts = eval_prompts
         self.ctx = ctx
         self.config = ctx.config
         self.registry = ctx.registry
         self.log = get_logger(experiment=record.id)
         self.calls = WorkerCalls(record.id, spec, ctx.channels)
-        self.lifecycle = Lifecycle(record)
-        hooks = FleetHooks(fence=self._fence, refused=self._refused, moved=self._fleet_moved)
-        self.fleet = Fleet(
-            self.calls, record, ctx.registry, self.lifecycle, hooks, ctx.fleet_seconds, self.log
-        )
+        self.lifecycle = life = Lifecycle(record)
         self.book = ProgressBook(record, ctx.history, self.log)
-        hooks = DispatchHooks(changed=self._changed, fence=self._fence, eval_done=self._eval_done)
+        moved = FleetHooks(
+            fence=self._fence,
+            refused=lambda reason: self._end(Phase.FAILED, reason),
+            moved=lambda update: self.commits.fleet_moved(update),
+        )
+        self.fleet = Fleet(
+            self.calls, record, ctx.registry, life, moved, ctx.fleet_seconds, self.log
+        )
         self.dispatcher = Dispatcher(
             record,
             spec,
@@ -81,21 +77,23 @@ class ExperimentRunner:
             eval_prompts,
             self.calls,
             ctx.registry,
-            hooks,
+            DispatchHooks(changed=self._changed, fence=self._fence, eval_done=self.book.add_eval),
             self.log,
             lambda: self.version,
             Ledger(ctx.js, record.id),
+        )
+        self.supervisor = TrainerSupervisor(
+            record.id, ctx.registry, self.calls, ctx.channels, ctx.config, life, self.log
+        )
+        self.authority = TrainerAuthority(record.id, ctx.registry, self.supervisor, life, self.log)
+        runner = RunnerHooks(enter=self._enter, changed=self._changed, spawn=self._spawn)
+        self.commits = CommitHandler(
+            spec, life, self.book, self.fleet, self.dispatcher, self.supervisor, runner, self.log
         )
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # the dispatch loop waits for an event, nothing dispatchable
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-        self.supervisor = TrainerSupervisor(
-            record.id, ctx.registry, self.calls, ctx.channels, ctx.config, self.lifecycle, self.log
-        )
-        self.authority = TrainerAuthority(
-            record.id, ctx.registry, self.supervisor, self.lifecycle, self.log
-        )
 
     # ---- views -------------------------------------------------------------------------------
 
@@ -183,7 +181,7 @@ class ExperimentRunner:
                     await self._end(Phase.FAILED, self.lifecycle.reason)
                     return
                 if self.finishing or await self._prepare():
-                    watch = self.supervisor.watch(self._progress_mark, self._trainer_verdict)
+                    watch = self.supervisor.watch(self._stall_mark, self._trainer_verdict)
                     watchdog = asyncio.create_task(watch, name=f"watchdog-{self.id}")
                     try:
                         await self._dispatch_loop()
@@ -207,16 +205,6 @@ class ExperimentRunner:
             return False
         return await self._start_trainer(why)
 
-    def _missing_workers(self) -> list[str]:
-        missing = []
-        if self.trainer() is None:
-            missing.append("a trainer")
-        if not self.rollouts():
-            missing.append("a rollout worker")
-        if not self.registry.workers(WorkerKind.REWARD):
-            missing.append("a reward worker")
-        return missing
-
     async def _wait_for_workers(self) -> None:
         """Enter PENDING and return once a trainer, a rollout and a reward worker are there
         (or the run began finishing meanwhile)."""
@@ -224,7 +212,7 @@ class ExperimentRunner:
             self._enter(Phase.PENDING)
         while self.lifecycle.phase is Phase.PENDING:
             self._wake.clear()
-            missing = self._missing_workers()
+            missing = self.registry.missing(self.id)
             if not missing:
                 return
             message = "waiting for " + ", ".join(missing)
@@ -246,9 +234,7 @@ class ExperimentRunner:
             resp = await self.supervisor.start(trainer)
         except TrainerStartFailed as e:
             if e.fatal:
-                await self._end(
-                    Phase.FAILED, f"trainer could not start the experiment: {e.details}"
-                )
+                await self._end(Phase.FAILED, str(e))
             else:
                 self.record.message = str(e)
                 self.ctx.workers_changed()
@@ -267,9 +253,9 @@ class ExperimentRunner:
         for w in self.rollouts():
             if w.worker_id not in self.fleet.ready:
                 self._spawn(self.fleet.join(w, self.config.bind_timeout_s))
-        self._maybe_eval(k, start=True)
+        self.commits.maybe_eval(k, start=True)
         if k >= self.spec.trainer.total_steps:
-            self._begin_finish(f"trainer is at version {k} >= total_steps")
+            self.commits.begin_finish(f"trainer is at version {k} >= total_steps")
         return True
 
     async def _bind_rewards(self) -> None:
@@ -278,23 +264,15 @@ class ExperimentRunner:
         its message. Any other error is left to the rollouts, which bind it again anyway."""
         self._enter(Phase.BINDING)
         addresses = self.registry.reward_addresses()
-        timeout = self.config.bind_timeout_s
-        results = await asyncio.gather(
-            *(self.calls.bind_reward(a, timeout) for a in addresses), return_exceptions=True
-        )
-        for address, result in zip(addresses, results, strict=True):
-            if isinstance(result, BindRefused):
-                await self._end(Phase.FAILED, f"reward worker {address} {result}")
+        errors = await self.calls.bind_rewards(addresses, self.config.bind_timeout_s)
+        for address, e in errors.items():
+            if isinstance(e, BindRefused):
+                await self._end(Phase.FAILED, f"reward worker {address} {e}")
                 return
-            if isinstance(result, grpc.aio.AioRpcError):
-                self.log.warning(
-                    "reward_bind_failed",
-                    address=address,
-                    code=result.code().name,
-                    details=result.details(),
-                )
-            elif isinstance(result, BaseException):
-                raise result
+            details = e.details()
+            self.log.warning(
+                "reward_bind_failed", address=address, code=e.code().name, details=details
+            )
 
     # ---- dispatch ----------------------------------------------------------------------------
 
@@ -308,7 +286,7 @@ class ExperimentRunner:
                 return
             if phase is Phase.FINISHING:
                 if self.dispatcher.evaluator.idle and self.version >= self.committed_version:
-                    await self._end(*self._outcome())
+                    await self._end(*self.commits.outcome())
                     return
             elif why := self._trainer_changed():
                 self.log.warning(
@@ -319,7 +297,7 @@ class ExperimentRunner:
                 )
                 return
             elif self.dispatcher.dataset_done(self.committed_version):
-                self._begin_finish("dataset exhausted")
+                self.commits.begin_finish("dataset exhausted")
                 continue
             ready = self.fleet.ready_rollouts()
             training = (
@@ -358,17 +336,8 @@ class ExperimentRunner:
 
     # ---- watchdog ---------------------------------------------------------------------------
 
-    def _progress_mark(self) -> tuple[tuple, str]:
-        """What moves while the run makes progress (a commit, a group settled, an eval, a
-        rollout joining), and what it waits for; the watchdog acts when it stands still."""
-        s = self.staleness.counts
-        mark = (self.version, self.committed_version, s.accepted, s.rejected, s.failed)
-        mark += (s.stale_dropped, len(self.record.evals), len(self.fleet.ready))
-        waiting = (
-            f"no step committed after v{self.version} and no group settled ({s.running}"
-            f" running on {len(self.fleet.ready)} ready rollouts)"
-        )
-        return mark, waiting
+    def _stall_mark(self) -> tuple[tuple, str]:
+        return self.book.stall_mark(self.staleness.counts, self.fleet)
 
     def _trainer_verdict(self, why: str, fail: str) -> None:
         """The watchdog: start the trainer again (`why`), or end the run FAILED (`fail`)."""
@@ -389,9 +358,6 @@ class ExperimentRunner:
         self.fleet.ready.discard(worker.worker_id)
         if self.state == ExperimentState.RUNNING:
             self._spawn(self.fleet.join(worker, self.config.bind_timeout_s))
-
-    async def _refused(self, reason: str) -> None:
-        await self._end(Phase.FAILED, reason)
 
     def release_rollout(self, worker: Worker, reason: str, cooldown_s: float = 0.0) -> None:
         """Unbind (fence) a rollout; its in-flight groups are cancelled and re-queued."""
@@ -415,119 +381,7 @@ class ExperimentRunner:
         self.log.warning("trainer_lease_expired", worker=worker.worker_id, version=self.version)
         self._wake.set()
 
-    # ---- trainer calls -----------------------------------------------------------------------
-
-    async def commit(self, version: int, uri: str, metrics: StepMetrics) -> CommitResult:
-        """Record `version` (durable in the weight store) as the trainer's newest and answer at
-        once: abort groups that can no longer be trained within eta, record the step, finish
-        at total_steps. The ready rollouts load it in the background (`_update_fleet`).
-        The caller was authorized first (`TrainerAuthority.authorize`)."""
-        t0 = time.perf_counter()
-        over = self.lifecycle.stopping
-        if over or version <= self.committed_version:  # a retry, or late
-            return CommitResult(self.version, 0, 0, over)
-        self.fleet.commit(version, uri, self._spawn)
-        self.supervisor.committed()
-        aborted = self.dispatcher.abort_stale(version)
-        if aborted:
-            self.log.info(
-                "groups_aborted_stale",
-                version=version,
-                aborted=aborted,
-                eta=self.spec.rollout.max_head_offpolicyness,
-            )
-        metrics.version = version
-        self.fleet.into_metrics(metrics)
-        self.book.add_step(metrics)
-        self.log.info(
-            "version_committed",
-            version=version,
-            uri=uri,
-            fleet_version=self.version,
-            loss=metrics.loss,
-            reward_mean=metrics.reward_mean,
-            groups=metrics.groups,
-        )
-        if version >= self.spec.trainer.total_steps:
-            self._begin_finish(f"reached total_steps={self.spec.trainer.total_steps}")
-        elif self.dispatcher.dataset_done(self.committed_version):
-            self._begin_finish("dataset exhausted")
-        self._wake.set()
-        self._persist()
-        self.fleet.commit_took(time.perf_counter() - t0)
-        await self.fleet.reaches(version - fleet_lag(self.spec.rollout), version)
-        return CommitResult(self.version, 0, 0, self.lifecycle.stopping)
-
-    def _fleet_moved(self, update: FleetUpdate | None) -> None:
-        """A rollout became ready, or the fleet serves a new version: evaluate it if due."""
-        if update is not None:
-            if not self.lifecycle.stopping:
-                self._maybe_eval(update.version, since=update.previous)
-            elif update.version >= self.committed_version:
-                self._maybe_eval(update.version, final=True)
-            self._persist()
-        self._wake.set()
-
-    def report_dropped(self, group_ids: list[str]) -> int:
-        """The trainer dropped accepted groups as too stale: free capacity, re-queue prompts.
-        A group id the scheduler did not dispatch and accept for this experiment is a
-        BadRequest naming `groups` (nothing is changed, the run goes on)."""
-        requeued = self.dispatcher.report_dropped(group_ids)
-        if requeued:
-            self.log.info("groups_dropped_by_trainer", requeued=requeued, version=self.version)
-        self._changed()
-        return requeued
-
-    # ---- eval and the end --------------------------------------------------------------------
-
-    def _maybe_eval(
-        self, version: int, *, start: bool = False, final: bool = False, since: int | None = None
-    ) -> None:
-        """Evaluate `version` if due (or if one of the versions after `since` the fleet skipped
-        was)."""
-        if self.dispatcher.evaluator.schedule(version, start=start, final=final, since=since):
-            self.log.info("eval_started", version=version, prompts=len(self.eval_prompts))
-            self._wake.set()
-
-    def _eval_done(self, result: EvalResult) -> None:
-        self.book.add_eval(result)
-        self._persist()
-
-    def _begin_finish(self, reason: str) -> None:
-        """Stop training dispatch, cancel training groups in flight (not counted as drops), and
-        run the final eval; the dispatch loop completes the experiment once evals are done."""
-        if self.lifecycle.stopping:
-            return
-        self._enter(Phase.FINISHING, reason=reason)
-        batch = self.spec.trainer.batch_size
-        untrained = self.staleness.counts.accepted - self.committed_version * batch
-        self.book.left_over = max(0, untrained)
-        cancelled = self.dispatcher.cancel(training_only=True)
-        self.log.info(
-            "experiment_finishing", reason=reason, version=self.version, cancelled=cancelled
-        )
-        if self.version >= self.committed_version:  # else once the fleet serves the last one
-            self._maybe_eval(self.version, final=True)
-        self._wake.set()
-        self._persist()
-
-    def _outcome(self) -> tuple[Phase, str]:
-        """COMPLETED with the finish reason (and the groups left over), or FAILED when no step
-        was trained, saying what happened to the groups."""
-        p, batch = self.snapshot().progress, self.spec.trainer.batch_size
-        reason = finish_reason = self.lifecycle.reason  # FINISHING's
-        if p.left_over:
-            reason += f"; {p.left_over} accepted groups left over, never trained"
-        if self.version > 0 or self.record.history:
-            return Phase.COMPLETED, reason
-        counts = (
-            f"{p.accepted} groups accepted (batch_size={batch}), {p.rejected} filtered,"
-            f" {p.failed} failed"
-        )
-        top = sorted(self.record.failure_reasons.items(), key=lambda kv: -kv[1])[:3]
-        if top:
-            counts += " (" + "; ".join(f"{n}x {why}" for why, n in top) + ")"
-        return Phase.FAILED, f"trained nothing: {finish_reason}: {counts}"
+    # ---- the end -----------------------------------------------------------------------------
 
     async def _end(self, phase: Phase, message: str) -> None:
         """ENDING, then the terminal `phase`: stop everything, free the workers, stop the

@@ -71,6 +71,19 @@ class ProgressBook:
         )
         self.emit(Event("eval", eval=result))
 
+    def stall_mark(self, counts: GroupCounters, fleet) -> tuple[tuple, str]:
+        """What moves while the run makes progress (a commit, a group settled, an eval, a
+        rollout joining), and what it waits for: the trainer's watchdog acts when the mark
+        stands still (`TrainerSupervisor.watch`). `fleet` is the experiment's `Fleet`."""
+        v, ready = fleet.version, len(fleet.ready)
+        mark = (v, fleet.committed_version, counts.accepted, counts.rejected, counts.failed)
+        mark += (counts.stale_dropped, len(self.record.evals), ready)
+        waiting = (
+            f"no step committed after v{v} and no group settled ({counts.running} running on"
+            f" {ready} ready rollouts)"
+        )
+        return mark, waiting
+
     # ---- watchers ----------------------------------------------------------------------------
 
     def emit(self, event: Event) -> None:

@@ -128,6 +128,15 @@ class Registry:
     def bound(self, experiment_id: str, kind: WorkerKind) -> list[Worker]:
         return [w for w in self._of(kind) if w.experiment_id == experiment_id]
 
+    def missing(self, experiment_id: str) -> list[str]:
+        """The workers an experiment waits for: its trainer, a rollout, a reward worker."""
+        needs = {
+            "a trainer": self.bound(experiment_id, WorkerKind.TRAINER),
+            "a rollout worker": self.bound(experiment_id, WorkerKind.ROLLOUT),
+            "a reward worker": self._of(WorkerKind.REWARD),
+        }
+        return [what for what, workers in needs.items() if not workers]
+
     def idle(self, kind: WorkerKind) -> list[Worker]:
         """Unbound workers of `kind` that are not cooling down after being fenced."""
         now = self.clock()

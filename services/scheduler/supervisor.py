@@ -26,11 +26,12 @@ from services.scheduler.registry import Registry, Worker, WorkerKind
 
 class TrainerStartFailed(Exception):
     """StartExperiment failed: `fatal` (INVALID_ARGUMENT, or max_start_failures reached) fails
-    the experiment; otherwise the trainer was unbound and another one may be started."""
+    the experiment with this message; otherwise the trainer was unbound and another one may be
+    started."""
 
-    def __init__(self, message: str, details: str | None, fatal: bool):
+    def __init__(self, message: str, fatal: bool):
         super().__init__(message)
-        self.details, self.fatal = details, fatal
+        self.fatal = fatal
 
 
 class TrainerSupervisor:
@@ -112,10 +113,14 @@ class TrainerSupervisor:
             e.code() == grpc.StatusCode.INVALID_ARGUMENT
             or self._start_failures >= self.config.max_start_failures
         )
-        if not fatal:
-            self.registry.unbind(trainer, self.config.fence_cooldown_s)
-        message = f"trainer {trainer.worker_id} failed to start: {e.details()}"
-        return TrainerStartFailed(message, e.details(), fatal)
+        if fatal:
+            return TrainerStartFailed(
+                f"trainer could not start the experiment: {e.details()}", True
+            )
+        self.registry.unbind(trainer, self.config.fence_cooldown_s)
+        return TrainerStartFailed(
+            f"trainer {trainer.worker_id} failed to start: {e.details()}", False
+        )
 
     async def stop(self) -> None:
         """The run ends: stop the bound trainer, then free it (stopped before it is freed, so
