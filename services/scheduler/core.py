@@ -27,10 +27,10 @@ from asyncrl.spec import ExperimentSpec, SpecError, check_files, spec_from_json,
 from asyncrl.types import StepMetrics, TrainerState
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 from asyncrl.workflow import check_workflow
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.context import (
     ChannelPool,
     RunnerContext,
-    SchedulerConfig,
     fleet_histogram,
 )
 from services.scheduler.dataset import Prompt, load_prompts

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from services.scheduler.config import SchedulerConfig
+
 
 class WorkerKind(StrEnum):
     ROLLOUT = "rollout"
@@ -51,8 +53,8 @@ class Worker:
 class Registry:
     def __init__(
         self,
-        lease_ttl_s: float = 10.0,
-        heartbeat_interval_s: float = 1.0,
+        lease_ttl_s: float = SchedulerConfig.lease_ttl_s,
+        heartbeat_interval_s: float = SchedulerConfig.heartbeat_interval_s,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.lease_ttl_s = lease_ttl_s

@@ -19,7 +19,8 @@ import grpc
 from asyncrl.types import TrainerState
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 from services.scheduler.calls import WorkerCalls
-from services.scheduler.context import ChannelPool, SchedulerConfig
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.context import ChannelPool
 from services.scheduler.lifecycle import Lifecycle, Phase
 from services.scheduler.registry import Registry, Worker, WorkerKind
 
