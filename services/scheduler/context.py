@@ -10,6 +10,7 @@ import grpc
 from prometheus_client import Histogram
 
 from asyncrl.grpcutil import channel
+from asyncrl.phases import FLEET_PHASES
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.history import HistoryLog
 from services.scheduler.registry import Registry
@@ -47,7 +48,7 @@ def fleet_histogram() -> Histogram:
     Rendered by the scheduler's collector (never prometheus' global registry)."""
     return Histogram(
         "asyncrl_scheduler_weight_update_seconds",
-        "Fleet weight updates by phase: commit, update, lag, read, pause, load, resume",
+        "Fleet weight updates by phase: " + ", ".join(FLEET_PHASES),
         ["experiment", "phase"],
         buckets=FLEET_BUCKETS,
         registry=None,

@@ -123,6 +123,8 @@ class GroupSender:
             self.abort(worker, group_ids, WITHDRAWN)
 
     def abort(self, worker: Worker, group_ids: list[str], reason: str) -> None:
+        """AbortGroups for these groups of `worker`, in the background (its answer is logged;
+        an aborted group's summary comes on its GenerateGroups call, ABORTED)."""
         task = asyncio.create_task(self._abort_unpublished(worker, group_ids, reason))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
