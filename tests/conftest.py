@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,23 @@ from asyncrl.natsutil import LocalNatsServer, connect, ensure_stream
 from asyncrl.security import ensure_secrets
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+TIER_TIMEOUT_S = {"unit": 120, "chaos": 120, "integration": 600, "e2e": 900}
+"""Per-test timeout by the directory a test lives in (a test's own timeout mark wins)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its tier (unit / integration / e2e: `-m "not e2e"`) and give it
+    its tier's timeout."""
+    tests_dir = Path(__file__).parent
+    for item in items:
+        tier = item.path.relative_to(tests_dir).parts[0]
+        if tier not in TIER_TIMEOUT_S:
+            continue
+        item.add_marker(getattr(pytest.mark, tier))
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TIER_TIMEOUT_S[tier]))
 
 
 def pytest_configure(config):

@@ -18,7 +18,6 @@ import typer
 import yaml
 from google.protobuf import json_format
 from rich.console import Console, Group
-from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
@@ -27,7 +26,6 @@ from asyncrl.client import (
     AsyncrlClient,
     AsyncrlError,
     default_address,
-    experiment_spec,
     group_record,
     read_groups,
     state_name,
@@ -38,6 +36,7 @@ from asyncrl.security import AuthError
 from asyncrl.security_cli import app as secrets_app
 from asyncrl.spec import ExperimentSpec, SpecError, apply_overrides, validate_spec
 from asyncrl.v1 import common_pb2, scheduler_pb2
+from asyncrl.watchview import ProgressView, follow
 
 app = typer.Typer(
     help="asyncrl: asynchronous RL post-training (talks gRPC to the scheduler).",
@@ -50,6 +49,7 @@ err = Console(stderr=True, highlight=False)
 
 # Spec fields that name local files: a relative path that exists here is sent as absolute, so
 # the scheduler (whatever its working directory) reads the same file.
+PLAIN_HELP = "One line per step, eval and state change (the default when stdout is no terminal)."
 LOCAL_PATH_FIELDS = (
     ("model", "path"),
     ("model", "tokenizer_path"),
@@ -132,121 +132,18 @@ def _ago(unix_s: float) -> str:
     return f"{max(0.0, time.time() - unix_s):.1f}s ago"
 
 
-def _fmt(value: float | None, spec: str = ".3f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def failure_summary(p: scheduler_pb2.Progress, top: int = 5) -> str:
-    """The most frequent reasons groups failed, e.g. `3x reward raised: ZeroDivisionError`."""
-    reasons = sorted(p.failure_reasons.items(), key=lambda kv: -kv[1])
-    text = "; ".join(f"{n}x {why}" for why, n in reasons[:top])
-    if len(reasons) > top:
-        text += f"; and {len(reasons) - top} more"
-    return text
-
-
-class ProgressView:
-    """The latest known state of one experiment, folded from ProgressEvents."""
-
-    def __init__(self, experiment_id: str):
-        self.experiment_id = experiment_id
-        self.experiment = scheduler_pb2.Experiment(id=experiment_id)
-        self.last_step: common_pb2.StepMetrics | None = None
-        self.last_eval: scheduler_pb2.EvalResult | None = None
-        self.eta: int | None = None
-        """max_head_offpolicyness, from the spec the first snapshot carries."""
-
-    def update(self, event: scheduler_pb2.ProgressEvent) -> None:
-        if event.HasField("experiment"):
-            self.experiment = event.experiment
-            if self.eta is None and event.experiment.spec_json:
-                self.eta = experiment_spec(event.experiment).rollout.max_head_offpolicyness
-            p = event.experiment.progress
-            if p.HasField("last_step"):
-                self.last_step = p.last_step
-            if p.evals:
-                self.last_eval = max(p.evals, key=lambda e: e.version)
-        if event.HasField("step"):
-            self.last_step = event.step
-        if event.HasField("eval"):
-            self.last_eval = event.eval
-
-    def line(self, kind: str) -> str:
-        """A one-line summary (for logs and non-terminal output)."""
-        p, step, ev = self.experiment.progress, self.last_step, self.last_eval
-        return (
-            f"[{kind}] {state_name(self.experiment.state)} v{p.version}"
-            f" accepted={p.accepted} rejected={p.rejected} failed={p.failed}"
-            f" stale_dropped={p.stale_dropped} running={p.running} left_over={p.left_over}"
-            f" reward={_fmt(step.reward_mean if step else None)}"
-            f" eval={_fmt(ev.accuracy if ev else None)}"
-            f" staleness_max={max(p.staleness_max, step.staleness_max if step else 0)}"
-            + (f" failures: {failure_summary(p)}" if p.failure_reasons else "")
-        )
-
-    def render(self) -> Table:
-        exp, p = self.experiment, self.experiment.progress
-        step = self.last_step
-        table = Table(
-            title=escape(f"experiment {exp.id} {exp.name}"), show_header=False, min_width=60
-        )
-        table.add_column("field", style="cyan")
-        table.add_column("value")
-        table.add_row(
-            "state", state_name(exp.state) + (f"  ({escape(exp.message)})" if exp.message else "")
-        )
-        table.add_row(
-            "version / step",
-            f"{p.version} / {step.step if step else 0}   epoch {p.epoch} cursor {p.cursor}",
-        )
-        table.add_row(
-            "groups",
-            f"accepted {p.accepted}  rejected {p.rejected}  failed {p.failed}"
-            f"  stale_dropped {p.stale_dropped}  running {p.running}"
-            f"  trained {p.trained_groups}  left over {p.left_over}",
-        )
-        if p.failure_reasons:
-            table.add_row("failure reasons", escape(failure_summary(p)))
-        table.add_row("reward mean", _fmt(step.reward_mean if step else None))
-        table.add_row(
-            "eval accuracy",
-            "-"
-            if self.last_eval is None
-            else f"{self.last_eval.accuracy:.3f} (v{self.last_eval.version})",
-        )
-        table.add_row(
-            "staleness",
-            f"max {max(p.staleness_max, step.staleness_max if step else 0)}"
-            f"  mean {_fmt(step.staleness_mean if step else None, '.2f')}"
-            f"  (η = {'-' if self.eta is None else self.eta})",
-        )
-        table.add_row(
-            "tokens/s",
-            f"rollout {p.rollout_tokens_per_s:.1f}  trainer "
-            f"{_fmt(step.tokens_per_s if step else None, '.1f')}",
-        )
-        return table
-
-
-async def _watch(address: str, experiment_id: str, as_json: bool) -> int:
+async def _watch(address: str, experiment_id: str, as_json: bool, plain: bool = False) -> int:
+    """Follow an experiment until it ends: JSON events, plain lines (`plain`, or stdout is not
+    a terminal: a log file or CI) or a live view; exit code 0 if it COMPLETED, else 1."""
     view = ProgressView(experiment_id)
     async with AsyncrlClient(address) as client:
         if as_json:
             async for event in client.watch(experiment_id):
                 view.update(event)
                 out.print(json.dumps(_to_dict(event)), soft_wrap=True)
-        elif not out.is_terminal:  # a log file: one line per change instead of a live table
-            first = True
-            async for event in client.watch(experiment_id):
-                view.update(event)
-                if first or event.kind != "snapshot":
-                    out.print(view.line(event.kind), soft_wrap=True, markup=False)
-                first = False
         else:
-            with Live(view.render(), console=out, refresh_per_second=4) as live:
-                async for event in client.watch(experiment_id):
-                    view.update(event)
-                    live.update(view.render())
+            plain = plain or not out.is_terminal
+            await follow(client.watch(experiment_id), view, out, plain)
     if not as_json:
         out.print(f"{experiment_id}: {state_name(view.experiment.state)}")
     return 0 if view.experiment.state == scheduler_pb2.EXPERIMENT_STATE_COMPLETED else 1
@@ -274,6 +171,7 @@ def submit(
         typer.Option("--set", help="Override a field: --set trainer.lr=1e-5 (repeatable)."),
     ] = None,
     watch: Annotated[bool, typer.Option("--watch", help="Watch until it ends.")] = False,
+    plain: Annotated[bool, typer.Option("--plain", help=PLAIN_HELP)] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     id_file: Annotated[
         Path | None, typer.Option("--id-file", help="Also write the experiment id to this file.")
@@ -292,7 +190,7 @@ def submit(
             _print_json(exp)
         else:
             out.print(exp.id)
-        code = await _watch(_address(ctx), exp.id, as_json) if watch else 0
+        code = await _watch(_address(ctx), exp.id, as_json, plain) if watch else 0
         return exp.id, code
 
     _, code = _run(go())
@@ -304,9 +202,11 @@ def watch(
     ctx: typer.Context,
     experiment_id: str,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON event per line.")] = False,
+    plain: Annotated[bool, typer.Option("--plain", help=PLAIN_HELP)] = False,
 ) -> None:
-    """Live progress until the experiment ends (exit 0 if COMPLETED, else 1)."""
-    raise typer.Exit(_run(_watch(_address(ctx), experiment_id, as_json)))
+    """Live progress until the experiment ends (exit 0 if COMPLETED, else 1): a view that stays
+    in place on a terminal, one line per step, eval and state change otherwise."""
+    raise typer.Exit(_run(_watch(_address(ctx), experiment_id, as_json, plain)))
 
 
 @app.command()

@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from asyncrl.errors import SpecError
 from asyncrl.registry import ENGINES, FILTERS, TRAINER_BACKENDS, WORKFLOWS
@@ -154,8 +162,46 @@ class TrainerSpec(_Section):
     Larger is fewer passes and more activation memory."""
     eps_clip: float = Field(0.2, gt=0)
     behav_imp_weight_cap: float | None = Field(5.0, gt=1.0)
-    """Truncate the behaviour importance weight pi_prox/pi_behav; tokens above it are masked."""
+    """Bound on the behaviour importance weight w = pi_prox/pi_behav: tokens above it are
+    masked (token_cap), or the weight is truncated to it (token_tis, gspo, cispo)."""
+    # -- the objective: each choice below is one name (services/trainer/losses.py) ---------
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """Advantage estimator over a group's rewards: `grpo` (r - mean) / std; `dr_grpo`
+    r - mean (GRPO without std normalisation); `rloo` r minus the mean of the others."""
+    offpolicy_correction: Literal[
+        "token_cap", "token_tis", "token_mis", "gspo", "seq_mis", "icepop", "cispo", "m2po"
+    ] = "token_cap"
+    """How the gap between behaviour and trained policy is corrected: `token_cap` (w, tokens
+    with w > cap masked), `token_tis` (w truncated at cap), `token_mis` (tokens with w outside
+    [is_mask_low, is_mask_high] masked), `gspo` (sequence-level ratios: geometric means of
+    token ratios, weight truncated at cap), `seq_mis` (a sample whose geometric-mean weight is
+    outside the bounds dropped whole), `icepop` (w zeroed outside the bounds, two-sided),
+    `cispo` (REINFORCE with the IS weight pi/pi_behav truncated at cap, stop-gradient),
+    `m2po` (tokens masked until the second moment of log w over the batch is at most
+    m2po_bound). GSPO's paper clips its sequence ratio at eps 3e-4..4e-4: set eps_clip with
+    it."""
+    is_mask_low: float = Field(0.5, ge=0)
+    """Lower bound of the masking corrections (token_mis, seq_mis, icepop)."""
+    is_mask_high: float = Field(2.0, gt=0, validate_default=True)
+    """Upper bound of the masking corrections (token_mis, seq_mis, icepop)."""
+    m2po_bound: float = Field(0.04, gt=0)
+    """M2PO: the bound on the second moment of the log behaviour weight."""
+    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "dr_grpo"] = (
+        "token_mean"
+    )
+    """How token losses make a minibatch's loss: the mean over tokens, the mean over samples
+    of each sample's sum or mean, or Dr.GRPO's sum / (samples x loss_agg_constant)."""
+    loss_agg_constant: int | None = Field(None, gt=0)
+    """Dr.GRPO's constant normaliser in tokens; default rollout.gconfig.max_new_tokens."""
     kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL to the initial model (0: no reference model is kept)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator: k1 log(pi/ref), k2 log(pi/ref)^2 / 2, k3 (ref/pi - 1) -
+    log(ref/pi)."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Where the KL goes: a loss term, or a penalty kl_coef * sum_t kl_t on each reward."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus: the loss less entropy_coef x the token-mean entropy."""
     grad_clip: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     adam_beta1: float = Field(0.9, ge=0, lt=1)
@@ -171,6 +217,27 @@ class TrainerSpec(_Section):
     """host:port the trainer listens on as rank 0 (the engines' `nccl_master`)."""
     nccl_world_size: int | None = Field(None, gt=1)
     """Ranks of the weight-update group: 1 (the trainer) + the TP ranks of all engines."""
+    loggers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=lambda: ["tensorboard"])
+    """Run logs of every step (all StepMetrics fields, weight-update phases included) and eval,
+    under `<ASYNCRL_VAR>/runs/<experiment id>/` on the scheduler's host: `tensorboard` (event
+    files in `tensorboard/`), `wandb` (a W&B run in `wandb/`: offline unless WANDB_MODE says
+    otherwise or WANDB_API_KEY is set; `wandb sync` uploads an offline run later). TensorBoard is
+    on by default (local files, no network, no account); W&B is opted into."""
+
+    @field_validator("loggers")
+    @classmethod
+    def _no_repeated_logger(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"a logger is named twice: {v}")
+        return v
+
+    @field_validator("is_mask_high")
+    @classmethod
+    def _above_low(cls, v: float, info: ValidationInfo) -> float:
+        low = info.data.get("is_mask_low")
+        if low is not None and v <= low:
+            raise ValueError(f"must be above is_mask_low ({low})")
+        return v
 
     @model_validator(mode="after")
     def _nccl_needs_its_group(self) -> TrainerSpec:

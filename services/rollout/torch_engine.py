@@ -287,7 +287,7 @@ class TorchEngine(Engine):
         return _Slot(
             req=req,
             future=self._new_future(),
-            gen=torch.Generator().manual_seed(seed),
+            gen=torch.Generator(device=self.device).manual_seed(seed),  # on the logits' device
             stop_ids=frozenset(req.stop_token_ids) | frozenset(req.params.stop_token_ids),
             stop_strings=tuple(s for s in req.params.stop if s),
         )

@@ -24,6 +24,7 @@ import time
 
 from asyncrl.ledger import Ledger
 from asyncrl.logging import get_logger
+from asyncrl.runlog import RunLog, run_dir
 from asyncrl.spec import ExperimentSpec
 from services.scheduler.authority import TrainerAuthority
 from services.scheduler.calls import BindRefused, WorkerCalls
@@ -61,7 +62,10 @@ class ExperimentRunner:
         self.log = get_logger(experiment=record.id)
         self.calls = WorkerCalls(record.id, spec, ctx.channels)
         self.lifecycle = life = Lifecycle(record)
-        self.book = ProgressBook(record, ctx.history, self.log)
+        runlog = RunLog(
+            run_dir(record.id), spec.trainer.loggers, record.id, spec.model_dump(mode="json")
+        )
+        self.book = ProgressBook(record, ctx.history, runlog, self.log)
         moved = FleetHooks(
             fence=self._fence,
             refused=lambda reason: self._end(Phase.FAILED, reason),
@@ -170,7 +174,7 @@ class ExperimentRunner:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self.book.close()
+        await self.book.close()
 
     async def _run(self) -> None:
         """PENDING -> BINDING -> STARTING -> RUNNING (dispatch, under the watchdog) until the
@@ -403,6 +407,7 @@ class ExperimentRunner:
         await self.dispatcher.ledger.flush()
         for w in self.rollouts():  # bound while the trainer stopped (still live, finishing):
             self.registry.unbind(w)  # a terminal experiment must hold no worker
+        await self.book.close_logs()  # complete when a client sees the end
         self._enter(phase, message=message)
         self.log.info(
             "experiment_ended", state=self.state.value, message=message, version=self.version

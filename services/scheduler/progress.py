@@ -1,6 +1,7 @@
 """An experiment's progress and history: the steps the trainer committed and the evals, kept in
-the record (the last ones), appended to the history log (all of them) and told to watchers; and
-the one place a `Progress` is made, from the objects that own each of its parts:
+the record (the last ones), appended to the history log (all of them) and the run logs
+(TensorBoard, W&B), and told to watchers; and the one place a `Progress` is made, from the
+objects that own each of its parts:
 
     group counters      policy.StalenessManager.counts (admission's own count)
     version             the fleet (`fleet.Fleet.version`)
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
+from asyncrl.runlog import RunLog
 from asyncrl.types import EvalResult, StepMetrics
 from services.scheduler.dataset import DatasetCursor
 from services.scheduler.history import HistoryLog
@@ -20,9 +22,11 @@ from services.scheduler.records import Event, ExperimentRecord, GroupCounters, P
 
 
 class ProgressBook:
-    def __init__(self, record: ExperimentRecord, history: HistoryLog, log):
+    def __init__(self, record: ExperimentRecord, history: HistoryLog, runlog: RunLog, log):
         self.record = record
         self.history = history
+        self.runlog = runlog
+        """TensorBoard / W&B logs of the steps and evals (`trainer.loggers`)."""
         self.log = log
         saved = record.progress  # a resumed record's tallies
         self.trained_groups = saved.trained_groups
@@ -53,6 +57,7 @@ class ProgressBook:
             self.trained_groups -= old.groups
             self.log.warning("step_discarded", version=old.version, groups=old.groups)
         self.history.append_step(self.record.id, metrics)
+        self.runlog.step(metrics)
         self.trained_groups += metrics.groups
         self.staleness_max = max(self.staleness_max, metrics.staleness_max)
         self.stale_groups += metrics.stale_groups
@@ -61,6 +66,7 @@ class ProgressBook:
     def add_eval(self, result: EvalResult) -> None:
         self.record.evals.append(result)
         self.history.append_eval(self.record.id, result)
+        self.runlog.eval(result)
         self.log.info(
             "eval_done",
             version=result.version,
@@ -98,5 +104,10 @@ class ProgressBook:
     def unsubscribe(self, q: asyncio.Queue) -> None:
         self._subscribers.discard(q)
 
-    def close(self) -> None:
+    async def close_logs(self) -> None:
+        await asyncio.to_thread(self.runlog.close)
+
+    async def close(self) -> None:
+        """The scheduler stops: no more watchers, the run logs closed."""
         self._subscribers.clear()
+        await self.close_logs()

@@ -1,4 +1,5 @@
-"""GRPO advantages and the decoupled PPO objective. Pure torch: no I/O, no services.
+"""Packing groups into padded batches, logprobs, entropy, the learning-rate schedule and the
+decoupled PPO objective (the default of `losses`). Pure torch: no I/O, no services.
 
 Conventions. A batch is packed from trajectory groups into padded tensors in *target space*:
 position t of every per-token tensor refers to predicting token t+1 of `input_ids`, so the
@@ -8,22 +9,18 @@ logits of a causal LM forward pass `logits[:, :-1]` line up with `targets = inpu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from asyncrl.types import RewardStatus, TrajectoryGroup
-
-
-def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Group-normalised advantages: (r - mean_g) / (std_g + eps), rewards shaped [groups, n].
-
-    std is the population standard deviation (divide by n). A group with all-equal rewards
-    gets zero advantages.
-    """
-    mean = rewards.mean(dim=-1, keepdim=True)
-    std = rewards.std(dim=-1, keepdim=True, unbiased=False)
-    return (rewards - mean) / (std + eps)
+from services.trainer.losses import (
+    LossConfig,
+    aggregation_weights,
+    behaviour_correction,
+    minibatch_loss,
+    sample_advantages,
+)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -35,10 +32,6 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 def ppo_decoupled_loss(
@@ -54,23 +47,20 @@ def ppo_decoupled_loss(
 
     ratio = exp(logp - prox); pg = max(-A*ratio, -A*clip(ratio, 1-eps, 1+eps));
     w = exp(prox - behav) (no gradient); tokens with w > cap are masked out;
-    loss = sum(pg * w * mask) / sum(mask). Returns (loss, stats).
+    loss = sum(pg * w * mask) / sum(mask). Returns (loss, stats). The default objective of
+    `losses` (token_cap, token_mean), on one whole minibatch.
     """
-    mask = mask.float()
-    ratio = torch.exp(logp - prox_logp)
-    surr1 = -advantages * ratio
-    surr2 = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip)
-    pg = torch.maximum(surr1, surr2)
-    clipped = (surr2 > surr1).float()
-    behav_w = torch.exp(prox_logp - behav_logp).detach()
-    if behav_imp_weight_cap is not None:
-        keep = (behav_w <= behav_imp_weight_cap).float()
-        mask = mask * keep
-    loss = (pg * behav_w * mask).sum() / mask.sum().clamp(min=1)
+    cfg = LossConfig(eps_clip=eps_clip, cap=behav_imp_weight_cap)
+    corr = behaviour_correction(prox_logp, behav_logp, mask, cfg)
+    share = aggregation_weights(corr.norm, cfg.agg)
+    loss, parts = minibatch_loss(
+        logp, prox_logp, behav_logp, advantages, mask, corr, share, cfg, n_tokens=1.0
+    )
+    kept = corr.norm.sum().clamp(min=1)
     stats = {
-        "clip_fraction": masked_mean(clipped, mask).item(),
-        "behav_weight_mean": masked_mean(behav_w, mask).item(),
-        "masked_tokens": float(mask.sum().item()),
+        "clip_fraction": parts["clipped"] / kept.item(),
+        "behav_weight_mean": ((corr.behav_w * corr.norm).sum() / kept).item(),
+        "masked_tokens": float(corr.norm.sum().item()),
     }
     return loss, stats
 
@@ -83,12 +73,6 @@ def lr_at(step: int, total_steps: int, base_lr: float, schedule: str, min_lr_rat
         return base_lr
     frac = min(step, total_steps - 1) / (total_steps - 1)
     return base_lr * (1.0 - (1.0 - min_lr_ratio) * frac)
-
-
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
-    d = ref_logp - logp
-    return torch.exp(d) - d - 1.0
 
 
 @dataclass
@@ -105,67 +89,69 @@ class PackedBatch:
     versions: torch.Tensor
     rewards: torch.Tensor  # [N]
     n_tokens: int
+    group_index: torch.Tensor | None = None  # [N]: which group each sample belongs to
+    reward_ok: torch.Tensor | None = None  # [N]: the sample's reward is OK (not FAILED)
 
     def select(self, idx: torch.Tensor | slice) -> PackedBatch:
-        return PackedBatch(
-            input_ids=self.input_ids[idx],
-            attention_mask=self.attention_mask[idx],
-            targets=self.targets[idx],
-            loss_mask=self.loss_mask[idx],
-            behav_logp=self.behav_logp[idx],
-            advantages=self.advantages[idx],
-            versions=self.versions[idx],
-            rewards=self.rewards[idx],
-            n_tokens=int(self.loss_mask[idx].sum().item()),
-        )
+        fields = {k: v[idx] for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        return PackedBatch(**fields, n_tokens=int(self.loss_mask[idx].sum().item()))
+
+    def with_sample_advantages(self, per_sample: torch.Tensor) -> PackedBatch:
+        """The batch with each sample's advantage [N] on all its output tokens (as packed)."""
+        outputs = (self.versions >= 0).to(self.advantages.dtype)
+        return replace(self, advantages=per_sample.unsqueeze(-1) * outputs)
 
 
 def pack_groups(
-    groups: list[TrajectoryGroup], pad_id: int = 0, adv_eps: float = 1e-6
+    groups: list[TrajectoryGroup],
+    pad_id: int = 0,
+    adv_eps: float = 1e-6,
+    estimator: str = "grpo",
 ) -> PackedBatch:
-    """Flatten groups to right-padded sequences (prompt + output) with per-token advantages.
+    """Flatten groups to right-padded sequences (prompt + output) with per-token advantages
+    (`losses.group_advantages`: grpo, dr_grpo or rloo).
 
     A sample whose reward FAILED gets zero advantage and no loss tokens (it is excluded, not
     scored as 0). Advantages are normalised over the group's OK samples. Environment tokens
     (`Sample.loss_mask` 0) are context only: no loss.
     """
-    seqs, lmask, blogp, adv, vers, rews = [], [], [], [], [], []
-    for g in groups:
-        ok = [s.reward_status == RewardStatus.OK for s in g.samples]
-        r = torch.tensor(
-            [s.reward for s, k in zip(g.samples, ok, strict=True) if k], dtype=torch.float32
-        )
-        a_ok = grpo_advantages(r.unsqueeze(0), adv_eps).squeeze(0) if len(r) else r
-        it = iter(a_ok.tolist())
-        for s, k in zip(g.samples, ok, strict=True):
-            a = next(it) if k else 0.0
-            p, o = len(g.prompt_ids), len(s.output_ids)
+    seqs, lmask, blogp, vers, rews, gidx, oks = [], [], [], [], [], [], []
+    for gi, g in enumerate(groups):
+        for s in g.samples:
+            ok = s.reward_status == RewardStatus.OK
+            p = len(g.prompt_ids)
             seqs.append(list(g.prompt_ids) + list(s.output_ids))
             # target index t predicts token t+1: output token j sits at target p-1+j
-            lmask.append([0.0] * (p - 1) + [float(k and m) for m in s.trained_mask()])
+            lmask.append([0.0] * (p - 1) + [float(ok and m) for m in s.trained_mask()])
             blogp.append([0.0] * (p - 1) + list(s.logprobs))
-            adv.append([0.0] * (p - 1) + [a] * o)
             vers.append([-1] * (p - 1) + list(s.versions))
-            rews.append(s.reward)
+            rews.append(s.reward or 0.0)
+            gidx.append(gi)
+            oks.append(ok)
     T = max(len(s) for s in seqs)
 
     def pad(rows, width, value, dtype):
         return torch.tensor([row + [value] * (width - len(row)) for row in rows], dtype=dtype)
 
     input_ids = pad(seqs, T, pad_id, torch.long)
-    attn = pad([[1] * len(s) for s in seqs], T, 0, torch.long)
     loss_mask = pad(lmask, T - 1, 0.0, torch.float32)
-    return PackedBatch(
+    batch = PackedBatch(
         input_ids=input_ids,
-        attention_mask=attn,
+        attention_mask=pad([[1] * len(s) for s in seqs], T, 0, torch.long),
         targets=input_ids[:, 1:].clone(),
         loss_mask=loss_mask,
         behav_logp=pad(blogp, T - 1, 0.0, torch.float32),
-        advantages=pad(adv, T - 1, 0.0, torch.float32),
+        advantages=torch.zeros_like(loss_mask),
         versions=pad(vers, T - 1, -1, torch.long),
         rewards=torch.tensor(rews, dtype=torch.float32),
         n_tokens=int(loss_mask.sum().item()),
+        group_index=torch.tensor(gidx, dtype=torch.long),
+        reward_ok=torch.tensor(oks, dtype=torch.bool),
     )
+    per_sample = sample_advantages(
+        batch.rewards, batch.group_index, batch.reward_ok, estimator, adv_eps
+    )
+    return batch.with_sample_advantages(per_sample)
 
 
 def unpack_output_logprobs(

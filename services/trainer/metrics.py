@@ -48,6 +48,58 @@ def phase_histogram() -> Histogram:
     )
 
 
+STALENESS_BUCKETS = (
+    ("staleness_0", 0, 0),
+    ("staleness_1", 1, 1),
+    ("staleness_2_3", 2, 3),
+    ("staleness_4_7", 4, 7),
+    ("staleness_8_plus", 8, None),
+)
+"""The staleness histogram's StepMetrics fields: (name, lowest, highest or None)."""
+
+BACKEND_DIAGNOSTICS = (
+    "behav_weight_mean",
+    "behav_weight_max",
+    "is_masked_fraction",
+    "is_truncated_fraction",
+    "logprob_diff_mean",
+    "logprob_diff_max",
+)
+"""StepMetrics fields copied from `TrainerBackend.train_step`'s answer
+(`services.trainer.losses.diagnostics`)."""
+
+DIAGNOSTIC_FIELDS = (
+    *BACKEND_DIAGNOSTICS,
+    "logprob_diff_tokens",
+    "entropy",
+    "kl",
+    "clip_fraction",
+    *(name for name, _, _ in STALENESS_BUCKETS),
+    "version_span_max",
+    "version_span_mean",
+)
+"""The per-step diagnostics a user steers by (each a Prometheus gauge of the last step)."""
+
+
+def staleness_histogram(staleness: list[int]) -> dict[str, int]:
+    """Groups per STALENESS_BUCKETS bucket."""
+    return {
+        name: sum(lo <= s and (hi is None or s <= hi) for s in staleness)
+        for name, lo, hi in STALENESS_BUCKETS
+    }
+
+
+def version_spans(groups: list[TrajectoryGroup]) -> list[int]:
+    """Per sample with trained tokens: newest - oldest version among them (0: one version)."""
+    spans = []
+    for g in groups:
+        for s in g.samples:
+            vs = [v for v, m in zip(s.versions, s.trained_mask(), strict=False) if m]
+            if vs:
+                spans.append(max(vs) - min(vs))
+    return spans
+
+
 def is_too_stale(group: TrajectoryGroup, trainer_version: int, eta: int) -> bool:
     """A group may lag the trainer by at most eta versions (DESIGN invariant 1)."""
     return group.staleness(trainer_version) > eta
@@ -82,12 +134,14 @@ def step_metrics(
     """Metrics of the step that trained `groups` at `trainer_version` and produced `version`.
 
     `backend_stats` is what `TrainerBackend.train_step` returned (loss, clip_fraction, entropy,
-    kl, grad_norm, tokens); a key a backend does not report counts as 0. `stale_dropped`,
+    kl, grad_norm, tokens, the BACKEND_DIAGNOSTICS); a key a backend does not report counts
+    as 0. The staleness histogram and the version spans come from `groups`. `stale_dropped`,
     `quarantined` and `replayed` count the messages consumed for the step and not trained;
     `times` says where the trainer's time went around it.
     """
     ok = [s for g in groups for s in g.samples if s.reward_status == RewardStatus.OK]
     staleness = [g.staleness(trainer_version) for g in groups]
+    spans = version_spans(groups)
     tokens = backend_stats.get("tokens", 0.0)
     return StepMetrics(
         step=step,
@@ -109,4 +163,9 @@ def step_metrics(
         quarantined=quarantined,
         replayed=replayed,
         **asdict(times),
+        **{k: float(backend_stats.get(k, 0.0)) for k in BACKEND_DIAGNOSTICS},
+        logprob_diff_tokens=int(backend_stats.get("logprob_diff_tokens", 0)),
+        **staleness_histogram(staleness),
+        version_span_max=max(spans, default=0),
+        version_span_mean=sum(spans) / len(spans) if spans else 0.0,
     )

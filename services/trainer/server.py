@@ -14,6 +14,7 @@ from asyncrl.natsutil import ensure_stream
 from asyncrl.runtime import ServiceRuntime
 from asyncrl.settings import settings
 from asyncrl.v1 import common_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from services.trainer.metrics import DIAGNOSTIC_FIELDS
 from services.trainer.service import TrainerService
 
 log = get_logger()
@@ -27,6 +28,7 @@ STEP_FIELDS = (
     "step_time_s",
     "quarantined",
     "replayed",
+    *DIAGNOSTIC_FIELDS,
 )
 
 

@@ -28,6 +28,7 @@ from tests.e2e.experiment import (
     small_spec,
     start_cluster,
 )
+from tests.runlogs import assert_run_logs
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -45,19 +46,27 @@ def test_small_experiment_completes_through_all_services(cluster, task, tmp_path
     assert report["totals"]["trained"] == 2 * exp.progress.version
 
 
-def test_arith_demo_fifteen_steps_final_eval_accuracy_above_initial(cluster, tmp_path):
+def test_arith_demo_fifteen_steps_closes_part_of_the_gap_to_full_accuracy(cluster, tmp_path):
     """Learning happens: the demo (a tiny model warm-started on little-endian three-digit
-    addition, exact-match reward) cut to 15 torch-backend steps raises the greedy eval accuracy
-    on 200 held-out prompts by 0.1 at least (measured 0.155 -> 0.31..0.47; it stays at 0.155
-    with lr=1e-9)."""
+    addition, exact-match reward) cut to 15 torch-backend steps closes at least a tenth of
+    what the model had left to learn, (final - initial) / (1 - initial) >= 0.1, on 200
+    held-out prompts. The warm start lands near 0.15 on any CPU (it keeps the checkpoint
+    closest to its target), so the starting point is checked too. Measured on this project's
+    2-core machine: 0.175 -> 0.34..0.47 (0.20..0.36 of the gap); with lr=1e-9 the accuracy
+    does not move."""
     build_arith_demo(tmp_path)
+    warm = json.loads((tmp_path / "model" / "warmstart.json").read_text())
+    assert 0.10 <= warm["greedy_eval_accuracy"] <= 0.25, warm
     spec = arith_demo_spec(tmp_path, total_steps=15)
     exp = asyncio.run(run_experiment(cluster.scheduler, spec, timeout=300))
     assert state_name(exp.state) == "COMPLETED", exp.message
     evals = [(e.version, e.accuracy) for e in exp.progress.evals]
     assert [v for v, _ in evals] == [0, 15]
     (_, initial), (_, final) = evals
-    assert final >= initial + 0.1, evals
+    assert initial == pytest.approx(warm["greedy_eval_accuracy"], abs=0.05), (evals, warm)
+    assert (final - initial) / (1.0 - initial) >= 0.1, evals
+    # the demo's loggers: TensorBoard and W&B (offline) under <var>/runs/<id>
+    assert_run_logs(cluster.var / "runs" / exp.id, exp)
 
 
 def test_megatron_backend_small_experiment_completes_through_all_services(cluster, task, tmp_path):

@@ -21,7 +21,17 @@ from asyncrl.spec import ExperimentSpec
 from asyncrl.types import RewardStatus, Sample, TrajectoryGroup
 from services.trainer.algo import pack_groups, token_logprobs
 
-CASE_TRAINER = dict(lr=1e-3, minibatches=2, kl_coef=0.05, grad_clip=1.0)
+# a non-default objective whose parts span the whole batch (m2po's second moment, per-sample
+# means): DP ranks must agree with one rank on them
+CASE_TRAINER = dict(
+    lr=1e-3,
+    minibatches=2,
+    kl_coef=0.05,
+    grad_clip=1.0,
+    offpolicy_correction="m2po",
+    m2po_bound=0.05,
+    loss_agg="seq_mean_token_mean",
+)
 MICRO_BATCH = 2
 
 

@@ -109,6 +109,7 @@ async def test_worker_collectors_one_registry_each_report_live_state_without_con
     trainer.last_metrics = StepMetrics(
         **{f.name: 0 for f in fields(StepMetrics)}
         | {"loss": 1.5, "staleness_max": 2, "tokens_per_s": 9.0}
+        | {"logprob_diff_max": 0.25, "is_masked_fraction": 0.125, "staleness_1": 3}
     )
     servers = [
         MetricsServer(RolloutCollector(rollout)),
@@ -130,6 +131,9 @@ async def test_worker_collectors_one_registry_each_report_live_state_without_con
         assert got[("asyncrl_trainer_last_step_loss", e)] == 1.5
         assert got[("asyncrl_trainer_last_step_staleness_max", e)] == 2.0
         assert got[("asyncrl_trainer_last_step_tokens_per_s", e)] == 9.0
+        assert got[("asyncrl_trainer_last_step_logprob_diff_max", e)] == 0.25
+        assert got[("asyncrl_trainer_last_step_is_masked_fraction", e)] == 0.125
+        assert got[("asyncrl_trainer_last_step_staleness_1", e)] == 3.0
     finally:
         for server in servers:
             await server.stop()

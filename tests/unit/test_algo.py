@@ -1,4 +1,5 @@
-"""GRPO advantages, the decoupled PPO loss, k3 KL and packing, against hand-computed numbers."""
+"""GRPO advantages, the decoupled PPO loss and packing, against hand-computed numbers (the
+other estimators and KL: test_losses.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,18 @@ import pytest
 import torch
 
 from asyncrl.types import RewardStatus, Sample, TrajectoryGroup
-from services.trainer.algo import grpo_advantages, kl_k3, pack_groups, ppo_decoupled_loss
+from services.trainer.algo import pack_groups, ppo_decoupled_loss
+from services.trainer.losses import group_advantages
 
 LN = math.log
 
 
-# -- grpo_advantages ------------------------------------------------------------------------
+# -- grpo advantages ------------------------------------------------------------------------
+def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages of each row of [groups, n] rewards."""
+    return torch.stack([group_advantages(row, "grpo", eps) for row in rewards])
+
+
 def test_grpo_advantages_two_right_two_wrong_gives_plus_minus_one():
     # mean 0.5, population std 0.5 -> (r - 0.5) / 0.5 = +-1
     adv = grpo_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), eps=0.0)
@@ -98,14 +105,6 @@ def test_ppo_decoupled_loss_on_policy_is_minus_mean_advantage():
     assert loss.item() == pytest.approx(-0.5)
     assert stats["clip_fraction"] == 0.0
     assert stats["behav_weight_mean"] == 1.0
-
-
-# -- kl_k3 ----------------------------------------------------------------------------------
-def test_kl_k3_matches_formula_and_is_zero_when_equal():
-    # d = ref - logp; k3 = exp(d) - d - 1
-    # d = -1: e^-1 + 1 - 1 = 0.3678794; d = +1: e - 2 = 0.7182818; d = 0: 0
-    k = kl_k3(torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-2.0, -1.0, -0.5]))
-    assert k.tolist() == pytest.approx([math.exp(-1), math.e - 2, 0.0], rel=1e-6)
 
 
 # -- pack_groups ----------------------------------------------------------------------------

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from asyncrl.cli import ProgressView, app, load_spec, load_spec_dict
+from asyncrl.cli import app, load_spec, load_spec_dict
 from asyncrl.client import AsyncrlError
 from asyncrl.net import free_port
 from asyncrl.spec import SpecError
 from asyncrl.v1 import common_pb2, scheduler_pb2
+from asyncrl.watchview import ProgressView
 
 runner = CliRunner()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from asyncrl.cli import ProgressView, failure_summary
 from asyncrl.v1 import scheduler_pb2
+from asyncrl.watchview import ProgressView, failure_summary
 
 
 def _view(progress: scheduler_pb2.Progress) -> ProgressView:

@@ -11,9 +11,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from asyncrl.logging import get_logger
 from asyncrl.spec import ExperimentSpec
 from asyncrl.types import TrajectoryGroup
 from services.trainer.algo import PackedBatch, pack_groups
+from services.trainer.losses import (
+    Correction,
+    LossConfig,
+    behaviour_correction,
+    diagnostic_sums,
+    diagnostics,
+    kl_reward_penalty,
+    sample_advantages,
+)
 
 
 class TrainerBackend(ABC):
@@ -25,6 +35,9 @@ class TrainerBackend(ABC):
     def __init__(self, spec: ExperimentSpec):
         self.spec = spec
         self.pad_id = 0  # the model config's pad_token_id once loaded
+        self.steps = 0  # optimizer versions trained so far: the version the next step trains
+        self.loss_cfg = LossConfig.from_spec(spec)
+        get_logger().info("trainer_objective", backend=spec.trainer.backend, **vars(self.loss_cfg))
 
     @abstractmethod
     def load(self, model_dir: str) -> None:
@@ -33,8 +46,10 @@ class TrainerBackend(ABC):
     @abstractmethod
     def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         """Recompute proximal logprobs, run `trainer.minibatches` optimizer updates with the
-        decoupled PPO loss on GRPO advantages. Returns metrics: loss, clip_fraction, entropy,
-        kl, grad_norm, tokens (loss tokens)."""
+        spec's objective (`services.trainer.losses`). Returns metrics: loss, clip_fraction,
+        entropy, kl, grad_norm, tokens (loss tokens), lr, reward_mean, and the diagnostics of
+        `losses.diagnostics` (behaviour weights, masked and truncated fractions, the logprob
+        mismatch at the version trained from)."""
 
     @abstractmethod
     def save_hf(self, out_dir: Path) -> None:
@@ -68,13 +83,39 @@ class TrainerBackend(ABC):
     # -- shared by the implementations ------------------------------------------------------
     def _pack(self, groups: list[TrajectoryGroup]) -> PackedBatch:
         """The groups packed with `pad_id`, every tensor on `device`."""
-        batch = pack_groups(groups, pad_id=self.pad_id)
+        batch = pack_groups(groups, pad_id=self.pad_id, estimator=self.loss_cfg.advantage)
         return PackedBatch(
             **{
                 k: (v.to(self.device) if isinstance(v, torch.Tensor) else v)
                 for k, v in vars(batch).items()
             }
         )
+
+    def _prepare(
+        self, batch: PackedBatch, prox: torch.Tensor, ref: torch.Tensor | None
+    ) -> tuple[PackedBatch, Correction, dict[str, float]]:
+        """What a step fixes before its first update, from the whole batch's proximal (and
+        reference) logprobs: the advantages (of KL-penalised rewards with `kl_in: reward`),
+        the off-policy correction, and the step's metrics known so far (the diagnostics,
+        tokens, reward_mean; kl for a reward penalty)."""
+        cfg = self.loss_cfg
+        metrics: dict[str, float] = {}
+        if cfg.kl_in_reward:
+            kl_seq = kl_reward_penalty(prox, ref, batch.loss_mask, cfg.kl_estimator)
+            rewards = batch.rewards - cfg.kl_coef * kl_seq
+            advantages = sample_advantages(
+                rewards, batch.group_index, batch.reward_ok, cfg.advantage
+            )
+            batch = batch.with_sample_advantages(advantages)
+            metrics["kl"] = kl_seq.sum().item() / max(batch.n_tokens, 1)
+        corr = behaviour_correction(prox, batch.behav_logp, batch.loss_mask, cfg)
+        sums = diagnostic_sums(
+            corr, prox, batch.behav_logp, batch.loss_mask, batch.versions, self.steps
+        )
+        metrics |= diagnostics(*sums)
+        metrics["tokens"] = float(batch.n_tokens)
+        metrics["reward_mean"] = batch.rewards.mean().item()
+        return batch, corr, metrics
 
     def _rng_state(self) -> dict:
         """The RNG states a checkpoint saves: torch (CPU), python and numpy."""

@@ -1,11 +1,12 @@
 """The megatron-core trainer backend: a GPTModel built from the HuggingFace config, TP x DP.
 
-Same objective as the torch backend (decoupled PPO on GRPO advantages, optional k3 KL to the
-initial model, `trainer.minibatches` updates per version), computed with vocab-parallel
-logprobs. Each minibatch's rows are dealt round-robin to the DP ranks and run in micro-batches
-of `trainer.micro_batch_tokens` padded tokens (rows x padded length); every micro-batch loss
-is normalised by the minibatch's *global* token count, so the summed gradients equal one big
-batch's exactly.
+Same objective as the torch backend (`services.trainer.losses`: the spec's advantage
+estimator, off-policy correction, loss aggregation, KL to the initial model and entropy bonus;
+`trainer.minibatches` updates per version), computed with vocab-parallel logprobs. Each
+minibatch's rows are dealt round-robin to the DP ranks and run in micro-batches of
+`trainer.micro_batch_tokens` padded tokens (rows x padded length); every token's share of the
+loss is fixed from the minibatch's *global* counts before the first micro-batch, so the summed
+gradients equal one big batch's exactly.
 
 Under torchrun, rank 0 is the trainer (the service drives it like any backend) and every other
 rank runs `follow()`: each collective method called on rank 0 first broadcasts its name and
@@ -26,14 +27,9 @@ import torch.distributed as dist
 from asyncrl.errors import SpecError
 from asyncrl.types import TrajectoryGroup
 from asyncrl.weights import copy_tokenizer, load_state_dict_files
-from services.trainer.algo import (
-    PackedBatch,
-    kl_k3,
-    lr_at,
-    ppo_decoupled_loss,
-    unpack_output_logprobs,
-)
+from services.trainer.algo import PackedBatch, lr_at, unpack_output_logprobs
 from services.trainer.backends.base import TrainerBackend
+from services.trainer.losses import aggregation_weights, minibatch_loss
 from services.trainer.megatron import model as mg
 from services.trainer.megatron.optim import build_optimizer
 from services.trainer.megatron.parallel import (
@@ -118,84 +114,69 @@ class MegatronBackend(TrainerBackend):
         chunks = [c for c in torch.arange(n).chunk(min(t.minibatches, n)) if len(c)]
         mine = [c[self.par.dp_rank :: self.par.dp_size] for c in chunks]
         own = torch.cat(mine)
-        # proximal (and reference) logprobs: the weights before this version's first update
-        prox = self._logprobs_rows(self.built, batch, own)
-        ref = self._logprobs_rows(self.ref, batch, own) if self.ref is not None else None
+        # proximal (and reference) logprobs: the weights before this version's first update.
+        # Each rank computes its own rows (zero elsewhere); summed, every rank has the batch's
+        prox = self._dp_sum(self._logprobs_rows(self.built, batch, own))
+        ref = None
+        if self.ref is not None:
+            ref = self._dp_sum(self._logprobs_rows(self.ref, batch, own))
+        batch, corr, metrics = self._prepare(batch, prox, ref)
 
         totals: dict[str, float] = defaultdict(float)
-        for rows in mine:
-            for k, v in self._train_minibatch(batch, rows, prox, ref).items():
+        for chunk, rows in zip(chunks, mine, strict=True):
+            for k, v in self._train_minibatch(batch, chunk, rows, prox, ref, corr).items():
                 totals[k] += v
         self.steps += 1
-        metrics = {k: v / len(chunks) for k, v in totals.items()}
-        metrics["tokens"] = float(batch.n_tokens)
-        metrics["lr"] = lr
-        metrics["reward_mean"] = batch.rewards.mean().item()
-        return metrics
+        step = {k: v / len(chunks) for k, v in totals.items()}
+        step.update(metrics)  # the diagnostics, and kl when it went into the rewards
+        step["lr"] = lr
+        return step
 
-    def _token_counts(
-        self, batch: PackedBatch, rows: torch.Tensor, prox: torch.Tensor
-    ) -> tuple[float, float]:
-        """Global (all DP ranks) loss-token counts of a minibatch: (kept by the behaviour
-        weight cap, all), each at least 1 -- the denominators of the PPO and KL means."""
-        cap = self.spec.trainer.behav_imp_weight_cap
-        mask = batch.loss_mask[rows]
-        keep = mask
-        if cap is not None:
-            behav_w = torch.exp(prox[rows] - batch.behav_logp[rows])
-            keep = mask * (behav_w <= cap).float()
-        counts = torch.stack([keep.sum(), mask.sum()])
+    def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed over the data-parallel ranks, in place (itself with one rank)."""
         if self.par.dp_size > 1:
-            dist.all_reduce(counts, group=dp_group())
-        n_keep, n_tok = counts.clamp(min=1).tolist()
-        return n_keep, n_tok
+            dist.all_reduce(x, group=dp_group())
+        return x
 
-    def _train_minibatch(self, batch, rows, prox, ref) -> dict[str, float]:
-        t = self.spec.trainer
-        n_keep, n_tok = self._token_counts(batch, rows, prox)
-        # loss, clip_fraction, behav_weight_mean, entropy, kl: sums of already-normalised parts
-        sums = torch.zeros(5, dtype=torch.float64)
+    def _train_minibatch(self, batch, chunk, rows, prox, ref, corr) -> dict[str, float]:
+        """One optimizer update on minibatch `chunk`, this rank's `rows` of it in
+        micro-batches; each token's share of the loss is the whole minibatch's."""
+        cfg = self.loss_cfg
+        share = torch.zeros_like(corr.norm)
+        share[chunk] = aggregation_weights(corr.norm[chunk], cfg.agg, cfg.agg_constant)
+        n_norm = max(corr.norm[chunk].sum().item(), 1.0)
+        n_tok = max(batch.loss_mask[chunk].sum().item(), 1.0)
+        sums = torch.zeros(4, dtype=torch.float64)  # loss, clipped tokens, entropy, kl
         self.opt.zero_grad()
         for micro in rows.split(self._micro_rows(batch)):
             mb = batch.select(micro)
             logits = mg.forward_logits(self.opt.module, mb.input_ids, mb.attention_mask)
             logp = mg.token_logprobs(logits, mb.targets, self._vocab(), self.par.tp_rank)
-            pg, stats = ppo_decoupled_loss(
+            ent_in = logits if cfg.entropy_coef > 0 else logits.detach()
+            ent = mg.token_entropy(ent_in, self._vocab(), self.par.tp_rank, tp_group())
+            loss, parts = minibatch_loss(
                 logp,
                 prox[micro],
                 mb.behav_logp,
                 mb.advantages,
                 mb.loss_mask,
-                eps_clip=t.eps_clip,
-                behav_imp_weight_cap=t.behav_imp_weight_cap,
+                corr.rows(micro),
+                share[micro],
+                cfg,
+                n_tokens=n_tok,
+                ref=ref[micro] if ref is not None else None,
+                entropy=ent,
             )
-            share = max(stats["masked_tokens"], 1.0) / n_keep
-            loss = pg * share
-            kl = torch.zeros((), device=logp.device)
-            if ref is not None:
-                kl = (kl_k3(logp, ref[micro]) * mb.loss_mask).sum() / n_tok
-                loss = loss + t.kl_coef * kl
             loss.backward()
-            ent = mg.token_entropy(logits.detach(), self._vocab(), self.par.tp_rank, tp_group())
             sums += torch.tensor(
-                [
-                    loss.item(),
-                    stats["clip_fraction"] * share,
-                    stats["behav_weight_mean"] * share,
-                    ((ent * mb.loss_mask).sum() / n_tok).item(),
-                    kl.item(),
-                ],
+                [parts["loss"], parts["clipped"], parts["entropy"], parts["kl"]],
                 dtype=torch.float64,
             )
         grad_norm = self.opt.step()
-        if self.par.dp_size > 1:
-            sums = sums.to(self.par.device)
-            dist.all_reduce(sums, group=dp_group())
-        loss, clip, behav_w, entropy, kl = sums.tolist()
+        loss, clipped, entropy, kl = self._dp_sum(sums.to(self.par.device)).tolist()
         return {
             "loss": loss,
-            "clip_fraction": clip,
-            "behav_weight_mean": behav_w,
+            "clip_fraction": clipped / n_norm,
             "entropy": entropy,
             "kl": kl,
             "grad_norm": grad_norm,

@@ -2,8 +2,9 @@
 
 One `train_step` is one policy version: the groups are packed, the proximal logprobs are
 recomputed with the current weights, and the samples are split into `trainer.minibatches`
-minibatches with one optimizer update each (decoupled PPO on GRPO advantages, optional k3 KL
-to a frozen copy of the initial model). Logprobs use unscaled logits (temperature 1), exactly
+minibatches with one optimizer update each (the spec's objective, `services.trainer.losses`:
+advantage estimator, off-policy correction, aggregation, KL to a frozen copy of the initial
+model, entropy bonus). Logprobs use unscaled logits (temperature 1), exactly
 as the rollout engines report behaviour logprobs.
 """
 
@@ -19,15 +20,13 @@ from asyncrl.types import TrajectoryGroup
 from asyncrl.weights import copy_tokenizer
 from services.trainer.algo import (
     PackedBatch,
-    kl_k3,
     lr_at,
-    masked_mean,
-    ppo_decoupled_loss,
     token_entropy,
     token_logprobs,
     unpack_output_logprobs,
 )
 from services.trainer.backends.base import TrainerBackend
+from services.trainer.losses import Correction, aggregation_weights, minibatch_loss
 
 MODEL_FILE = "model.pt"
 OPTIM_FILE = "optimizer.pt"
@@ -51,7 +50,6 @@ class TorchBackend(TrainerBackend):
         self.ref_model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.model_dir: Path | None = None
-        self.steps = 0  # optimizer versions trained so far (train_step calls)
 
     # -- setup ----------------------------------------------------------------------------
     def load(self, model_dir: str) -> None:
@@ -85,6 +83,7 @@ class TorchBackend(TrainerBackend):
         batch = self._pack(groups)
         prox_logp = self._frozen_logprobs(self.model, batch)
         ref_logp = self._frozen_logprobs(self.ref_model, batch) if t.kl_coef > 0 else None
+        batch, corr, metrics = self._prepare(batch, prox_logp, ref_logp)
 
         lr = lr_at(self.steps, t.total_steps, t.lr, t.lr_schedule, t.min_lr_ratio)
         for group in self.optimizer.param_groups:
@@ -94,44 +93,53 @@ class TorchBackend(TrainerBackend):
         # a minibatch without loss tokens (all its samples FAILED) has no gradient; skip it,
         # since an Adam step on zero gradients would still move the weights (momentum)
         chunks = [c for c in chunks if batch.loss_mask[c].sum() > 0]
-        totals = {"loss": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "kl": 0.0, "grad_norm": 0.0}
-        behav_w = 0.0
+        totals = dict.fromkeys(("loss", "clip_fraction", "entropy", "kl", "grad_norm"), 0.0)
         for idx in chunks:
-            mb = batch.select(idx)
-            logits = _forward_logits(self.model, mb)
-            logp = token_logprobs(logits, mb.targets)
-            loss, stats = ppo_decoupled_loss(
-                logp,
-                prox_logp[idx],
-                mb.behav_logp,
-                mb.advantages,
-                mb.loss_mask,
-                eps_clip=t.eps_clip,
-                behav_imp_weight_cap=t.behav_imp_weight_cap,
-            )
-            kl = torch.zeros((), device=self.device)
-            if ref_logp is not None:
-                kl = masked_mean(kl_k3(logp, ref_logp[idx]), mb.loss_mask)
-                loss = loss + t.kl_coef * kl
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
-            self.optimizer.step()
-            with torch.no_grad():
-                entropy = masked_mean(token_entropy(logits.detach()), mb.loss_mask)
-            totals["loss"] += loss.item()
-            totals["clip_fraction"] += stats["clip_fraction"]
-            totals["entropy"] += entropy.item()
-            totals["kl"] += kl.item()
-            totals["grad_norm"] += grad_norm.item()
-            behav_w += stats["behav_weight_mean"]
+            ref = ref_logp[idx] if ref_logp is not None else None
+            parts = self._train_minibatch(batch.select(idx), prox_logp[idx], ref, corr.rows(idx))
+            for k, v in parts.items():
+                totals[k] += v
         self.steps += 1
-        metrics = {k: v / max(len(chunks), 1) for k, v in totals.items()}
-        metrics["behav_weight_mean"] = behav_w / max(len(chunks), 1)
-        metrics["tokens"] = float(batch.n_tokens)
-        metrics["lr"] = lr
-        metrics["reward_mean"] = batch.rewards.mean().item()
-        return metrics
+        step = {k: v / max(len(chunks), 1) for k, v in totals.items()}
+        step.update(metrics)  # the diagnostics, and kl when it went into the rewards
+        step["lr"] = lr
+        return step
+
+    def _train_minibatch(
+        self, mb: PackedBatch, prox: torch.Tensor, ref: torch.Tensor | None, corr: Correction
+    ) -> dict[str, float]:
+        """One optimizer update on one minibatch; its loss parts and grad norm."""
+        cfg = self.loss_cfg
+        share = aggregation_weights(corr.norm, cfg.agg, cfg.agg_constant)
+        logits = _forward_logits(self.model, mb)
+        logp = token_logprobs(logits, mb.targets)
+        entropy = token_entropy(logits if cfg.entropy_coef > 0 else logits.detach())
+        loss, parts = minibatch_loss(
+            logp,
+            prox,
+            mb.behav_logp,
+            mb.advantages,
+            mb.loss_mask,
+            corr,
+            share,
+            cfg,
+            n_tokens=max(float(mb.n_tokens), 1.0),
+            ref=ref,
+            entropy=entropy,
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.spec.trainer.grad_clip
+        )
+        self.optimizer.step()
+        return {
+            "loss": parts["loss"],
+            "clip_fraction": parts["clipped"] / max(corr.norm.sum().item(), 1.0),
+            "entropy": parts["entropy"],
+            "kl": parts["kl"],
+            "grad_norm": grad_norm.item(),
+        }
 
     @torch.no_grad()
     def logprobs(self, groups: list[TrajectoryGroup]) -> list[list[list[float]]]:

@@ -177,17 +177,21 @@ def token_logprobs(
     return -tensor_parallel.vocab_parallel_cross_entropy(masked, targets)
 
 
-@torch.no_grad()
 def token_entropy(logits: torch.Tensor, vocab_size: int, tp_rank: int, group) -> torch.Tensor:
-    """Per-token entropy of the full softmax from vocab-sharded logits (a metric: no grad)."""
+    """Per-token entropy of the full softmax from vocab-sharded logits: log S - sum(e x) / S
+    over the shards (x = logits - max, e = exp x, S = sum e). Differentiable: the shard sums
+    are added with megatron's all-reduce whose backward passes each shard its own gradient
+    (the max is a constant shift; its value does not change the entropy)."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
     x = mask_padded_vocab(logits, vocab_size, tp_rank)
-    m = x.max(dim=-1).values
+    m = x.detach().max(dim=-1).values
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     shifted = x - m.unsqueeze(-1)
     e = shifted.exp()
-    sums = torch.stack([e.sum(-1), (e * shifted).sum(-1)])
-    dist.all_reduce(sums, group=group)
-    return sums[0].log() - sums[1] / sums[0]
+    total = reduce_from_tensor_model_parallel_region(e.sum(-1))
+    weighted = reduce_from_tensor_model_parallel_region((e * shifted).sum(-1))
+    return total.log() - weighted / total
 
 
 # -- weights in and out ------------------------------------------------------------------------

@@ -1,0 +1,19 @@
+"""GPU readiness check (`make gpu-check`): one prepared script for a single-GPU machine.
+
+Three parts, each in its own process with its own time cap, each reported on its own (a part
+that fails or runs out of time is recorded as such; the others still run):
+
+- `train`: one megatron-core train step (`MegatronBackend`, bf16, Megatron DDP + distributed
+  optimizer on CUDA) on SmolLM2-135M's shape and on a ~0.5B Qwen2 shape, random weights:
+  step time, peak memory, tokens/s;
+- `engine`: the embedded torch engine on the device: tokens/s at 64 concurrent requests, then
+  an interrupt + weight update mid-generation (per-token versions change), the recorded
+  logprobs checked against a plain HF forward under the version that produced each token;
+- `stack`: nats-server, scheduler, rollout, reward and trainer under the supervisor, running a
+  SmolLM2-shaped chat-arithmetic experiment for as many steps as fit, then the rollout/trainer
+  logprob mismatch: mean |logprob_rollout - logprob_trainer| over the tokens generated at each
+  version, the trainer's side recomputed by the megatron backend under that version.
+
+`python -m bench.gpu --dry-run` runs all three with tiny shapes on the CPU in seconds (the test
+in make test); see docs/gpu.md.
+"""

@@ -1,0 +1,60 @@
+"""bench.gpu: the logprob-mismatch arithmetic and the parameter count, exact values by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.types import Sample, TrajectoryGroup
+from bench.gpu import mismatch
+from bench.gpu.shapes import n_params
+
+
+def _group(*samples: Sample) -> TrajectoryGroup:
+    return TrajectoryGroup("e", "g", "p", "", "", [1, 2], list(samples))
+
+
+GROUPS = [
+    _group(
+        Sample(output_ids=[5, 6, 7], logprobs=[-1.0, -2.0, -0.5], versions=[0, 0, 1]),
+        # an environment token (loss_mask 0) at version 1 is no policy token: not counted
+        Sample(output_ids=[8, 9], logprobs=[-0.25, 0.0], versions=[1, 1], loss_mask=[1, 0]),
+    )
+]
+# what the trainer recomputes for the same tokens
+TRAINER = [[[-1.5, -2.0, -0.75], [-0.5, -3.0]]]
+
+
+def test_deltas_only_tokens_of_the_version_and_policy_tokens():
+    # trainer - rollout: v0 tokens (-1.5 - -1.0, -2.0 - -2.0); v1 (-0.75 - -0.5, -0.5 - -0.25)
+    assert mismatch.deltas(GROUPS, TRAINER, 0) == [-0.5, 0.0]
+    assert mismatch.deltas(GROUPS, TRAINER, 1) == [-0.25, -0.25]
+    assert mismatch.deltas(GROUPS, TRAINER, 2) == []
+
+
+def test_measure_mean_abs_over_all_versions():
+    calls = []
+
+    def logprobs_at(version, groups):
+        calls.append(version)
+        return TRAINER
+
+    got = mismatch.measure(GROUPS, [0, 1, 2], logprobs_at)
+    assert calls == [0, 1]  # no group holds a token of version 2: nothing recomputed
+    # |deltas| 0.5, 0, 0.25, 0.25: mean 1.0 / 4; signed (-0.5 - 0.25 - 0.25) / 4
+    assert got["tokens"] == 4
+    assert got["mean_abs"] == pytest.approx(0.25)
+    assert got["max_abs"] == 0.5
+    assert got["mean_signed"] == pytest.approx(-0.25)
+    assert got["per_version"] == {0: 0.25, 1: 0.25}
+
+
+def test_summarize_without_tokens():
+    assert mismatch.summarize({}) == {"tokens": 0}
+
+
+def test_n_params_of_the_published_models():
+    # SmolLM2-135M: 134,515,008 parameters (HuggingFaceTB/SmolLM2-135M, safetensors metadata);
+    # Qwen2.5-0.5B: 494,032,768 (Qwen/Qwen2.5-0.5B, 0.49B, tied embeddings); both also what
+    # transformers counts for these configs (sum of numel over a meta-device model)
+    assert n_params("smollm2-135m") == 134_515_008
+    assert n_params("qwen2-0.5b") == 494_032_768
