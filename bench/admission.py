@@ -51,10 +51,10 @@ def run(ctx: Context) -> list[Result]:
             max_concurrent=64,
             batch_size=batch_size,
             eta=eta,
-            version_provider=lambda: manager.accepted // batch_size,
+            version_provider=lambda: manager.counts.accepted // batch_size,
         )
         _loop(manager, groups)
-        assert manager.accepted == groups, manager.counters()  # capacity never closed
+        assert manager.counts.accepted == groups, manager.counts  # capacity never closed
 
     policy_s = best_of(policy_loop, ctx.repeats)
     bare_s = best_of(lambda: _loop(_Noop(), groups), ctx.repeats)

@@ -1,6 +1,6 @@
-"""python -m services.scheduler [--port 50051] [--host 127.0.0.1] [--lease-ttl 10]
-[--heartbeat-interval 1] [--progress-timeout 300] [--trainer-poll-interval 5]
-[--metrics-port PORT]
+"""python -m services.scheduler [--port 50051] [--host 127.0.0.1] [--lease-ttl S]
+[--heartbeat-interval S] [--progress-timeout S] [--trainer-poll-interval S]
+[--metrics-port PORT]  (defaults: services.scheduler.config.SchedulerConfig)
 
 Environment: NATS_URL (experiment state in NATS KV).
 """
@@ -14,7 +14,10 @@ from asyncrl.logging import configure_logging
 from asyncrl.runtime import ServiceRuntime
 from asyncrl.service_main import add_service_args, run_until_signal
 from asyncrl.settings import settings
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.server import create_scheduler
+
+DEFAULTS = SchedulerConfig()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -27,24 +30,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--lease-ttl",
         type=float,
-        default=10.0,
-        help="seconds without a heartbeat after which a worker is gone",
+        default=DEFAULTS.lease_ttl_s,
+        help="seconds without a heartbeat after which a worker is gone (%(default)s)",
     )
     p.add_argument(
-        "--heartbeat-interval", type=float, default=1.0, help="seconds between worker heartbeats"
+        "--heartbeat-interval",
+        type=float,
+        default=DEFAULTS.heartbeat_interval_s,
+        help="seconds between worker heartbeats (%(default)s)",
     )
     p.add_argument(
         "--progress-timeout",
         type=float,
-        default=300.0,
+        default=DEFAULTS.progress_timeout_s,
         help="seconds without a commit, a settled group or a joining rollout before the trainer"
-        " is started again (the second time: the experiment is FAILED)",
+        " is started again (the second time: the experiment is FAILED) (%(default)s)",
     )
     p.add_argument(
         "--trainer-poll-interval",
         type=float,
-        default=5.0,
-        help="seconds between two GetStatus calls to a running experiment's trainer",
+        default=DEFAULTS.trainer_poll_interval_s,
+        help="seconds between two GetStatus calls to a running experiment's trainer (%(default)s)",
     )
     return p.parse_args(argv)
 

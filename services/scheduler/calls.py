@@ -1,19 +1,17 @@
 """The calls an experiment runner makes to its workers, each with a deadline: BindExperiment
 (the spec, once per binding, to rollouts and reward workers), GenerateGroups calls,
-UpdateWeights (and the set of rollouts that serve the fleet version), and the trainer's
-StartExperiment / StopExperiment."""
+UpdateWeights, and the trainer's StartExperiment / StopExperiment."""
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
-from asyncrl.spec import ExperimentSpec, RolloutSpec, spec_to_json
-from asyncrl.types import StepMetrics
+from asyncrl.spec import ExperimentSpec, spec_to_json
+from asyncrl.ticket import Ticket
 from asyncrl.v1 import (
     common_pb2,
     reward_pb2_grpc,
@@ -23,7 +21,7 @@ from asyncrl.v1 import (
     trainer_pb2_grpc,
 )
 from services.scheduler.context import ChannelPool
-from services.scheduler.dataset import Prompt, Ticket
+from services.scheduler.dataset import Prompt
 from services.scheduler.evaluation import EvalRound
 from services.scheduler.registry import Worker
 
@@ -128,6 +126,22 @@ class WorkerCalls:
         stub = reward_pb2_grpc.RewardStub(self.channels.get(address))
         await _bind(stub.BindExperiment, self._bind_request(), timeout)
 
+    async def bind_rewards(
+        self, addresses: list[str], timeout: float
+    ) -> dict[str, BindRefused | grpc.aio.AioRpcError]:
+        """`bind_reward` to every reward worker at once: the errors by address (any other
+        exception is raised)."""
+        results = await asyncio.gather(
+            *(self.bind_reward(a, timeout) for a in addresses), return_exceptions=True
+        )
+        errors = {}
+        for address, result in zip(addresses, results, strict=True):
+            if isinstance(result, BindRefused | grpc.aio.AioRpcError):
+                errors[address] = result
+            elif isinstance(result, BaseException):
+                raise result
+        return errors
+
     def generate_groups(
         self, worker: Worker, requests: list[rollout_pb2.GenerateGroupRequest]
     ) -> AsyncIterator[rollout_pb2.GroupSummaries]:
@@ -171,130 +185,3 @@ class WorkerCalls:
         await stub.StopExperiment(
             trainer_pb2.StopExperimentRequest(experiment_id=self.experiment_id), timeout=timeout
         )
-
-
-FLEET_LAG_MAX = 1
-"""How many versions the fleet may serve behind the trainer's newest commit: CommitWeights(v)
-is answered once the fleet serves v - lag, lag = min(FLEET_LAG_MAX, eta - 1) (`fleet_lag`). At
-lag 1 it is answered at once (unless the fleet's update to the previous version is still under
-way): the trainer trains on while the fleet loads the version it just committed. The trainer
-then consumes groups up to one version staler than when the fleet keeps up, so the lag comes
-out of eta: at eta <= 1 it is 0 (answered once the fleet serves v; the trainer still trains its
-next step meanwhile, but what it consumes stays as fresh as before)."""
-
-
-def fleet_lag(rollout: RolloutSpec) -> int:
-    """Versions the fleet may serve behind the trainer's newest commit (see FLEET_LAG_MAX)."""
-    return max(0, min(FLEET_LAG_MAX, rollout.max_head_offpolicyness - 1))
-
-
-@dataclass
-class FleetUpdate:
-    """One update of the ready rollouts to `version` (what `FleetWeights.broadcast` did)."""
-
-    version: int
-    seconds: float = 0.0
-    """UpdateWeights to every ready rollout, in parallel."""
-    updated: int = 0
-    failed: list[tuple[Worker, str]] = field(default_factory=list)
-    """The rollouts that failed or lagged past the deadline, with the reason."""
-    slowest: rollout_pb2.UpdateWeightsResponse | None = None
-    """The answer of the rollout that took longest: where its time went."""
-    previous: int = 0
-    """The fleet version before (versions in between were coalesced)."""
-    lag_s: float = 0.0
-    """From the version's commit until the fleet served it."""
-
-    def phases(self) -> dict[str, float]:
-        """The slowest rollout's phases, seconds by name (zeros when none answered)."""
-        s = self.slowest or rollout_pb2.UpdateWeightsResponse()
-        return {"read": s.read_s, "pause": s.pause_s, "load": s.load_s, "resume": s.resume_s}
-
-
-class FleetWeights:
-    """Which bound rollouts serve the fleet version, and where the fleet is being taken (the
-    trainer's newest commit). `lock` is held across a fleet update (broadcast then version
-    change), so a rollout being synced sees an update fully done or not started."""
-
-    def __init__(self, calls: WorkerCalls, fleet: Callable[[], tuple[int, str]]):
-        self.calls = calls
-        self.fleet = fleet
-        """Returns the fleet's (version, uri)."""
-        self.ready: set[str] = set()
-        self.lock = asyncio.Lock()
-        self.target: tuple[int, str] = fleet()
-        """The trainer's newest committed (version, uri): where the fleet is being taken."""
-        self.target_at = time.monotonic()
-        self.task: asyncio.Task | None = None
-        """The update under way (one at a time)."""
-        self.last: FleetUpdate | None = None
-        """The newest update done (reported with the next step's metrics)."""
-        self.commit_s = 0.0
-        """The last commit's bookkeeping time (reported with the next step's metrics)."""
-        self._moved = asyncio.Event()
-
-    def set_target(self, version: int, uri: str) -> None:
-        self.target, self.target_at = (version, uri), time.monotonic()
-        self.notify()
-
-    def notify(self) -> None:
-        """The fleet version, the target or the run changed: wake whoever waits in `moved`."""
-        self._moved.set()
-        self._moved = asyncio.Event()
-
-    async def moved(self) -> None:
-        """Return at the next `notify`."""
-        await self._moved.wait()
-
-    def into_metrics(self, metrics: StepMetrics) -> None:
-        """The newest update and the last commit's bookkeeping, into a step's metrics."""
-        metrics.scheduler_s = self.commit_s
-        update = self.last
-        if update is None:
-            return
-        phases = update.phases()
-        metrics.fleet_version = update.version
-        metrics.fleet_update_s, metrics.fleet_lag_s = update.seconds, update.lag_s
-        metrics.rollout_read_s, metrics.rollout_pause_s = phases["read"], phases["pause"]
-        metrics.rollout_load_s, metrics.rollout_resume_s = phases["load"], phases["resume"]
-
-    async def sync(
-        self, worker: Worker, still_bound: Callable[[], bool], timeout: float
-    ) -> int | None:
-        """Load the fleet's weights into `worker` (again if a commit lands meanwhile); returns
-        the version, or None if it was unbound meanwhile. Raises BindRefused if the worker
-        refuses the experiment, AioRpcError on any other failure."""
-        await self.calls.bind(worker, timeout)
-        while True:
-            version, uri = self.fleet()
-            await self.calls.update_weights(worker, version, uri, timeout)
-            async with self.lock:
-                if not still_bound():
-                    return None
-                if version == self.fleet()[0]:
-                    worker.version = version
-                    self.ready.add(worker.worker_id)
-                    return version
-
-    async def broadcast(self, workers: list[Worker], version: int, uri: str) -> FleetUpdate:
-        """UpdateWeights to all `workers` in parallel (call with `lock` held); the update names
-        the ones that failed or lagged past the spec's `rollout.weight_update_timeout_s`, with
-        the reason. That deadline, not a frozen worker's lease, bounds how long it waits."""
-        timeout = self.calls.spec.rollout.weight_update_timeout_s
-        t0 = time.perf_counter()
-        results = await asyncio.gather(
-            *(self.calls.update_weights(w, version, uri, timeout) for w in workers),
-            return_exceptions=True,
-        )
-        update = FleetUpdate(version, seconds=time.perf_counter() - t0)
-        for w, result in zip(workers, results, strict=True):
-            if isinstance(result, grpc.aio.AioRpcError):
-                update.failed.append((w, result.code().name))
-            elif isinstance(result, BaseException):
-                update.failed.append((w, type(result).__name__))
-            else:
-                w.version = version
-                update.updated += 1
-                if update.slowest is None or result.seconds > update.slowest.seconds:
-                    update.slowest = result
-        return update

@@ -27,16 +27,16 @@ from asyncrl.spec import ExperimentSpec, SpecError, check_files, spec_from_json,
 from asyncrl.types import StepMetrics, TrainerState
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 from asyncrl.workflow import check_workflow
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.context import (
     ChannelPool,
     RunnerContext,
-    SchedulerConfig,
     fleet_histogram,
 )
 from services.scheduler.dataset import Prompt, load_prompts
 from services.scheduler.experiments import ExperimentRunner
 from services.scheduler.history import HistoryLog
-from services.scheduler.records import CommitResult, ExperimentRecord, ExperimentState
+from services.scheduler.records import CommitResult, ExperimentRecord
 from services.scheduler.registry import Registry, Worker, WorkerKind
 from services.scheduler.state import StateStore
 
@@ -129,16 +129,19 @@ class Scheduler:
         spec = validate_spec(record.spec)
         prompts: list[Prompt] = []
         eval_prompts: list[Prompt] = []
+        error = None
         if not record.state.terminal:
             try:
                 prompts, eval_prompts = await asyncio.to_thread(load_datasets, spec)
             except (SpecError, OSError) as e:
-                record.state, record.message = ExperimentState.FAILED, f"cannot resume: {e}"
-                log.error("experiment_resume_failed", experiment=record.id, error=str(e))
-                await self.store.save(record)
+                error = e
         runner = ExperimentRunner(record, spec, prompts, eval_prompts, self._ctx)
         self.runners[record.id] = runner
-        if not record.state.terminal:
+        if error is not None:
+            runner.abandon(f"cannot resume: {error}")
+            log.error("experiment_resume_failed", experiment=record.id, error=str(error))
+            await self.store.save(record)
+        elif not record.state.terminal:
             log.info("experiment_resuming", experiment=record.id, version=record.progress.version)
             runner.start()
 
@@ -214,10 +217,10 @@ class Scheduler:
     ) -> CommitResult:
         """Only the experiment's trainer may commit (PermissionDenied otherwise)."""
         runner = self.get(experiment_id)
-        await runner.authorize_trainer(caller, trainer_id)
+        await runner.authority.authorize(caller, trainer_id)
         if not uri:
             raise BadRequest("uri", "required")
-        return await runner.commit(version, uri, metrics)
+        return await runner.commits.commit(version, uri, metrics)
 
     async def report_dropped(
         self, experiment_id: str, group_ids: list[str], caller: Principal | None = None
@@ -225,8 +228,8 @@ class Scheduler:
         """Only the experiment's trainer may report (PermissionDenied otherwise), and only
         groups the scheduler dispatched for it (BadRequest naming `groups` otherwise)."""
         runner = self.get(experiment_id)
-        await runner.authorize_trainer(caller, "")
-        return runner.report_dropped(group_ids)
+        await runner.authority.authorize(caller, "")
+        return runner.commits.report_dropped(group_ids)
 
     # ---- workers -----------------------------------------------------------------------------
 
@@ -267,10 +270,10 @@ class Scheduler:
         )
         runner = self.runners.get(worker.experiment_id or "")
         if kind == WorkerKind.TRAINER and is_new:
-            worker.probed = False
+            self.registry.probing(worker)
             self._spawn(self._probe_trainer(worker))
         elif kind == WorkerKind.TRAINER and runner is not None:
-            runner.check_trainer_soon()  # it may have restarted and forgotten the experiment
+            runner.supervisor.check_soon()  # it may have restarted and forgotten the experiment
         elif kind == WorkerKind.ROLLOUT and runner is not None:
             runner.attach_rollout(worker)  # it may have restarted: load the weights again
         self._reconcile()
@@ -292,15 +295,16 @@ class Scheduler:
     async def _probe_trainer(self, worker: Worker) -> None:
         """Ask a new trainer what it runs: after a scheduler restart it goes back to that."""
         stub = trainer_pb2_grpc.TrainerStub(self.channels.get(worker.address))
+        affinity = None
         try:
             status = await stub.GetStatus(
                 trainer_pb2.GetTrainerStatusRequest(), timeout=TRAINER_PROBE_TIMEOUT_S
             )
             if status.experiment_id and TrainerState.reported(status.state).active:
-                worker.affinity = status.experiment_id
+                affinity = status.experiment_id
         except grpc.aio.AioRpcError as e:
             log.warning("trainer_probe_failed", worker=worker.worker_id, code=e.code().name)
-        worker.probed = True
+        self.registry.probed(worker, affinity)
         self._reconcile()
 
     async def _sweep_forever(self) -> None:
@@ -328,7 +332,7 @@ class Scheduler:
             if worker.kind == WorkerKind.ROLLOUT:
                 runner.rollout_lost(worker)
             elif worker.kind == WorkerKind.TRAINER:
-                worker.experiment_id = None
+                self.registry.unbind(worker)
                 runner.trainer_lost(worker)
         if not any(w.address == worker.address for w in self.registry.workers()):
             await self.channels.close(worker.address)

@@ -1,11 +1,5 @@
-"""The dataset an experiment iterates: JSONL prompts and a resumable cursor over epochs.
-
-A `Ticket` names one dispatch of one prompt: (epoch, row index, attempt). Its group id is
-`<experiment>-e<epoch>-p<index>-a<attempt>`. A prompt re-queued after an infrastructure fault
-(failed RPC, lost worker, scheduler restart) keeps its attempt, so a copy the lost call did
-publish and the retry are one message to JetStream's dedup (Nats-Msg-Id = group id). Only a
-group that must be sampled afresh (dropped or aborted as too stale) gets the next attempt.
-"""
+"""The dataset an experiment iterates: JSONL prompts and a resumable cursor over epochs,
+handing out `Ticket`s (asyncrl.ticket: one dispatch of one prompt, and its group id)."""
 
 from __future__ import annotations
 
@@ -16,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.spec import SpecError
-from asyncrl.types import GroupId
+from asyncrl.ticket import Ticket
 
 
 @dataclass(frozen=True)
@@ -60,27 +54,6 @@ def load_prompts(
     return prompts
 
 
-@dataclass(frozen=True)
-class Ticket:
-    epoch: int
-    index: int
-    attempt: int = 0
-
-    def group_id(self, experiment_id: str) -> str:
-        gid = GroupId(
-            experiment_id=experiment_id, epoch=self.epoch, index=self.index, attempt=self.attempt
-        )
-        return str(gid)
-
-    def retry(self) -> Ticket:
-        return Ticket(self.epoch, self.index, self.attempt + 1)
-
-    @staticmethod
-    def parse(group_id: str) -> Ticket | None:
-        gid = GroupId.parse(group_id)
-        return Ticket(epoch=gid.epoch, index=gid.index, attempt=gid.attempt) if gid else None
-
-
 class DatasetCursor:
     """Walks `n_prompts` rows for `epochs` epochs; a requeue list takes priority.
 
@@ -102,7 +75,7 @@ class DatasetCursor:
         if state:
             self.epoch = int(state["epoch"])
             self.position = int(state["position"])
-            self.requeued.extend(Ticket(*t) for t in state.get("requeue", []))
+            self.requeued.extend(Ticket.from_json(t) for t in state.get("requeue", []))
 
     def order(self, epoch: int) -> list[int]:
         """Row indices in the order epoch `epoch` visits them."""
@@ -119,7 +92,7 @@ class DatasetCursor:
             return self.requeued.popleft()
         if self.epoch >= self.epochs:
             return None
-        ticket = Ticket(self.epoch, self.order(self.epoch)[self.position])
+        ticket = Ticket(epoch=self.epoch, index=self.order(self.epoch)[self.position])
         self.position += 1
         if self.position >= self.n_prompts:
             self.epoch += 1
@@ -144,5 +117,5 @@ class DatasetCursor:
         return {
             "epoch": self.epoch,
             "position": self.position,
-            "requeue": [[t.epoch, t.index, t.attempt] for t in self.requeued],
+            "requeue": [t.to_json() for t in self.requeued],
         }

@@ -18,10 +18,11 @@ from asyncrl.errors import BadRequest
 from asyncrl.ledger import Ledger
 from asyncrl.spec import ExperimentSpec
 from asyncrl.throughput import Throughput
+from asyncrl.ticket import Ticket
 from asyncrl.types import EvalResult
 from asyncrl.v1 import rollout_pb2
-from services.scheduler.calls import GroupsCall, InFlight, WorkerCalls
-from services.scheduler.dataset import DatasetCursor, Prompt, Ticket
+from services.scheduler.calls import InFlight, WorkerCalls
+from services.scheduler.dataset import DatasetCursor, Prompt
 from services.scheduler.evaluation import EvalRound, Evaluator
 from services.scheduler.policy import (
     StalenessManager,
@@ -30,17 +31,11 @@ from services.scheduler.policy import (
     too_stale,
 )
 from services.scheduler.records import ExperimentRecord
-from services.scheduler.registry import Worker
+from services.scheduler.registry import Registry, Worker
+from services.scheduler.sender import GroupSender
 
 THROUGHPUT_WINDOW_S = 30.0
-FAULT_KEY = "asyncrl-fault"
-ABORT_TIMEOUT_S = 5.0
-"""Deadline of an AbortGroups call; one that fails changes nothing (the next commit cancels
-the groups it named, `must_abort`)."""
 STALE = "aborted: too stale"
-WITHDRAWN = "aborted: withdrawn by the scheduler"
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
-"""grpc.StatusCode by its number (GroupError.code)."""
 
 
 @dataclass
@@ -52,6 +47,7 @@ class DispatchHooks:
     fence: Callable[[Worker, str], None]
     """A worker's call failed: unbind it (its other groups come back through `requeue`)."""
     eval_done: Callable[[EvalResult], None]
+    """An eval round's result (the group that completed it was settled: `changed` ran)."""
 
 
 _STATUS_NAMES = {
@@ -69,6 +65,7 @@ class Dispatcher:
         prompts: list[Prompt],
         eval_prompts: list[Prompt],
         calls: WorkerCalls,
+        registry: Registry,
         hooks: DispatchHooks,
         log,
         version: Callable[[], int],
@@ -81,6 +78,8 @@ class Dispatcher:
         self.prompts = prompts
         self.eval_prompts = eval_prompts
         self.calls = calls
+        self.registry = registry
+        """Through which a rollout's group counts change."""
         self.hooks = hooks
         self.log = log
         self.version = version
@@ -88,19 +87,6 @@ class Dispatcher:
         self.staleness = StalenessManager(
             spec.rollout.max_concurrent_rollouts, spec.trainer.batch_size, self.eta, version
         )
-        self.staleness.load_counters(vars(record.progress))
-        self.cursor = DatasetCursor(
-            len(prompts),
-            spec.dataset.epochs,
-            spec.dataset.shuffle,
-            spec.seed,
-            record.cursor or None,
-        )
-        # Groups in flight when the record was saved go first with the same attempt: if the
-        # lost call had published, JetStream dedup drops the duplicate. The persisted counters
-        # come from the same snapshot, so none of these was counted yet.
-        for t in reversed(record.inflight):
-            self.cursor.requeue(Ticket(*t), front=True)
         self.evaluator = Evaluator(
             len(eval_prompts),
             spec.eval.every_versions,
@@ -108,35 +94,36 @@ class Dispatcher:
             {e.version for e in record.evals},
         )
         self.inflight: dict[str, InFlight] = {}
-        self.awaiting: dict[str, Ticket] = {
-            t.group_id(record.id): t for t in (Ticket(*t) for t in record.awaiting)
-        }
-        """Accepted training groups the trainer may still report dropped, oldest first: the
-        newest `awaiting_max`."""
         self._aborted: set[str] = set()
         """Training groups the scheduler ended itself (aborted as too stale, cancelled at the
         end of the run): a drop report for one changes nothing."""
         self._drops_seen: set[str] = set()
-        self._aborts: set[asyncio.Task] = set()
-        """AbortGroups calls in flight."""
-        self._outbox: dict[str, list[tuple[InFlight, rollout_pb2.GenerateGroupRequest]]] = {}
-        """Groups dispatched in this pass of the event loop, by rollout: sent at its end."""
+        self.sender = GroupSender(calls, self, log)
         self.throughput = Throughput(THROUGHPUT_WINDOW_S)
         """Tokens the fleet generated for this experiment."""
+        self._resume(record)
 
-    def snapshot_into(self, record: ExperimentRecord) -> None:
-        p = record.progress
-        for name, value in self.staleness.counters().items():
-            setattr(p, name, value)
-        p.epoch, p.cursor = self.cursor.epoch, self.cursor.position
-        p.rollout_tokens_per_s = self.throughput.rate()
+    def _resume(self, record: ExperimentRecord) -> None:
+        """Counters, cursor and awaiting groups as the record saved them. Groups in flight when
+        it was saved go first with the same attempt: if the lost call had published, JetStream
+        dedup drops the duplicate. The persisted counters come from the same snapshot, so none
+        of these was counted yet."""
+        self.staleness.load_counters(record.progress)
+        ds = self.spec.dataset
+        self.cursor = DatasetCursor(
+            len(self.prompts), ds.epochs, ds.shuffle, self.spec.seed, record.cursor or None
+        )
+        for ticket in reversed(record.inflight):
+            self.cursor.requeue(ticket, front=True)
+        self.awaiting: dict[str, Ticket] = {t.group_id(record.id): t for t in record.awaiting}
+        """Accepted training groups the trainer may still report dropped, oldest first: the
+        newest `awaiting_max`."""
+
+    def save_into(self, record: ExperimentRecord) -> None:
+        """What a resume needs: the cursor and the tickets in flight and awaiting."""
         record.cursor = self.cursor.state()
-        record.inflight = [
-            [i.ticket.epoch, i.ticket.index, i.ticket.attempt]
-            for i in self.inflight.values()
-            if i.ticket
-        ]
-        record.awaiting = [[t.epoch, t.index, t.attempt] for t in self.awaiting.values()]
+        record.inflight = [i.ticket for i in self.inflight.values() if i.ticket]
+        record.awaiting = list(self.awaiting.values())
 
     @property
     def awaiting_max(self) -> int:
@@ -151,8 +138,9 @@ class Dispatcher:
         """No prompt left, none in flight, and fewer untrained accepted groups than a batch
         (the trainer committed `trained_version`, so it trained that many batches)."""
         batch = self.spec.trainer.batch_size
-        untrained = self.staleness.accepted - trained_version * batch
-        return self.cursor.exhausted and self.staleness.running == 0 and untrained < batch
+        counts = self.staleness.counts
+        untrained = counts.accepted - trained_version * batch
+        return self.cursor.exhausted and counts.running == 0 and untrained < batch
 
     # ---- dispatch ----------------------------------------------------------------------------
 
@@ -198,7 +186,6 @@ class Dispatcher:
             epoch=ticket.epoch,
         )
         self.staleness.on_submit()
-        self.record.progress.dispatched += 1
         self._start(InFlight(request.group_id, worker, version, ticket=ticket), request)
         self.ledger.emit(
             "dispatched",
@@ -214,70 +201,19 @@ class Dispatcher:
 
     def _start(self, item: InFlight, request: rollout_pb2.GenerateGroupRequest) -> None:
         """Count `item` in flight now; it goes out with the rest of this pass's groups for its
-        rollout, in one GenerateGroups call (`_send`)."""
+        rollout, in one GenerateGroups call (`GroupSender`)."""
         assert item.group_id not in self.inflight, f"group {item.group_id} dispatched twice"
-        item.worker.running += 1
+        self.registry.group_started(item.worker)
         self.inflight[item.group_id] = item
-        if not self._outbox:
-            asyncio.get_running_loop().call_soon(self._send)
-        self._outbox.setdefault(item.worker.worker_id, []).append((item, request))
+        self.sender.queue(item, request)
         self.hooks.changed()
-
-    def _send(self) -> None:
-        """One GenerateGroups call per rollout for the groups dispatched in this pass (those
-        still in flight: one settled meanwhile, its worker fenced say, is not sent)."""
-        outbox, self._outbox = self._outbox, {}
-        for pending in outbox.values():
-            pending = [(i, r) for i, r in pending if self.inflight.get(i.group_id) is i]
-            if not pending:
-                continue
-            call = GroupsCall(pending[0][0].worker, {i.group_id: i for i, _ in pending})
-            for item, _ in pending:
-                item.call = call
-            requests = [r for _, r in pending]
-            call.task = asyncio.create_task(self._run(call, requests), name="generate-groups")
-
-    async def _run(
-        self, call: GroupsCall, requests: list[rollout_pb2.GenerateGroupRequest]
-    ) -> None:
-        """Settle each group as its summary comes; the call failing fails the groups it has
-        not answered (each as its own failed call would have)."""
-        try:
-            async for message in self.calls.generate_groups(call.worker, requests):
-                for summary in message.summaries:
-                    item = call.open.pop(summary.group_id, None)
-                    if item is None or not self.settle(item):
-                        continue  # withdrawn, or ended by someone else
-                    if summary.HasField("error"):
-                        error = summary.error
-                        code = _CODES.get(error.code, grpc.StatusCode.UNKNOWN)
-                        self._rpc_failed(item, code, error.details, error.fault)
-                    else:
-                        self._done(item, summary)
-        except grpc.aio.AioRpcError as e:
-            self._call_failed(call, e.code(), e.details() or "", _fault(e))
-            return
-        except Exception as e:  # noqa: BLE001 - treated as a failed call, logged with its trace
-            self.log.exception("group_call_error", groups=len(call.open))
-            self._call_failed(call, grpc.StatusCode.UNKNOWN, str(e))
-            return
-        if call.open:  # the stream ended without their summaries
-            self._call_failed(call, grpc.StatusCode.UNKNOWN, "the call ended without a summary")
-
-    def _call_failed(
-        self, call: GroupsCall, code: grpc.StatusCode, details: str, fault: str = ""
-    ) -> None:
-        items, call.open = list(call.open.values()), {}
-        for item in items:
-            if self.settle(item):
-                self._rpc_failed(item, code, details, fault)
 
     def settle(self, item: InFlight) -> bool:
         """End `item` once: False if someone else (abort, fence, finish) already did."""
         if self.inflight.get(item.group_id) is not item:
             return False
         del self.inflight[item.group_id]
-        item.worker.running -= 1
+        self.registry.group_ended(item.worker)
         if item.eval_round is not None:
             self.evaluator.running -= 1
         self.hooks.changed()
@@ -285,8 +221,9 @@ class Dispatcher:
 
     # ---- outcomes ----------------------------------------------------------------------------
 
-    def _done(self, item: InFlight, summary: rollout_pb2.GroupSummary) -> None:
-        item.worker.groups_done += 1
+    def done(self, item: InFlight, summary: rollout_pb2.GroupSummary) -> None:
+        """`item`'s summary came (it was settled first): count its outcome."""
+        self.registry.group_done(item.worker)
         self.throughput.add(summary.tokens)
         if summary.status == rollout_pb2.GROUP_STATUS_ABORTED and item.ticket is not None:
             self._stale(item)  # AbortGroups stopped it before anything was published
@@ -325,7 +262,7 @@ class Dispatcher:
                 "group_failed", group=item.group_id, worker=item.worker.worker_id, reason=reason
             )
 
-    def _rpc_failed(
+    def rpc_failed(
         self, item: InFlight, code: grpc.StatusCode, details: str, fault: str = ""
     ) -> None:
         """The call failed (worker died, deadline, error): re-queue the prompt under the same
@@ -376,31 +313,11 @@ class Dispatcher:
             elif item.ticket is not None:
                 self.staleness.on_cancel()
                 self._aborted.add(item.group_id)
-        self._withdraw(items)
+        self.sender.withdraw(items)
         cancelled = [i.group_id for i in items if how == "cancel" and i.ticket is not None]
         if cancelled:
             self.ledger.emit("left_over", groups=cancelled, reason="in flight when the run ended")
         return len(items)
-
-    def _withdraw(self, items: list[InFlight]) -> None:
-        """Stop the rollouts working on these settled groups: a call left with none of its
-        groups is cancelled (the rollout cancels their generation); one still carrying others
-        goes on, and the rollout is asked to abort these (AbortGroups, in the background;
-        one already being published goes on, whatever it becomes is no longer counted)."""
-        withdrawn: dict[int, tuple[GroupsCall, list[str]]] = {}
-        for item in items:
-            call = item.call
-            if call is None or call.open.pop(item.group_id, None) is None:
-                continue  # not sent yet (`_send` skips it), or answered
-            withdrawn.setdefault(id(call), (call, []))[1].append(item.group_id)
-        by_worker: dict[str, tuple[Worker, list[str]]] = {}
-        for call, group_ids in withdrawn.values():
-            if not call.open:
-                call.task.cancel()
-            else:
-                by_worker.setdefault(call.worker.worker_id, (call.worker, []))[1].extend(group_ids)
-        for worker, group_ids in by_worker.values():
-            self._abort_in_background(worker, group_ids, WITHDRAWN)
 
     def _stale(self, item: InFlight) -> None:
         """A training group ended as too stale without being published: its prompt is
@@ -419,7 +336,7 @@ class Dispatcher:
         those that even the step that produced it could not have trained (`must_abort`), and
         ask the rollouts to abort the others unless they are already being published
         (`too_stale`; AbortGroups, in the background): those answer ABORTED and are re-queued
-        then (`_done`), a published one the trainer trains or drops. Returns the cancelled."""
+        then (`done`), a published one the trainer trains or drops. Returns the cancelled."""
         ended: list[InFlight] = []
         stale: list[InFlight] = []
         for item in self.inflight.values():  # one pass, every commit
@@ -435,32 +352,8 @@ class Dispatcher:
             item.abort_sent = True
             by_worker.setdefault(item.worker.worker_id, (item.worker, []))[1].append(item.group_id)
         for worker, group_ids in by_worker.values():
-            self._abort_in_background(worker, group_ids, STALE)
+            self.sender.abort(worker, group_ids, STALE)
         return len(ended)
-
-    def _abort_in_background(self, worker: Worker, group_ids: list[str], reason: str) -> None:
-        task = asyncio.create_task(self._abort_unpublished(worker, group_ids, reason))
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
-
-    async def _abort_unpublished(self, worker: Worker, group_ids: list[str], reason: str) -> None:
-        try:
-            aborted = await self.calls.abort_groups(worker, group_ids, reason, ABORT_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:
-            self.log.info(
-                "abort_groups_failed",
-                worker=worker.worker_id,
-                groups=len(group_ids),
-                code=e.code().name,
-            )
-            return
-        self.log.info(
-            "groups_abort_requested",
-            worker=worker.worker_id,
-            requested=len(group_ids),
-            aborted=len(aborted),
-            reason=reason,
-        )
 
     def cancel(self, training_only: bool) -> int:
         """The run is over: cancel groups in flight; not counted as drops, not re-queued.
@@ -511,14 +404,5 @@ class Dispatcher:
         )
 
     def stop(self) -> list[asyncio.Task]:
-        """The scheduler is stopping: the tasks to cancel (calls, AbortGroups). Groups of this
-        pass not sent yet are not sent (they stay in flight in the saved record)."""
-        self._outbox.clear()
-        calls = {id(i.call): i.call.task for i in self.inflight.values() if i.call is not None}
-        return [*calls.values(), *self._aborts]
-
-
-def _fault(error: grpc.aio.AioRpcError) -> str:
-    """The `asyncrl-fault` trailing metadata a rollout sets when it is fine but a service it
-    needs was unreachable (rollout.proto, GenerateGroup); "" for any other failure."""
-    return dict(error.trailing_metadata() or ()).get(FAULT_KEY, "")
+        """The scheduler is stopping: the tasks to cancel (calls, AbortGroups)."""
+        return self.sender.stop()

@@ -1,23 +1,20 @@
-"""One asyncio runner per experiment: wait for workers, start the trainer, dispatch groups under
-the staleness rule, broadcast committed weights, abort what became too stale, evaluate, finish.
+"""One asyncio runner per experiment: its lifecycle (`lifecycle.Lifecycle`, one transition
+table) and the loop that drives it, over the parts that each do one job:
 
-A commit is answered as soon as it is recorded: the trainer goes on with its next step while
-`_update_fleet` (one background task at a time) brings the ready rollouts to the newest
-committed version. Commits that land during an update coalesce into the next one. The fleet
-version, which admission uses, moves only once an update is done; stale aborts use the
-committed version, the trainer's; no training group starts while the fleet is behind it (it
-would start staler than admission assumes); a commit is answered once the fleet is at most
-`fleet_lag` versions behind. Periodic and final evals run on the fleet, once it serves their
-version.
+    fleet.Fleet                     which rollouts serve which weights; weight updates
+    dispatch.Dispatcher             admission under the staleness rule, each group's outcome
+    supervisor.TrainerSupervisor    starting and stopping the trainer; the watchdog
+    authority.TrainerAuthority      who may commit or report drops for the experiment
+    commits.CommitHandler           what a commit does; evals; the finish
+    progress.ProgressBook           steps, evals, watchers; the one maker of a Progress
 
-The loop top to bottom (`_run`): wait until a trainer, a rollout and a reward worker are there;
-`StartExperiment` tells the version to resume from; then dispatch (`Dispatcher`) while the
-staleness manager has capacity, woken by every event (a group finished, a commit, a worker
-joined) -- never by polling. Beside it a watchdog (`_watch`) asks the trainer it started for its
-status every `trainer_poll_interval_s`: a trainer that failed, was replaced or restarted (idle,
-not running this experiment), or an experiment without progress for `progress_timeout_s`, sends
-the loop back to `_start_trainer` (resume from the trainer's checkpoint), or ends it FAILED with
-the reason -- an experiment is never RUNNING in silence.
+The loop top to bottom (`_run`): PENDING until a trainer, a rollout and a reward worker are
+there; BINDING sends the spec to the reward workers; STARTING: `StartExperiment` tells the
+version to resume from; RUNNING dispatches while the staleness manager has capacity, woken by
+every event (a group finished, a commit, a worker joined) -- never by polling. Beside it the
+watchdog polls the trainer: RESTARTING goes back to PENDING (the trainer is started again from
+its checkpoint), FAILING ends the run FAILED. FINISHING runs the final eval; ENDING stops the
+trainer and frees the workers before the terminal state is shown.
 """
 
 from __future__ import annotations
@@ -25,39 +22,27 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
-from prometheus_client import Histogram
-
-from asyncrl.errors import PermissionDenied, Unavailable
 from asyncrl.ledger import Ledger
 from asyncrl.logging import get_logger
 from asyncrl.runlog import RunLog, run_dir
-from asyncrl.security import Principal
 from asyncrl.spec import ExperimentSpec
-from asyncrl.types import EvalResult, StepMetrics, TrainerState
-from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
-from services.scheduler.calls import (
-    BindRefused,
-    FleetUpdate,
-    FleetWeights,
-    WorkerCalls,
-    fleet_lag,
-)
+from services.scheduler.authority import TrainerAuthority
+from services.scheduler.calls import BindRefused, WorkerCalls
+from services.scheduler.commits import CommitHandler, RunnerHooks
 from services.scheduler.context import RunnerContext
 from services.scheduler.dataset import Prompt
 from services.scheduler.dispatch import Dispatcher, DispatchHooks
+from services.scheduler.fleet import Fleet, FleetHooks
+from services.scheduler.lifecycle import Lifecycle, Phase
 from services.scheduler.policy import StalenessManager
+from services.scheduler.progress import ProgressBook
 from services.scheduler.records import (
-    CommitResult,
     Event,
     ExperimentRecord,
     ExperimentState,
 )
 from services.scheduler.registry import Worker, WorkerKind
-
-TRAINER_WAIT_S = 10.0
-"""How long a trainer's call waits for the experiment to know its trainer (after a scheduler
-restart, until the trainer registered again and was started) before it is refused."""
+from services.scheduler.supervisor import TrainerStartFailed, TrainerSupervisor
 
 
 class ExperimentRunner:
@@ -71,56 +56,48 @@ class ExperimentRunner:
     ):
         self.record = record
         self.spec = spec
-        self.eval_prompts = eval_prompts
         self.ctx = ctx
         self.config = ctx.config
         self.registry = ctx.registry
         self.log = get_logger(experiment=record.id)
         self.calls = WorkerCalls(record.id, spec, ctx.channels)
-        self.fleet = FleetWeights(self.calls, lambda: (self.version, self.record.fleet_uri))
-        hooks = DispatchHooks(changed=self._changed, fence=self._fence, eval_done=self._eval_done)
+        self.lifecycle = life = Lifecycle(record)
+        runlog = RunLog(
+            run_dir(record.id), spec.trainer.loggers, record.id, spec.model_dump(mode="json")
+        )
+        self.book = ProgressBook(record, ctx.history, runlog, self.log)
+        moved = FleetHooks(
+            fence=self._fence,
+            refused=lambda reason: self._end(Phase.FAILED, reason),
+            moved=lambda update: self.commits.fleet_moved(update),
+        )
+        self.fleet = Fleet(
+            self.calls, record, ctx.registry, life, moved, ctx.fleet_seconds, self.log
+        )
         self.dispatcher = Dispatcher(
             record,
             spec,
             prompts,
             eval_prompts,
             self.calls,
-            hooks,
+            ctx.registry,
+            DispatchHooks(changed=self._changed, fence=self._fence, eval_done=self.book.add_eval),
             self.log,
             lambda: self.version,
             Ledger(ctx.js, record.id),
+        )
+        self.supervisor = TrainerSupervisor(
+            record.id, ctx.registry, self.calls, ctx.channels, ctx.config, life, self.log
+        )
+        self.authority = TrainerAuthority(record.id, ctx.registry, self.supervisor, life, self.log)
+        runner = RunnerHooks(enter=self._enter, changed=self._changed, spawn=self._spawn)
+        self.commits = CommitHandler(
+            spec, life, self.book, self.fleet, self.dispatcher, self.supervisor, runner, self.log
         )
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # the dispatch loop waits for an event, nothing dispatchable
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-        self._subscribers: set[asyncio.Queue] = set()
-        self.runlog = RunLog(
-            run_dir(record.id), spec.trainer.loggers, record.id, spec.model_dump(mode="json")
-        )
-        """TensorBoard / W&B logs of the steps and evals (`trainer.loggers`)."""
-        self._finishing = False
-        self._ending = False
-        """`_end` is under way (it stops the trainer before the state turns terminal)."""
-        self._finish_reason = ""
-        self._start_failures = 0
-        self._trainer_id: str | None = None
-        """The trainer StartExperiment last succeeded on (any other bound trainer is started)."""
-        self._started_trainer: Worker | None = None
-        """That trainer: it may still commit (to be told to stop) once it is no longer bound."""
-        self._trainer_known = asyncio.Event()
-        self._redrive = ""
-        """Why the bound trainer must be started again (set by the watchdog)."""
-        self._fail = ""
-        """Set by the watchdog when the experiment must end FAILED (with this reason)."""
-        self._trainer_failures = 0
-        """Failures the trainer reported since the last commit."""
-        self._poll_now = asyncio.Event()
-        self._stalled = False
-        self._progress_mark: tuple = ()
-        self._progress_at = time.monotonic()
-        self._fleet_children: dict[str, Histogram] = {}
-        """ctx.fleet_seconds' children of this experiment, by phase (`_observe`)."""
 
     # ---- views -------------------------------------------------------------------------------
 
@@ -131,12 +108,12 @@ class ExperimentRunner:
     @property
     def version(self) -> int:
         """The fleet version: the weights the rollouts serve."""
-        return self.record.progress.version
+        return self.fleet.version
 
     @property
     def committed_version(self) -> int:
         """The trainer's newest committed version (the fleet loads it after the commit)."""
-        return self.fleet.target[0]
+        return self.fleet.committed_version
 
     @property
     def state(self) -> ExperimentState:
@@ -144,20 +121,19 @@ class ExperimentRunner:
 
     @property
     def terminal(self) -> bool:
-        return self.record.state.terminal
+        return self.lifecycle.terminal
 
     @property
     def finishing(self) -> bool:
-        return self._finishing
+        return self.lifecycle.phase is Phase.FINISHING
 
     @property
     def ending(self) -> bool:
         """Entering its terminal state: takes no more workers."""
-        return self._ending
+        return self.lifecycle.phase is Phase.ENDING
 
     def trainer(self) -> Worker | None:
-        bound = self.registry.bound(self.id, WorkerKind.TRAINER)
-        return bound[0] if bound else None
+        return self.supervisor.bound()
 
     def rollouts(self) -> list[Worker]:
         return self.registry.bound(self.id, WorkerKind.ROLLOUT)
@@ -167,8 +143,12 @@ class ExperimentRunner:
         return self.dispatcher.staleness
 
     def snapshot(self) -> ExperimentRecord:
-        """The record with live counters copied in (what is persisted and served)."""
-        self.dispatcher.snapshot_into(self.record)
+        """The record with its progress made now (what is persisted and served)."""
+        d = self.dispatcher
+        rate = d.throughput.rate()
+        self.record.progress = self.book.progress(d.staleness.counts, self.version, d.cursor, rate)
+        self.record.fleet_uri = self.fleet.uri
+        d.save_into(self.record)
         return self.record
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -178,7 +158,13 @@ class ExperimentRunner:
             self._task = asyncio.create_task(self._run(), name=f"experiment-{self.id}")
 
     async def cancel(self) -> None:
-        await self._end(ExperimentState.CANCELLED, "cancelled by user")
+        await self._end(Phase.CANCELLED, "cancelled by user")
+
+    def abandon(self, message: str) -> None:
+        """A persisted experiment that cannot resume (its dataset is gone): FAILED, never
+        started (nothing is bound to it yet)."""
+        self.lifecycle.to(Phase.ENDING)
+        self.lifecycle.to(Phase.FAILED, message=message)
 
     async def shutdown(self) -> None:
         """The scheduler is stopping: stop all tasks and keep the state as it is (it resumes,
@@ -188,21 +174,19 @@ class ExperimentRunner:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._subscribers.clear()
-        await asyncio.to_thread(self.runlog.close)
+        await self.book.close()
 
     async def _run(self) -> None:
+        """PENDING -> BINDING -> STARTING -> RUNNING (dispatch, under the watchdog) until the
+        run ends; back to PENDING when the trainer is lost or must be started again."""
         try:
             while not self.terminal:
-                if self._fail:  # the watchdog gave up on the trainer
-                    await self._end(ExperimentState.FAILED, self._fail)
+                if self.lifecycle.phase is Phase.FAILING:  # the watchdog gave up on the trainer
+                    await self._end(Phase.FAILED, self.lifecycle.reason)
                     return
-                await self._wait_for_workers()
-                await self._bind_rewards()
-                if self.terminal:
-                    return
-                if await self._start_trainer():
-                    watchdog = asyncio.create_task(self._watch(), name=f"watchdog-{self.id}")
+                if self.finishing or await self._prepare():
+                    watch = self.supervisor.watch(self._stall_mark, self._trainer_verdict)
+                    watchdog = asyncio.create_task(watch, name=f"watchdog-{self.id}")
                     try:
                         await self._dispatch_loop()
                     finally:
@@ -211,23 +195,28 @@ class ExperimentRunner:
             raise
         except Exception as e:  # noqa: BLE001 - a bug must fail the experiment visibly
             self.log.exception("experiment_runner_crashed")
-            await self._end(ExperimentState.FAILED, f"scheduler error: {type(e).__name__}: {e}")
+            await self._end(Phase.FAILED, f"scheduler error: {type(e).__name__}: {e}")
 
-    def _missing_workers(self) -> list[str]:
-        missing = []
-        if self.trainer() is None:
-            missing.append("a trainer")
-        if not self.rollouts():
-            missing.append("a rollout worker")
-        if not self.registry.workers(WorkerKind.REWARD):
-            missing.append("a reward worker")
-        return missing
+    async def _prepare(self) -> bool:
+        """Wait for workers, bind the reward workers, start the trainer: True once RUNNING
+        (or finishing: a commit at total_steps landed meanwhile)."""
+        why = self.lifecycle.reason if self.lifecycle.phase is Phase.RESTARTING else ""
+        await self._wait_for_workers()
+        if self.lifecycle.phase is not Phase.PENDING:  # finishing meanwhile
+            return False
+        await self._bind_rewards()
+        if self.lifecycle.phase is not Phase.BINDING:  # a worker refused the spec
+            return False
+        return await self._start_trainer(why)
 
     async def _wait_for_workers(self) -> None:
-        self._set_state(ExperimentState.PENDING)
-        while True:
+        """Enter PENDING and return once a trainer, a rollout and a reward worker are there
+        (or the run began finishing meanwhile)."""
+        if self.lifecycle.phase is not Phase.PENDING:
+            self._enter(Phase.PENDING)
+        while self.lifecycle.phase is Phase.PENDING:
             self._wake.clear()
-            missing = self._missing_workers()
+            missing = self.registry.missing(self.id)
             if not missing:
                 return
             message = "waiting for " + ", ".join(missing)
@@ -237,97 +226,57 @@ class ExperimentRunner:
                 self._persist()
             await self._wake.wait()
 
-    async def _start_trainer(self) -> bool:
+    async def _start_trainer(self, why: str) -> bool:
         """StartExperiment -> version k (0 or a checkpoint): the fleet resumes at k."""
         trainer = self.trainer()
         if trainer is None:
             return False
-        why, self._redrive = self._redrive, ""
-        self.record.message = f"starting trainer {trainer.worker_id}" + (f" ({why})" if why else "")
+        message = f"starting trainer {trainer.worker_id}" + (f" ({why})" if why else "")
+        self._enter(Phase.STARTING, message=message)
         self._persist()
         try:
-            resp = await self.calls.start_trainer(trainer, self.config.trainer_start_timeout_s)
-        except grpc.aio.AioRpcError as e:
-            await self._trainer_start_failed(trainer, e)
+            resp = await self.supervisor.start(trainer)
+        except TrainerStartFailed as e:
+            if e.fatal:
+                await self._end(Phase.FAILED, str(e))
+            else:
+                self.record.message = str(e)
+                self.ctx.workers_changed()
             return False
-        if self.trainer() is not trainer:
-            return False  # its lease lapsed while it was starting
-        self._start_failures = 0
-        self._trainer_id, self._started_trainer = trainer.worker_id, trainer
-        self._trainer_known.set()
-        self._progress_at = time.monotonic()
+        if resp is None:
+            return False
         k = resp.version
-        async with self.fleet.lock:
-            if resp.uri:  # the trainer's own word on where version k lives
-                self.record.weight_uris[k] = resp.uri
-            if k != self.version:
-                self.record.progress.version = k
-                self.record.fleet_uri = self._uri_for(k)
-                self.fleet.ready.clear()
-            self.fleet.set_target(k, self.record.fleet_uri)  # a later version is not trained
-        self._set_state(ExperimentState.RUNNING, "")
+        await self.fleet.resume_at(k, resp.uri)
+        if self.lifecycle.phase is Phase.STARTING:  # else finishing: a commit landed meanwhile
+            self._enter(Phase.RUNNING, message="")
+        else:
+            self.record.message = ""
         self.log.info(
             "experiment_started", version=k, resumed=resp.resumed, worker=trainer.worker_id
         )
         for w in self.rollouts():
             if w.worker_id not in self.fleet.ready:
-                self._spawn(self._sync_rollout(w))
-        self._maybe_eval(k, start=True)
+                self._spawn(self.fleet.join(w, self.config.bind_timeout_s))
+        self.commits.maybe_eval(k, start=True)
         if k >= self.spec.trainer.total_steps:
-            self._begin_finish(f"trainer is at version {k} >= total_steps")
+            self.commits.begin_finish(f"trainer is at version {k} >= total_steps")
         return True
 
     async def _bind_rewards(self) -> None:
         """Send the spec to every reward worker before the trainer starts: a worker that cannot
         load the reward function refuses it (INVALID_ARGUMENT) and the experiment fails with
         its message. Any other error is left to the rollouts, which bind it again anyway."""
+        self._enter(Phase.BINDING)
         addresses = self.registry.reward_addresses()
-        timeout = self.config.bind_timeout_s
-        results = await asyncio.gather(
-            *(self.calls.bind_reward(a, timeout) for a in addresses), return_exceptions=True
-        )
-        for address, result in zip(addresses, results, strict=True):
-            if isinstance(result, BindRefused):
-                await self._end(ExperimentState.FAILED, f"reward worker {address} {result}")
+        errors = await self.calls.bind_rewards(addresses, self.config.bind_timeout_s)
+        for address, e in errors.items():
+            if isinstance(e, BindRefused):
+                await self._end(Phase.FAILED, f"reward worker {address} {e}")
                 return
-            if isinstance(result, grpc.aio.AioRpcError):
-                self.log.warning(
-                    "reward_bind_failed",
-                    address=address,
-                    code=result.code().name,
-                    details=result.details(),
-                )
-            elif isinstance(result, BaseException):
-                raise result
-
-    async def _trainer_start_failed(self, trainer: Worker, e: grpc.aio.AioRpcError) -> None:
-        """INVALID_ARGUMENT fails the experiment; a busy trainer (FAILED_PRECONDITION) is only
-        unbound; other errors fail it after max_start_failures."""
-        if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
-            self._start_failures += 1
-        self.log.warning(
-            "trainer_start_failed",
-            worker=trainer.worker_id,
-            code=e.code().name,
-            details=e.details(),
-            failures=self._start_failures,
-        )
-        if (
-            e.code() == grpc.StatusCode.INVALID_ARGUMENT
-            or self._start_failures >= self.config.max_start_failures
-        ):
-            await self._end(
-                ExperimentState.FAILED, f"trainer could not start the experiment: {e.details()}"
+            details = e.details()
+            self.log.warning(
+                "reward_bind_failed", address=address, code=e.code().name, details=details
             )
-            return
-        self.registry.unbind(trainer, self.config.fence_cooldown_s)
-        self.record.message = f"trainer {trainer.worker_id} failed to start: {e.details()}"
-        self.ctx.workers_changed()
-
-    def _uri_for(self, version: int) -> str:
-        if version in self.record.weight_uris:
-            return self.record.weight_uris[version]
-        return self.spec.model.path if version == 0 else self.record.fleet_uri
 
     # ---- dispatch ----------------------------------------------------------------------------
 
@@ -336,11 +285,12 @@ class ExperimentRunner:
         dispatched = 0
         while True:
             self._wake.clear()
-            if self.terminal:
+            phase = self.lifecycle.phase
+            if not self.lifecycle.live:
                 return
-            if self._finishing:
+            if phase is Phase.FINISHING:
                 if self.dispatcher.evaluator.idle and self.version >= self.committed_version:
-                    await self._end(*self._outcome())
+                    await self._end(*self.commits.outcome())
                     return
             elif why := self._trainer_changed():
                 self.log.warning(
@@ -351,12 +301,11 @@ class ExperimentRunner:
                 )
                 return
             elif self.dispatcher.dataset_done(self.committed_version):
-                self._begin_finish("dataset exhausted")
+                self.commits.begin_finish("dataset exhausted")
                 continue
-            ready = [w for w in self.rollouts() if w.worker_id in self.fleet.ready]
+            ready = self.fleet.ready_rollouts()
             training = (
-                not self._finishing
-                and self.state == ExperimentState.RUNNING
+                phase is Phase.RUNNING
                 and self.version >= self.committed_version  # never on weights already stale
             )
             if self.dispatcher.dispatch_one(ready, self.registry.reward_addresses(), training):
@@ -370,12 +319,9 @@ class ExperimentRunner:
 
     def _trainer_changed(self) -> str:
         """Why the loop must start a trainer again; "" while the one it started runs."""
-        trainer = self.trainer()
-        if trainer is None:
-            return "trainer lost"
-        if trainer.worker_id != self._trainer_id:
-            return f"trainer {trainer.worker_id} replaced {self._trainer_id}"
-        return self._redrive
+        if self.lifecycle.phase in (Phase.RESTARTING, Phase.FAILING):  # the watchdog's word
+            return self.lifecycle.reason
+        return self.supervisor.changed()
 
     async def settled(self) -> None:
         """Return once the dispatch loop has handled every event so far and waits for the next
@@ -392,75 +338,16 @@ class ExperimentRunner:
         self._wake.set()
         self._persist()
 
-    # ---- watchdog ----------------------------------------------------------------------------
+    # ---- watchdog ---------------------------------------------------------------------------
 
-    async def _watch(self) -> None:
-        """Poll the trainer and the progress; a reason to act wakes the dispatch loop, which
-        goes back to `_start_trainer` (that ends the experiment when `_fail` is set)."""
-        while True:
-            try:
-                await asyncio.wait_for(self._poll_now.wait(), self.config.trainer_poll_interval_s)
-            except TimeoutError:
-                pass
-            self._poll_now.clear()
-            if self._finishing or self.terminal or self._redrive:
-                continue
-            why = await self._check_trainer() or self._check_progress()
-            if why:
-                self.log.warning("trainer_check_failed", reason=why, fail=self._fail)
-                self._redrive = why
-                self._wake.set()
+    def _stall_mark(self) -> tuple[tuple, str]:
+        return self.book.stall_mark(self.staleness.counts, self.fleet)
 
-    def check_trainer_soon(self) -> None:
-        """The bound trainer registered again (it may have restarted): ask it now."""
-        self._poll_now.set()
-
-    async def _check_trainer(self) -> str:
-        """Why the trainer this runner started must be started again ("" if it runs fine)."""
-        trainer = self.trainer()
-        if trainer is None or trainer.worker_id != self._trainer_id:
-            return ""  # the dispatch loop sees that itself
-        stub = trainer_pb2_grpc.TrainerStub(self.ctx.channels.get(trainer.address))
-        try:
-            status = await stub.GetStatus(
-                trainer_pb2.GetTrainerStatusRequest(), timeout=self.config.trainer_poll_timeout_s
-            )
-        except grpc.aio.AioRpcError as e:
-            self.log.warning("trainer_status_failed", worker=trainer.worker_id, code=e.code().name)
-            return ""  # dead or busy: its lease decides
-        state = TrainerState.reported(status.state)
-        if status.experiment_id == self.id and state == TrainerState.FAILED:
-            self._trainer_failures += 1
-            why = f"trainer {trainer.worker_id} failed: {status.message or 'no message'}"
-            if self._trainer_failures >= self.config.max_start_failures:
-                self._fail = f"{why} ({self._trainer_failures} failures in a row)"
-            return why
-        if status.experiment_id != self.id or not state.active:
-            return f"trainer {trainer.worker_id} is {state.value}, not running {self.id}"
-        return ""
-
-    def _check_progress(self) -> str:
-        """A reason if nothing moved (no commit, no group settled, no rollout joined) for
-        progress_timeout_s; the second time in a row the experiment fails with it."""
-        s = self.staleness
-        mark = (self.version, self.committed_version, s.accepted, s.rejected, s.failed)
-        mark += (s.stale_dropped,)
-        mark += (len(self.record.evals), len(self.fleet.ready))
-        now = time.monotonic()
-        if mark != self._progress_mark:
-            self._progress_mark, self._progress_at, self._stalled = mark, now, False
-            return ""
-        idle_s = now - self._progress_at
-        if idle_s < self.config.progress_timeout_s:
-            return ""
-        why = (
-            f"no progress for {idle_s:.0f}s: no step committed after v{self.version} and no"
-            f" group settled ({s.running} running on {len(self.fleet.ready)} ready rollouts)"
-        )
-        if self._stalled:
-            self._fail = why + ", also after the trainer was started again"
-        self._stalled, self._progress_at = True, now
-        return why
+    def _trainer_verdict(self, why: str, fail: str) -> None:
+        """The watchdog: start the trainer again (`why`), or end the run FAILED (`fail`)."""
+        self.log.warning("trainer_check_failed", reason=why, fail=fail)
+        self._enter(Phase.FAILING if fail else Phase.RESTARTING, reason=fail or why)
+        self._wake.set()
 
     # ---- workers -----------------------------------------------------------------------------
 
@@ -474,24 +361,7 @@ class ExperimentRunner:
         """`worker` was bound here (or registered again): it loads the fleet's weights first."""
         self.fleet.ready.discard(worker.worker_id)
         if self.state == ExperimentState.RUNNING:
-            self._spawn(self._sync_rollout(worker))
-
-    async def _sync_rollout(self, worker: Worker) -> None:
-        try:
-            version = await self.fleet.sync(
-                worker, lambda: worker.experiment_id == self.id, self.config.bind_timeout_s
-            )
-        except BindRefused as e:
-            await self._end(ExperimentState.FAILED, f"rollout {worker.worker_id} {e}")
-            return
-        except grpc.aio.AioRpcError as e:
-            self._fence(worker, f"UpdateWeights failed: {e.code().name}")
-            return
-        if version is not None:
-            self.log.info(
-                "rollout_bound", worker=worker.worker_id, address=worker.address, version=version
-            )
-            self._wake.set()
+            self._spawn(self.fleet.join(worker, self.config.bind_timeout_s))
 
     def release_rollout(self, worker: Worker, reason: str, cooldown_s: float = 0.0) -> None:
         """Unbind (fence) a rollout; its in-flight groups are cancelled and re-queued."""
@@ -515,237 +385,16 @@ class ExperimentRunner:
         self.log.warning("trainer_lease_expired", worker=worker.worker_id, version=self.version)
         self._wake.set()
 
-    # ---- trainer calls -----------------------------------------------------------------------
+    # ---- the end -----------------------------------------------------------------------------
 
-    async def authorize_trainer(self, caller: Principal | None, trainer_id: str) -> None:
-        """Only this experiment's trainer may commit or report drops: the bound one, or once
-        none is bound (the run ended, its lease lapsed) the one last started. The caller must
-        be the identity that registered it, and a `trainer_id` must be its worker id; else
-        PermissionDenied. Right after a scheduler restart no trainer is known yet: the call
-        waits up to TRAINER_WAIT_S for one to be started. A `trainer_id` registered nowhere
-        is Unavailable: the trainer's registration is older than this scheduler (or lapsed),
-        and it retries under the id it registers again with."""
-        if caller is None and not trainer_id:
-            return  # security is off and the call does not say who it is
-        trainer = self.trainer() or self._started_trainer
-        if trainer is None and not self.terminal:
-            try:
-                await asyncio.wait_for(self._trainer_known.wait(), TRAINER_WAIT_S)
-            except TimeoutError:
-                pass
-            trainer = self.trainer() or self._started_trainer
-        who = caller.subject if caller is not None else trainer_id
-        if trainer is None:
-            reason = f"experiment_id: {self.id} has no trainer; {who} may not act for it"
-        elif caller is not None and caller.subject != trainer.principal:
-            reason = (
-                f"experiment_id: {self.id} belongs to trainer {trainer.worker_id} of"
-                f" {trainer.principal}, not to {who}"
-            )
-        elif trainer_id and self.registry.get(trainer_id) is None:
-            raise Unavailable(
-                f"trainer_id: {trainer_id} is not registered (the scheduler restarted or its"
-                " lease lapsed): register again and retry with the new id"
-            )
-        elif trainer_id and trainer_id != trainer.worker_id:
-            reason = (
-                f"trainer_id: {trainer_id} is not {trainer.worker_id}, the trainer of {self.id}"
-            )
-        else:
+    async def _end(self, phase: Phase, message: str) -> None:
+        """ENDING, then the terminal `phase`: stop everything, free the workers, stop the
+        trainer, and only then say so, so a client that sees the end also sees the trainer's
+        last ledger events (what it left over) and its final checkpoint."""
+        if not self.lifecycle.live:
             return
-        self.log.warning("trainer_call_refused", caller=who, trainer_id=trainer_id, reason=reason)
-        raise PermissionDenied(reason)
-
-    async def commit(self, version: int, uri: str, metrics: StepMetrics) -> CommitResult:
-        """Record `version` (durable in the weight store) as the trainer's newest and answer at
-        once: abort groups that can no longer be trained within eta, record the step, finish
-        at total_steps. The ready rollouts load it in the background (`_update_fleet`).
-        The caller was authorized first (`authorize_trainer`)."""
-        t0 = time.perf_counter()
-        over = self.terminal or self._finishing
-        if over or version <= self.committed_version:  # a retry, or late
-            return CommitResult(self.version, 0, 0, over)
-        self.fleet.set_target(version, uri)
-        self.record.add_weights(version, uri)
-        self._trainer_failures = 0
-        aborted = self.dispatcher.abort_stale(version)
-        if aborted:
-            self.log.info(
-                "groups_aborted_stale",
-                version=version,
-                aborted=aborted,
-                eta=self.spec.rollout.max_head_offpolicyness,
-            )
-        metrics.version = version
-        self.fleet.into_metrics(metrics)
-        self._record_step(metrics)
-        self.log.info(
-            "version_committed",
-            version=version,
-            uri=uri,
-            fleet_version=self.version,
-            loss=metrics.loss,
-            reward_mean=metrics.reward_mean,
-            groups=metrics.groups,
-        )
-        if version >= self.spec.trainer.total_steps:
-            self._begin_finish(f"reached total_steps={self.spec.trainer.total_steps}")
-        elif self.dispatcher.dataset_done(self.committed_version):
-            self._begin_finish("dataset exhausted")
-        if self.fleet.task is None or self.fleet.task.done():
-            self.fleet.task = self._spawn(self._update_fleet())
-        self._wake.set()
-        self._persist()
-        self.fleet.commit_s = time.perf_counter() - t0
-        self._observe("commit", self.fleet.commit_s)
-        await self._fleet_reaches(version - fleet_lag(self.spec.rollout), version)
-        return CommitResult(self.version, 0, 0, self._finishing or self.terminal)
-
-    async def _fleet_reaches(self, target: int, committed: int) -> None:
-        """Return once the fleet serves `target`, or once waiting makes no sense any more (the
-        run ends, or the trainer was started again from an older version than `committed`)."""
-        while self.version < target and self.committed_version >= committed:
-            if self.terminal or self._ending:
-                return
-            await self.fleet.moved()
-
-    async def _update_fleet(self) -> None:
-        """Bring the ready rollouts to the newest committed version, one update at a time
-        (commits that land meanwhile coalesce into the next), fencing those that fail; the
-        fleet version moves on regardless, as the staleness rule needs."""
-        while not self.terminal:
-            async with self.fleet.lock:
-                (version, uri), committed_at = self.fleet.target, self.fleet.target_at
-                previous = self.version
-                if version <= previous:  # up to date (or the trainer was started again)
-                    return
-                workers = [w for w in self.rollouts() if w.worker_id in self.fleet.ready]
-                update = await self.fleet.broadcast(workers, version, uri)
-                for w, reason in update.failed:
-                    self._fence(w, f"UpdateWeights v{version} failed: {reason}")
-                self.record.progress.version = version
-                self.record.fleet_uri = uri
-            update.previous, update.lag_s = previous, time.monotonic() - committed_at
-            self._fleet_updated(update)
-
-    def _fleet_updated(self, update: FleetUpdate) -> None:
-        """The fleet serves `update.version`: time it, evaluate if due, wake the dispatch."""
-        self.fleet.last = update
+        self._enter(Phase.ENDING)  # a commit meanwhile is told to stop
         self.fleet.notify()
-        phases = update.phases()
-        seconds = {"update": update.seconds, "lag": update.lag_s, **phases}
-        for phase, value in seconds.items():
-            self._observe(phase, value)
-        self.log.info(
-            "fleet_updated",
-            version=update.version,
-            coalesced=max(0, update.version - update.previous - 1),
-            updated=update.updated,
-            fenced=len(update.failed),
-            **{f"{k}_s": round(v, 4) for k, v in seconds.items()},
-        )
-        if not self._finishing:
-            self._maybe_eval(update.version, since=update.previous)
-        elif update.version >= self.committed_version:
-            self._maybe_eval(update.version, final=True)
-        self._wake.set()
-        self._persist()
-
-    def _record_step(self, metrics: StepMetrics) -> None:
-        """Append the step (replacing the steps of a lineage the trainer discarded)."""
-        p = self.record.progress
-        for old in self.record.add_step(metrics):
-            p.trained_groups -= old.groups
-            self.log.warning("step_discarded", version=old.version, groups=old.groups)
-        self.ctx.history.append_step(self.id, metrics)
-        self.runlog.step(metrics)
-        p.trained_groups += metrics.groups
-        p.staleness_max = max(p.staleness_max, metrics.staleness_max)
-        p.stale_groups += metrics.stale_groups
-        self._emit(Event("step", step=metrics))
-
-    def report_dropped(self, group_ids: list[str]) -> int:
-        """The trainer dropped accepted groups as too stale: free capacity, re-queue prompts.
-        A group id the scheduler did not dispatch and accept for this experiment is a
-        BadRequest naming `groups` (nothing is changed, the run goes on)."""
-        requeued = self.dispatcher.report_dropped(group_ids)
-        if requeued:
-            self.log.info("groups_dropped_by_trainer", requeued=requeued, version=self.version)
-        self._changed()
-        return requeued
-
-    # ---- eval and the end --------------------------------------------------------------------
-
-    def _maybe_eval(
-        self, version: int, *, start: bool = False, final: bool = False, since: int | None = None
-    ) -> None:
-        """Evaluate `version` if due (or if one of the versions after `since` the fleet skipped
-        was)."""
-        if self.dispatcher.evaluator.schedule(version, start=start, final=final, since=since):
-            self.log.info("eval_started", version=version, prompts=len(self.eval_prompts))
-            self._wake.set()
-
-    def _eval_done(self, result: EvalResult) -> None:
-        self.record.evals.append(result)
-        self.ctx.history.append_eval(self.id, result)
-        self.runlog.eval(result)
-        self.log.info(
-            "eval_done",
-            version=result.version,
-            accuracy=round(result.accuracy, 4),
-            reward_mean=round(result.reward_mean, 4),
-            samples=result.n_samples,
-            failed=result.failed,
-        )
-        self._emit(Event("eval", eval=result))
-        self._persist()
-
-    def _begin_finish(self, reason: str) -> None:
-        """Stop training dispatch, cancel training groups in flight (not counted as drops), and
-        run the final eval; the dispatch loop completes the experiment once evals are done."""
-        if self._finishing:
-            return
-        self._finishing = True
-        self._finish_reason = reason
-        batch = self.spec.trainer.batch_size
-        untrained = self.staleness.accepted - self.committed_version * batch
-        self.record.progress.left_over = max(0, untrained)
-        cancelled = self.dispatcher.cancel(training_only=True)
-        self.log.info(
-            "experiment_finishing", reason=reason, version=self.version, cancelled=cancelled
-        )
-        if self.version >= self.committed_version:  # else once the fleet serves the last one
-            self._maybe_eval(self.version, final=True)
-        self._wake.set()
-        self._persist()
-
-    def _outcome(self) -> tuple[ExperimentState, str]:
-        """COMPLETED with the finish reason (and the groups left over), or FAILED when no step
-        was trained, saying what happened to the groups."""
-        p, batch = self.snapshot().progress, self.spec.trainer.batch_size
-        reason = self._finish_reason
-        if p.left_over:
-            reason += f"; {p.left_over} accepted groups left over, never trained"
-        if self.version > 0 or self.record.history:
-            return ExperimentState.COMPLETED, reason
-        counts = (
-            f"{p.accepted} groups accepted (batch_size={batch}), {p.rejected} filtered,"
-            f" {p.failed} failed"
-        )
-        top = sorted(self.record.failure_reasons.items(), key=lambda kv: -kv[1])[:3]
-        if top:
-            counts += " (" + "; ".join(f"{n}x {why}" for why, n in top) + ")"
-        return ExperimentState.FAILED, f"trained nothing: {self._finish_reason}: {counts}"
-
-    async def _end(self, state: ExperimentState, message: str) -> None:
-        """Enter a terminal state: stop everything, free the workers, stop the trainer, and
-        only then say so, so a client that sees the end also sees the trainer's last ledger
-        events (what it left over) and its final checkpoint."""
-        if self.terminal or self._ending:
-            return
-        self._ending = True
-        self.fleet.notify()
-        self._finishing = True  # a commit meanwhile is told to stop
         self.dispatcher.cancel(training_only=False)
         current = asyncio.current_task()
         for t in (self._task, *self._background):
@@ -754,58 +403,29 @@ class ExperimentRunner:
         for w in self.rollouts():
             self.registry.unbind(w)
         self.fleet.ready.clear()
-        trainer = self.trainer()
-        if trainer is not None:  # stopped before it is freed, so no other experiment races it
-            try:
-                await self.calls.stop_trainer(trainer, self.config.trainer_stop_timeout_s)
-            except grpc.aio.AioRpcError as e:
-                self.log.warning(
-                    "trainer_stop_failed", worker=trainer.worker_id, code=e.code().name
-                )
-            self.registry.unbind(trainer)
+        await self.supervisor.stop()
         await self.dispatcher.ledger.flush()
         for w in self.rollouts():  # bound while the trainer stopped (still live, finishing):
             self.registry.unbind(w)  # a terminal experiment must hold no worker
-        self._finishing = False
-        await asyncio.to_thread(self.runlog.close)  # complete when a client sees the end
-        self._set_state(state, message)
-        self.log.info("experiment_ended", state=state.value, message=message, version=self.version)
+        await self.book.close_logs()  # complete when a client sees the end
+        self._enter(phase, message=message)
+        self.log.info(
+            "experiment_ended", state=self.state.value, message=message, version=self.version
+        )
         self.ctx.workers_changed()
 
     # ---- plumbing ----------------------------------------------------------------------------
 
-    def _set_state(self, state: ExperimentState, message: str | None = None) -> None:
-        changed = state != self.record.state
-        self.record.state = state
-        if message is not None:
-            self.record.message = message
-        if changed:
+    def _enter(self, phase: Phase, reason: str = "", message: str | None = None) -> None:
+        """The one way the runner changes phase (`Lifecycle.to` refuses an illegal one); a
+        change of the public state is persisted and told to watchers."""
+        if self.lifecycle.to(phase, reason, message):
             self._persist()
-            self._emit(Event("state"))
-
-    def _observe(self, phase: str, seconds: float) -> None:
-        """Into the fleet histogram, through this experiment's child per phase (looked up once:
-        `labels` costs more than the observation)."""
-        child = self._fleet_children.get(phase)
-        if child is None:
-            child = self._fleet_children[phase] = self.ctx.fleet_seconds.labels(self.id, phase)
-        child.observe(seconds)
+            self.book.emit(Event("state"))
 
     def _persist(self) -> None:
         self.record.updated_unix_ms = int(time.time() * 1000)
         self.ctx.store.mark_dirty(self.id, self.snapshot)
-
-    def _emit(self, event: Event) -> None:
-        for q in self._subscribers:
-            q.put_nowait(event)
-
-    def subscribe(self) -> asyncio.Queue:
-        q: asyncio.Queue = asyncio.Queue()
-        self._subscribers.add(q)
-        return q
-
-    def unsubscribe(self, q: asyncio.Queue) -> None:
-        self._subscribers.discard(q)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)

@@ -13,16 +13,17 @@ that the run deadlocks once drops + running exceed eta * B.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
+
+from services.scheduler.records import GroupCounters, field_names
 
 W = TypeVar("W")
 
-COUNTERS = ("accepted", "rejected", "failed", "stale_dropped", "requeued", "running")
-
 
 class StalenessManager:
-    """Counts groups by outcome and answers how many more may be admitted now.
+    """Counts groups by outcome (`counts`, the only writer) and answers how many more may be
+    admitted now.
 
     `version_provider` returns the fleet version (the weights the rollouts serve).
     """
@@ -34,47 +35,44 @@ class StalenessManager:
         self.batch_size = batch_size
         self.eta = eta
         self.version_provider = version_provider
-        self.running = 0
-        self.accepted = 0
-        self.rejected = 0
-        self.failed = 0
-        self.stale_dropped = 0
-        self.requeued = 0
+        self.counts = GroupCounters()
 
     def capacity(self) -> int:
         """Groups that may be dispatched now (never negative)."""
+        c = self.counts
         version = self.version_provider()
-        concurrency = self.max_concurrent - self.running
-        staleness = (self.eta + version + 1) * self.batch_size - (self.accepted + self.running)
+        concurrency = self.max_concurrent - c.running
+        staleness = (self.eta + version + 1) * self.batch_size - (c.accepted + c.running)
         return max(0, min(concurrency, staleness))
 
     def on_submit(self) -> None:
-        self.running += 1
+        self.counts.running += 1
+        self.counts.dispatched += 1
 
     def on_accept(self) -> None:
         self._finish()
-        self.accepted += 1
+        self.counts.accepted += 1
 
     def on_reject(self) -> None:
         """The dynamic filter dropped the group: it frees its capacity."""
         self._finish()
-        self.rejected += 1
+        self.counts.rejected += 1
 
     def on_fail(self) -> None:
         self._finish()
-        self.failed += 1
+        self.counts.failed += 1
 
     def on_abort(self) -> None:
         """The scheduler aborted an in-flight group that could no longer be trained within eta.
 
         Counted as a rejection: it frees capacity and never becomes accepted."""
         self._finish()
-        self.stale_dropped += 1
+        self.counts.stale_dropped += 1
 
     def on_requeue(self) -> None:
         """The group's RPC failed (worker died, deadline, fenced); its prompt goes back."""
         self._finish()
-        self.requeued += 1
+        self.counts.requeued += 1
 
     def on_cancel(self) -> None:
         """The experiment ended while the group ran; it counts as nothing."""
@@ -82,25 +80,23 @@ class StalenessManager:
 
     def on_trainer_drop(self) -> None:
         """The trainer dropped an accepted group as too stale: it no longer counts as accepted."""
-        self.accepted = max(0, self.accepted - 1)
-        self.stale_dropped += 1
+        self.counts.accepted = max(0, self.counts.accepted - 1)
+        self.counts.stale_dropped += 1
 
-    def counters(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in COUNTERS}
-
-    def load_counters(self, counters: dict[str, int]) -> None:
-        """Restore persisted outcome counters; `running` restarts at 0 (nothing is in flight).
+    def load_counters(self, saved: GroupCounters) -> None:
+        """Restore persisted outcome counters (a Progress is a GroupCounters); `running`
+        restarts at 0 (nothing is in flight).
 
         `accepted` stays what was persisted, whatever version a resumed trainer reports: the
         groups in flight in the same snapshot were not counted yet, and each is counted once
         when its re-dispatch answers (a duplicate publish included). Setting it to
         version * B instead counted the trained ones among them twice."""
-        for name in ("accepted", "rejected", "failed", "stale_dropped", "requeued"):
-            setattr(self, name, int(counters.get(name, 0)))
+        counts = GroupCounters(**{n: int(getattr(saved, n)) for n in field_names(GroupCounters)})
+        self.counts = replace(counts, running=0)
 
     def _finish(self) -> None:
-        assert self.running > 0, "a group finished that was never submitted"
-        self.running -= 1
+        assert self.counts.running > 0, "a group finished that was never submitted"
+        self.counts.running -= 1
 
 
 def too_stale(start_version: int, committed_version: int, eta: int) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from functools import cache
 
+from asyncrl.ticket import Ticket
 from asyncrl.types import EvalResult, StepMetrics
 
 KEPT = 32
@@ -39,20 +40,32 @@ class ExperimentState(StrEnum):
 
 
 @dataclass
-class Progress:
-    version: int = 0
-    """Fleet version: the weights the rollouts serve."""
+class GroupCounters:
+    """Training groups by outcome: what admission counts (`policy.StalenessManager` is their
+    only writer) and what a Progress reports."""
+
     accepted: int = 0
     rejected: int = 0
     failed: int = 0
     stale_dropped: int = 0
+    """Aborted by the scheduler or dropped by the trainer as too stale."""
+    requeued: int = 0
+    """Re-queued after an infrastructure fault (a failed call, a lost rollout)."""
     running: int = 0
     dispatched: int = 0
+
+
+@dataclass
+class Progress(GroupCounters):
+    """What an experiment has done, made in one place (`progress.ProgressBook.progress`) from
+    the objects that own each part; persisted with the record, served by GetExperiment."""
+
+    version: int = 0
+    """Fleet version: the weights the rollouts serve."""
     trained_groups: int = 0
     epoch: int = 0
     cursor: int = 0
     rollout_tokens_per_s: float = 0.0
-    requeued: int = 0
     staleness_max: int = 0
     stale_groups: int = 0
     left_over: int = 0
@@ -76,9 +89,9 @@ class ExperimentRecord:
     evals: list[EvalResult] = field(default_factory=list)
     cursor: dict = field(default_factory=dict)
     """DatasetCursor.state()."""
-    inflight: list[list[int]] = field(default_factory=list)
-    """Tickets [epoch, index, attempt] in flight when saved: re-dispatched on resume."""
-    awaiting: list[list[int]] = field(default_factory=list)
+    inflight: list[Ticket] = field(default_factory=list)
+    """Tickets in flight when saved: re-dispatched on resume."""
+    awaiting: list[Ticket] = field(default_factory=list)
     """Tickets of the newest accepted training groups, which the trainer may still report
     dropped (`Dispatcher.report_dropped` accepts no other id)."""
     fleet_uri: str = ""
@@ -106,6 +119,8 @@ class ExperimentRecord:
         `evals` (neither is copied; json.dumps reads the plain fields as they are)."""
         data = {n: getattr(self, n) for n in field_names(type(self)) if n != "history"}
         data["progress"] = flat_dict(self.progress)
+        data["inflight"] = [t.to_json() for t in self.inflight]
+        data["awaiting"] = [t.to_json() for t in self.awaiting]
         data["last_step"] = data_or_none(self.history[-1] if self.history else None)
         data["evals"] = [flat_dict(e) for e in self.evals[-KEPT:]]
         top = sorted(self.failure_reasons.items(), key=lambda kv: -kv[1])[:KEPT]
@@ -123,6 +138,8 @@ class ExperimentRecord:
             raw["history"] = [build_dataclass(StepMetrics, last)]
         raw["evals"] = [build_dataclass(EvalResult, e) for e in raw.get("evals", [])]
         raw["weight_uris"] = {int(k): v for k, v in raw.get("weight_uris", {}).items()}
+        for key in ("inflight", "awaiting"):
+            raw[key] = [Ticket.from_json(t) for t in raw.get(key, [])]
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in raw.items() if k in names})
 

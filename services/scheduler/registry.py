@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from services.scheduler.config import SchedulerConfig
+
 
 class WorkerKind(StrEnum):
     ROLLOUT = "rollout"
@@ -51,8 +53,8 @@ class Worker:
 class Registry:
     def __init__(
         self,
-        lease_ttl_s: float = 10.0,
-        heartbeat_interval_s: float = 1.0,
+        lease_ttl_s: float = SchedulerConfig.lease_ttl_s,
+        heartbeat_interval_s: float = SchedulerConfig.heartbeat_interval_s,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.lease_ttl_s = lease_ttl_s
@@ -128,6 +130,15 @@ class Registry:
     def bound(self, experiment_id: str, kind: WorkerKind) -> list[Worker]:
         return [w for w in self._of(kind) if w.experiment_id == experiment_id]
 
+    def missing(self, experiment_id: str) -> list[str]:
+        """The workers an experiment waits for: its trainer, a rollout, a reward worker."""
+        needs = {
+            "a trainer": self.bound(experiment_id, WorkerKind.TRAINER),
+            "a rollout worker": self.bound(experiment_id, WorkerKind.ROLLOUT),
+            "a reward worker": self._of(WorkerKind.REWARD),
+        }
+        return [what for what, workers in needs.items() if not workers]
+
     def idle(self, kind: WorkerKind) -> list[Worker]:
         """Unbound workers of `kind` that are not cooling down after being fenced."""
         now = self.clock()
@@ -140,6 +151,31 @@ class Registry:
     def unbind(self, worker: Worker, cooldown_s: float = 0.0) -> None:
         worker.experiment_id = None
         worker.cooldown_until = self.clock() + cooldown_s
+
+    def probing(self, worker: Worker) -> None:
+        """A new trainer: not bound before it said what it runs (`probed`)."""
+        worker.probed = False
+
+    def probed(self, worker: Worker, affinity: str | None) -> None:
+        """The trainer said it runs experiment `affinity` (None: nothing, or no answer)."""
+        worker.probed = True
+        if affinity:
+            worker.affinity = affinity
+
+    def group_started(self, worker: Worker) -> None:
+        worker.running += 1
+
+    def group_ended(self, worker: Worker) -> None:
+        """One of its groups settled (answered, or ended by the scheduler)."""
+        worker.running -= 1
+
+    def group_done(self, worker: Worker) -> None:
+        """It answered one of its groups."""
+        worker.groups_done += 1
+
+    def weights_loaded(self, worker: Worker, version: int) -> None:
+        """`worker` (a rollout) confirmed it serves `version`."""
+        worker.version = version
 
     def reward_addresses(self) -> list[str]:
         return [w.address for w in self._of(WorkerKind.REWARD)]

@@ -14,7 +14,7 @@ from asyncrl.runtime import ServiceRuntime
 from asyncrl.security import caller
 from asyncrl.types import StepMetrics
 from asyncrl.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.scheduler.context import SchedulerConfig
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.convert import experiment_to_proto, kind_from_proto, worker_to_proto
 from services.scheduler.core import Scheduler
 from services.scheduler.experiments import ExperimentRunner
@@ -65,7 +65,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             runner = self.scheduler.get(request.experiment_id)
         except NotFound as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        queue = runner.subscribe()
+        queue = runner.book.subscribe()
         try:
             yield scheduler_pb2.ProgressEvent(kind="snapshot", experiment=_experiment(runner))
             interval = self.scheduler.config.snapshot_interval_s
@@ -81,7 +81,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             while not queue.empty():  # what came with the end (final eval, the state change)
                 yield _event(runner, queue.get_nowait())
         finally:
-            runner.unsubscribe(queue)
+            runner.book.unsubscribe(queue)
 
     # ---- workers -----------------------------------------------------------------------------
 
@@ -176,7 +176,7 @@ class SchedulerCollector(Collector):
         }
         accuracy = gauge("asyncrl_scheduler_last_eval_accuracy", "Accuracy of the last eval", label)
         for runner in self.scheduler.runners.values():
-            record = runner.record
+            record = runner.snapshot()
             for key, family in progress.items():
                 family.add_metric([record.id], float(getattr(record.progress, key)))
             if record.history:
@@ -192,23 +192,19 @@ class SchedulerCollector(Collector):
 async def create_scheduler(
     nats_url: str,
     port: int = 0,
-    lease_ttl_s: float = 10.0,
-    heartbeat_interval_s: float = 1.0,
     host: str = "127.0.0.1",
     metrics_port: int | None = None,
     grace_s: float = 2.0,
     **config,
 ) -> tuple[ServiceRuntime, Scheduler]:
     """Start a scheduler serving on host:port (0 = a free port); returns (runtime, scheduler),
-    `runtime.port` is the bound port. `config` overrides SchedulerConfig fields. Stop with
+    `runtime.port` is the bound port. `config` overrides SchedulerConfig fields (lease_ttl_s,
+    heartbeat_interval_s, ...; their defaults are SchedulerConfig's). Stop with
     `await runtime.close()` (experiment state stays in NATS KV; a new scheduler resumes it)."""
     runtime = ServiceRuntime("scheduler", host=host, grace_s=grace_s)
     try:
         nc = await runtime.connect_nats(nats_url)
-        config = SchedulerConfig(
-            lease_ttl_s=lease_ttl_s, heartbeat_interval_s=heartbeat_interval_s, **config
-        )
-        scheduler = Scheduler(nc.jetstream(), config)
+        scheduler = Scheduler(nc.jetstream(), SchedulerConfig(**config))
         await scheduler.start()
         runtime.on_close(scheduler.close)
         await runtime.serve(

@@ -76,10 +76,11 @@ async def test_scheduler_metrics_scrape_shows_experiment_and_workers(nats_server
             scheduler_pb2.SubmitExperimentRequest(spec_json=spec_json), timeout=10
         )
         # what a trainer commit and an eval would have recorded (no trainer runs here)
-        record = scheduler.get(exp.id).record
+        runner = scheduler.get(exp.id)
+        record = runner.record
         record.history.append(StepMetrics(step=1, version=1, loss=0.25, reward_mean=0.5))
         record.evals.append(EvalResult(1, 0.75, 0.75, 4, 8, 0))
-        record.progress.accepted = 3
+        runner.staleness.counts.accepted = 3  # the counters' owner (progress is made from it)
 
         got = await asyncio.to_thread(scrape, metrics_port)
         e = (("experiment", exp.id),)

@@ -12,6 +12,7 @@ import asyncio
 import importlib.util
 import json
 import sys
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -167,7 +168,7 @@ async def test_commit_from_other_identity_or_trainer_id_denied_run_continues(
     await expect(DENIED, imposter.ReportDropped(report, timeout=5))
     assert runner.version == 0 and runner.record.fleet_uri == files["model"]
     assert [v for v, _ in rollout.updates] == [0]  # no forged weights reached the rollout
-    assert runner.staleness.stale_dropped == 0
+    assert runner.staleness.counts.stale_dropped == 0
     bound = commit_request(exp_id, 1, trainer_id=runner.trainer().worker_id)
     assert (await cluster.trainer_stub.CommitWeights(bound, timeout=5)).stop is False
     assert runner.committed_version == 1
@@ -179,13 +180,18 @@ async def test_report_dropped_unknown_group_invalid_argument_nothing_changed(clu
     rollout = FakeRollout()
     exp_id = await running_experiment(cluster, files, rollout, trainer={"total_steps": 10})
     runner = cluster.scheduler.get(exp_id)
-    await wait_until(lambda: runner.staleness.accepted == 2)
+    await wait_until(lambda: runner.staleness.counts.accepted == 2)
     await asyncio.wait_for(runner.settled(), 5)
     accepted = rollout.group_ids()[0]
 
     def state():
         d = runner.dispatcher
-        return (d.staleness.counters(), d.cursor.state(), dict(d.awaiting), len(rollout.requests))
+        return (
+            replace(d.staleness.counts),
+            d.cursor.state(),
+            dict(d.awaiting),
+            len(rollout.requests),
+        )
 
     before = state()
     for forged in (
@@ -215,7 +221,7 @@ async def test_report_dropped_after_scheduler_restart_knows_accepted_groups(clus
     rollout = FakeRollout()
     exp_id = await running_experiment(cluster, files, rollout, trainer={"total_steps": 10})
     runner = cluster.scheduler.get(exp_id)
-    await wait_until(lambda: runner.staleness.accepted == 2)
+    await wait_until(lambda: runner.staleness.counts.accepted == 2)
     accepted = rollout.group_ids()[0]
     await cluster.scheduler.store.flush()
     await cluster.stop_scheduler()
@@ -225,7 +231,7 @@ async def test_report_dropped_after_scheduler_restart_knows_accepted_groups(clus
     await cluster.trainer_stub.ReportDropped(
         dropped(exp_id, accepted), timeout=5, wait_for_ready=True
     )
-    assert runner.staleness.stale_dropped == 1
+    assert runner.staleness.counts.stale_dropped == 1
 
 
 # ---- real runs: the scheduler, a reward worker, a torch rollout and a torch trainer -----------

@@ -102,7 +102,7 @@ async def test_lost_reply_after_publish_retried_under_same_group_id(cluster, fil
     rollout.lose_replies = 1
     exp_id = await running_experiment(cluster, files, rollout, trainer={"total_steps": 10})
     runner = cluster.scheduler.get(exp_id)
-    await wait_until(lambda: runner.staleness.accepted == 2, timeout=10)
+    await wait_until(lambda: runner.staleness.counts.accepted == 2, timeout=10)
     first = rollout.group_ids()[0]
     # the fenced rollout comes back and gets the prompt again, under the same id: JetStream
     # stores it once and the answer says so (the fence may also have cut the other group's
@@ -110,7 +110,7 @@ async def test_lost_reply_after_publish_retried_under_same_group_id(cluster, fil
     assert rollout.group_ids().count(first) == 2
     assert first in rollout.duplicates
     await asyncio.wait_for(runner.settled(), 5)
-    assert await stream_messages(js) == runner.staleness.accepted == 2
+    assert await stream_messages(js) == runner.staleness.counts.accepted == 2
 
 
 async def test_scheduler_restart_counts_republished_inflight_groups_once(cluster, files, js):
@@ -129,10 +129,12 @@ async def test_scheduler_restart_counts_republished_inflight_groups_once(cluster
     runner = cluster.scheduler.get(exp_id)
     await wait_until(lambda: len(rollout.duplicates) == 2, timeout=15)
     # (eta + v + 1) * B = 4 admitted at v1: the re-dispatched pair, then two new groups
-    await wait_until(lambda: (runner.staleness.accepted, runner.staleness.running) == (4, 0))
+    await wait_until(
+        lambda: (runner.staleness.counts.accepted, runner.staleness.counts.running) == (4, 0)
+    )
     await asyncio.wait_for(runner.settled(), 5)
     # every accepted group is one message in the stream: the re-dispatched pair counted once
-    assert runner.staleness.accepted == await stream_messages(js) == 4
+    assert runner.staleness.counts.accepted == await stream_messages(js) == 4
 
 
 async def test_reward_unavailable_group_retried_same_id_rollout_not_fenced(cluster, files):
@@ -140,7 +142,7 @@ async def test_reward_unavailable_group_retried_same_id_rollout_not_fenced(clust
     rollout = RewardlessRollout()
     exp_id = await running_experiment(cluster, files, rollout, trainer={"total_steps": 10})
     runner = cluster.scheduler.get(exp_id)
-    await wait_until(lambda: runner.staleness.accepted == 2, timeout=10)
+    await wait_until(lambda: runner.staleness.counts.accepted == 2, timeout=10)
     first = rollout.group_ids()[0]
     assert rollout.group_ids().count(first) == 2  # retried under the same id
     exp = await cluster.experiment(exp_id)

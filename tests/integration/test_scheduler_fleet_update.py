@@ -50,7 +50,7 @@ async def test_commit_answered_before_the_fleet_loads_it_lag_bounded_updates_coa
         trainer={"total_steps": 10},
     )
     runner = cluster.scheduler.get(exp_id)
-    await wait_until(lambda: runner.staleness.accepted >= 2)
+    await wait_until(lambda: runner.staleness.counts.accepted >= 2)
     resp = await cluster.commit(exp_id, 1)  # the fleet's update to 1 is stuck: answered anyway
     assert (resp.fleet_version, resp.stop) == (0, False)
     assert (runner.committed_version, runner.version) == (1, 0)
@@ -77,7 +77,7 @@ async def test_fleet_behind_the_trainer_starts_no_training_group(cluster: Cluste
         cluster, files, rollout, fake_trainer=FakeTrainer(), trainer={"total_steps": 10}
     )  # eta = 0, B = 2: the fleet may not lag, a commit is answered once it serves the version
     runner = cluster.scheduler.get(exp_id)
-    await wait_until(lambda: runner.staleness.accepted == 2)
+    await wait_until(lambda: runner.staleness.counts.accepted == 2)
     await asyncio.wait_for(runner.settled(), 5)
     commit = asyncio.create_task(cluster.commit(exp_id, 1))
     await wait_until(lambda: runner.committed_version == 1)

@@ -31,6 +31,7 @@ from asyncrl.v1 import (
 )
 from asyncrl.worker import WorkerAgent
 from services.rollout.server import GroupCallError, GroupsServicer
+from services.scheduler.lifecycle import Phase
 from services.scheduler.server import create_scheduler
 from services.scheduler.state import record_key
 
@@ -478,7 +479,7 @@ async def test_admission_bounded_by_eta_and_grows_with_commits(cluster, files):
     assert (await cluster.experiment(exp_id)).progress.dispatched == 4
     assert rollout.updates[0] == (0, files["model"])  # v0 = the spec's model.path first
     rollout.release.set()
-    await wait_until(lambda: runner.staleness.accepted == 4)
+    await wait_until(lambda: runner.staleness.counts.accepted == 4)
     await asyncio.wait_for(runner.settled(), 5)
     exp = await cluster.experiment(exp_id)
     assert exp.progress.dispatched == 4  # accepted + running hit the budget
@@ -502,7 +503,7 @@ async def test_groups_dispatched_in_one_pass_share_one_generate_groups_call(clus
     await wait_until(lambda: len(rollout.group_ids()) == 4)  # (eta + 0 + 1) * B
     assert rollout.calls == [rollout.group_ids()]
     rollout.release.set()
-    await wait_until(lambda: cluster.scheduler.get(exp_id).staleness.accepted == 4)
+    await wait_until(lambda: cluster.scheduler.get(exp_id).staleness.counts.accepted == 4)
     await cluster.commit(exp_id, 1)
     await wait_until(lambda: len(rollout.group_ids()) == 6)
     assert rollout.calls[1:] == [rollout.group_ids()[4:]]  # the two the commit admitted
@@ -584,7 +585,7 @@ async def test_report_dropped_frees_capacity_and_requeues(cluster, files):
     await cluster.start_scheduler()
     rollout = FakeRollout()
     exp_id = await running_experiment(cluster, files, rollout, trainer={"total_steps": 10})
-    await wait_until(lambda: cluster.scheduler.get(exp_id).staleness.accepted == 2)
+    await wait_until(lambda: cluster.scheduler.get(exp_id).staleness.counts.accepted == 2)
     dropped = rollout.group_ids()[0]
     req = scheduler_pb2.ReportDroppedRequest(
         experiment_id=exp_id, groups=[scheduler_pb2.DroppedGroup(group_id=dropped)]
@@ -594,7 +595,7 @@ async def test_report_dropped_frees_capacity_and_requeues(cluster, files):
     await wait_until(lambda: len(rollout.group_ids()) == 3)
     assert rollout.group_ids()[2] == attempt(dropped, 1)
     runner = cluster.scheduler.get(exp_id)
-    await wait_until(lambda: runner.staleness.running == 0)  # the re-queued group is back
+    await wait_until(lambda: runner.staleness.counts.running == 0)  # the re-queued group is back
     await asyncio.wait_for(runner.settled(), 5)
     exp = await cluster.experiment(exp_id)
     assert (exp.progress.accepted, exp.progress.stale_dropped, exp.progress.dispatched) == (
@@ -626,7 +627,9 @@ async def test_failing_rollout_is_fenced_and_prompt_requeued(cluster, files):
     rollout = FakeRollout()
     rollout.fail_next = 1
     exp_id = await running_experiment(cluster, files, rollout, trainer={"total_steps": 10})
-    await wait_until(lambda: cluster.scheduler.get(exp_id).staleness.accepted == 2, timeout=10)
+    await wait_until(
+        lambda: cluster.scheduler.get(exp_id).staleness.counts.accepted == 2, timeout=10
+    )
     first = rollout.group_ids()[0]
     assert rollout.group_ids().count(first) == 2  # re-dispatched after cooldown, same id
     assert len(rollout.updates) >= 2  # re-bound: weights loaded again before new groups
@@ -696,7 +699,7 @@ async def test_trainer_resume_recovers_version_from_start_experiment(cluster, fi
     runner = cluster.scheduler.get(exp_id)
     # the fleet takes the trainer's version; `accepted` stays the record's count (it counts
     # published groups, which a restored record's in-flight re-dispatches complete)
-    assert (runner.version, runner.staleness.accepted) == (2, 0)
+    assert (runner.version, runner.staleness.counts.accepted) == (2, 0)
     await wait_until(lambda: len(rollout.group_ids()) == 6)  # (eta + 2 + 1) * B - 0
     assert rollout.updates[0] == (2, "file:///w/v2")  # where the trainer says v2 lives
 
@@ -748,9 +751,9 @@ async def test_dataset_exhausted_completes_after_last_full_batch(cluster, files)
         trainer={"total_steps": 10},
     )
     runner = cluster.scheduler.get(exp_id)
-    await wait_until(lambda: runner.staleness.accepted == 2)
+    await wait_until(lambda: runner.staleness.counts.accepted == 2)
     assert (await cluster.commit(exp_id, 1)).stop is False
-    await wait_until(lambda: runner.staleness.accepted == 4)
+    await wait_until(lambda: runner.staleness.counts.accepted == 4)
     assert (await cluster.commit(exp_id, 2)).stop is True  # 4 prompts, B=2: nothing left
     await wait_until(lambda: runner.terminal)
     exp = await cluster.experiment(exp_id)
@@ -804,7 +807,7 @@ async def test_trainer_freed_by_an_ending_experiment_stays_free_for_the_next(clu
     core = cluster.scheduler
     runner = core.get(exp_id)
     trainer = runner.trainer()
-    runner._ending = True  # as `_end` is between freeing its trainer and its terminal state
+    runner.lifecycle.to(Phase.ENDING)  # as `_end` between freeing its trainer and the end
     core.registry.unbind(trainer)
     core._reconcile()
     assert runner.trainer() is None and trainer.experiment_id is None
@@ -916,9 +919,9 @@ async def test_left_over_groups_reported_at_dataset_end(cluster, files):
         cluster, files, FakeRollout(), dataset={"max_prompts": 5}, trainer={"total_steps": 10}
     )
     runner = cluster.scheduler.get(exp_id)
-    await wait_until(lambda: runner.staleness.accepted == 2)
+    await wait_until(lambda: runner.staleness.counts.accepted == 2)
     await cluster.commit(exp_id, 1)
-    await wait_until(lambda: runner.staleness.accepted == 4)
+    await wait_until(lambda: runner.staleness.counts.accepted == 4)
     await cluster.commit(exp_id, 2)
     await wait_until(lambda: runner.terminal)
     exp = await cluster.experiment(exp_id)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
 
 import pytest
 
 from asyncrl.spec import spec_from_json, validate_spec
+from asyncrl.ticket import Ticket
 from asyncrl.types import EvalResult, StepMetrics
 from asyncrl.v1 import common_pb2, scheduler_pb2
 from services.scheduler.convert import (
@@ -76,7 +78,7 @@ def record() -> ExperimentRecord:
         history=[STEP],
         evals=[EVAL],
         cursor={"epoch": 1, "position": 7, "requeue": [[0, 2, 1]]},
-        inflight=[[1, 3, 0]],
+        inflight=[Ticket(epoch=1, index=3, attempt=0)],
         fleet_uri="file:///w/v3",
         weight_uris={0: "/m", 3: "file:///w/v3"},
         failure_reasons={"reward timeout": 2},
@@ -118,6 +120,7 @@ def test_record_json_round_trip():
     r = record()
     back = ExperimentRecord.from_json(r.to_json())
     assert back == r
+    assert json.loads(r.to_json())["inflight"] == [[1, 3, 0]]  # stored as before: a list
     assert back.state is ExperimentState.RUNNING and back.weight_uris[3] == "file:///w/v3"
 
 

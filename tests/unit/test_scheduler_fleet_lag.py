@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.spec import RolloutSpec
-from services.scheduler.calls import FLEET_LAG_MAX, fleet_lag
 from services.scheduler.evaluation import Evaluator, eval_due
+from services.scheduler.fleet import FLEET_LAG_MAX, fleet_lag
 
 
 @pytest.mark.parametrize(("eta", "lag"), [(0, 0), (1, 0), (2, 1), (4, 1)])

@@ -12,6 +12,7 @@ from services.scheduler.policy import (
     least_loaded,
     must_abort,
 )
+from services.scheduler.records import GroupCounters, Progress
 from services.scheduler.registry import Registry, WorkerKind
 
 
@@ -52,7 +53,7 @@ def test_capacity_counts_running_and_accepted_against_staleness_budget():
     assert sm.capacity() == 0
     for _ in range(12):
         sm.on_accept()
-    assert (sm.running, sm.accepted, sm.capacity()) == (0, 12, 0)
+    assert (sm.counts.running, sm.counts.accepted, sm.capacity()) == (0, 12, 0)
     fv.v = 1  # one more version -> one more batch
     assert sm.capacity() == 4
 
@@ -64,12 +65,12 @@ def test_capacity_rejected_and_failed_groups_free_their_slot():
     assert sm.capacity() == 0
     sm.on_reject()
     sm.on_fail()
-    assert (sm.capacity(), sm.rejected, sm.failed, sm.running) == (2, 1, 1, 0)
+    assert (sm.capacity(), sm.counts.rejected, sm.counts.failed, sm.counts.running) == (2, 1, 1, 0)
 
 
 def test_capacity_never_negative_after_version_rollback():
     sm, fv = manager(batch_size=4, eta=0, version=3)
-    sm.load_counters({"accepted": 12})
+    sm.load_counters(GroupCounters(accepted=12))
     fv.v = 1  # a trainer resumed from an older checkpoint
     assert sm.capacity() == 0
 
@@ -81,7 +82,12 @@ def test_abort_counts_as_drop_and_frees_capacity():
     assert sm.capacity() == 0
     for _ in range(3):
         sm.on_abort()
-    assert (sm.capacity(), sm.stale_dropped, sm.accepted, sm.rejected) == (3, 3, 0, 0)
+    assert (sm.capacity(), sm.counts.stale_dropped, sm.counts.accepted, sm.counts.rejected) == (
+        3,
+        3,
+        0,
+        0,
+    )
 
 
 def test_trainer_drop_frees_accepted_capacity_so_run_never_deadlocks():
@@ -94,33 +100,41 @@ def test_trainer_drop_frees_accepted_capacity_so_run_never_deadlocks():
     assert sm.capacity() == 0
     for _ in range(3):
         sm.on_trainer_drop()
-    assert (sm.accepted, sm.stale_dropped, sm.capacity()) == (1, 3, 3)
+    assert (sm.counts.accepted, sm.counts.stale_dropped, sm.capacity()) == (1, 3, 3)
 
 
 def test_requeue_frees_slot_and_counts():
     sm, _ = manager(batch_size=2, eta=0)
     sm.on_submit()
     sm.on_requeue()
-    assert (sm.running, sm.requeued, sm.capacity()) == (0, 1, 2)
+    assert (sm.counts.running, sm.counts.requeued, sm.capacity()) == (0, 1, 2)
 
 
 def test_resume_keeps_persisted_accepted_whatever_the_trainer_version():
     # the fleet resumes at the trainer's version 5; the groups it trained are in `accepted`
     sm, _ = manager(batch_size=4, eta=2, version=5)
-    sm.load_counters({"accepted": 22, "running": 3})
-    assert (sm.accepted, sm.running) == (22, 0)
+    sm.load_counters(Progress(accepted=22, running=3, version=5))
+    assert (sm.counts.accepted, sm.counts.running) == (22, 0)
     assert sm.capacity() == 10  # (eta + 5 + 1) * B - 22, not a burst of 32
 
 
 def test_load_counters_restores_outcomes_but_not_running():
     sm, _ = manager()
+    saved = Progress(
+        accepted=4, rejected=1, failed=2, stale_dropped=3, requeued=5, running=7, dispatched=6
+    )
+    sm.load_counters(saved)
+    assert sm.counts == GroupCounters(
+        accepted=4, rejected=1, failed=2, stale_dropped=3, requeued=5, running=0, dispatched=6
+    )
+
+
+def test_submit_counts_running_and_dispatched():
+    sm, _ = manager()
     sm.on_submit()
     sm.on_reject()
     sm.on_submit()
-    counters = sm.counters()
-    other, _ = manager()
-    other.load_counters({**counters, "running": 7})
-    assert other.counters() == {**counters, "running": 0}
+    assert (sm.counts.running, sm.counts.dispatched, sm.counts.rejected) == (1, 2, 1)
 
 
 def test_finish_without_submit_is_a_bug():
