@@ -46,25 +46,26 @@ def test_small_experiment_completes_through_all_services(cluster, task, tmp_path
     assert report["totals"]["trained"] == 2 * exp.progress.version
 
 
-def test_arith_demo_hundred_steps_closes_part_of_the_gap_to_full_accuracy(cluster, tmp_path):
+def test_arith_demo_closes_a_quarter_of_the_gap_to_full_accuracy(cluster, tmp_path):
     """Learning happens: the demo (a tiny model warm-started on little-endian three-digit
-    addition, exact-match reward) cut to 100 torch-backend steps closes at least a tenth of
-    what the model had left to learn, (final - initial) / (1 - initial) >= 0.1, on 200
-    held-out prompts. The warm start lands near 0.15 on any CPU (it settles on its target),
-    so the starting point is checked too. The first 50 steps move the greedy accuracy little
-    and not monotonically (measured here, 250-step schedule, eval every 25: 0.165, 0.175,
-    0.15, 0.245, 0.39 at 100, 0.61 at 250), so a shorter run is no test of learning."""
+    addition, exact-match reward), its 250 steps on the torch backend, closes at least a
+    quarter of what the model had left to learn, (final - initial) / (1 - initial) >= 0.25,
+    on 200 held-out prompts. The warm start lands near 0.15 on any CPU (it settles on its
+    target), so the starting point is checked too. Measured on this project's 2-core machine
+    (eval every 25 steps): 0.165, 0.175, 0.15, 0.245, 0.39, 0.37, 0.46, 0.475, 0.55, 0.54,
+    0.61 (0.53 of the gap). Shorter runs are no test of learning here: the first 100 steps
+    move the greedy accuracy little and not monotonically (100-step runs ended at 0.22..0.25)."""
     build_arith_demo(tmp_path)
     warm = json.loads((tmp_path / "model" / "warmstart.json").read_text())
     assert 0.10 <= warm["greedy_eval_accuracy"] <= 0.25, warm
-    spec = arith_demo_spec(tmp_path, total_steps=100)
+    spec = arith_demo_spec(tmp_path, total_steps=250)
     exp = asyncio.run(run_experiment(cluster.scheduler, spec, timeout=600))
     assert state_name(exp.state) == "COMPLETED", exp.message
     evals = [(e.version, e.accuracy) for e in exp.progress.evals]
-    assert [v for v, _ in evals] == [0, 100]
+    assert [v for v, _ in evals] == [0, 250]
     (_, initial), (_, final) = evals
     assert initial == pytest.approx(warm["greedy_eval_accuracy"], abs=0.05), (evals, warm)
-    assert (final - initial) / (1.0 - initial) >= 0.1, evals
+    assert (final - initial) / (1.0 - initial) >= 0.25, evals
     # the demo's loggers: TensorBoard and W&B (offline) under <var>/runs/<id>
     assert_run_logs(cluster.var / "runs" / exp.id, exp)
 

@@ -15,6 +15,9 @@ from bench import BENCHMARKS
 from bench.__main__ import run_benchmarks
 from bench.report import Result, build_report, render_table
 
+# its module fixture runs every benchmark once (minutes on a busy 2-core machine)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULT_KEYS = {"name", "metric", "value", "unit", "peer", "peer_value", "ratio", "settings"}
 
