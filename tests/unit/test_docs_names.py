@@ -1,5 +1,5 @@
 """The docs name only what the code has: every `backticked` name that looks like code in
-docs/architecture.md (and the other docs listed) is found in the code, every path exists. A
+docs/architecture.md (and the other docs in DOCS) is found in the code, every path exists. A
 rename that forgets the docs fails here instead of drifting silently (issue 20 found
 `partition_by_staleness`, `access_token_call_credentials` and a `_single_turn` path that were
 gone from the code but still in the architecture doc)."""
@@ -13,9 +13,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ["docs/architecture.md"]
+DOCS = ["docs/architecture.md", "README.md", "docs/workflows.md"]
 CODE_DIRS = ["libs/asyncrl", "services", "protos", "bench", "examples"]
 CODE_FILES = ["Makefile", "pyproject.toml"]
+
+EXTERNAL = {"GroupedRolloutWorkflow"}
+"""Other projects' names the docs cite (AReaL's)."""
 
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 SPAN = re.compile(r"`([^`\n]+)`")
@@ -92,7 +95,7 @@ def names(doc: str) -> list[str]:
 
 def paths(doc: str) -> list[str]:
     """Spans that are paths in the repository (their first part is a top-level entry)."""
-    top = {p.name for p in ROOT.iterdir()}
+    top = {p.name for p in ROOT.iterdir()} - {"var"}  # var/: what a run writes
     return [
         s for s in spans(doc) if re.fullmatch(r"[\w.-]+/[\w./-]*", s) and s.split("/")[0] in top
     ]
@@ -101,8 +104,8 @@ def paths(doc: str) -> list[str]:
 @pytest.mark.parametrize("doc", DOCS)
 def test_every_code_name_in_the_doc_is_in_the_code(doc):
     found = names(doc)
-    assert len(found) > 50, "the extraction found almost nothing: is the doc still there?"
-    wrong = {n: why for n in dict.fromkeys(found) if (why := missing(n))}
+    assert len(found) > 20, "the extraction found almost nothing: is the doc still there?"
+    wrong = {n: why for n in dict.fromkeys(found) if n not in EXTERNAL and (why := missing(n))}
     assert not wrong, f"{doc} names what the code does not have: {wrong}"
 
 
