@@ -35,9 +35,13 @@ test: venv protos ## run the test suite (unit, integration, e2e)
 test-fast: venv protos ## unit + integration tests that deploy no model (a few minutes)
 	$(PY) -m pytest -q -m "not gpu and not slow and not e2e" tests
 
-lint: venv ## ruff check + format check
+lint: venv ## ruff check + format check + vulture (dead code; allow-list: vulture_allowlist.py)
 	.venv/bin/ruff check libs services tests examples bench
 	.venv/bin/ruff format --check libs services tests examples bench
+	.venv/bin/vulture libs services vulture_allowlist.py --min-confidence 60 \
+		--exclude "*_pb2.py,*_pb2_grpc.py,*_pb2.pyi" \
+		--ignore-decorators "@app.command,@app.callback,@field_validator,@model_validator" \
+		--ignore-names "intercept_*,model_config"
 
 bench: venv protos ## benchmarks with same-run ratios; table + var/bench/report.json (BENCH_ARGS="--quick --only rollout")
 	$(PY) -m bench $(BENCH_ARGS)

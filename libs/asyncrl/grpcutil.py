@@ -63,7 +63,7 @@ def channel(address: str, identity: str | None = None, token: bool = True) -> gr
     interceptors = bearer_interceptors(creds.token) if token else None
     return grpc.aio.secure_channel(
         address,
-        creds.channel_credentials(with_token=False),
+        creds.channel_credentials(),
         options=CHANNEL_OPTIONS,
         interceptors=interceptors,
     )

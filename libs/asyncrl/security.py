@@ -303,15 +303,12 @@ class Credentials:
             require_client_auth=mtls,
         )
 
-    def channel_credentials(self, with_token: bool = True) -> grpc.ChannelCredentials:
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """TLS trusting our CA (and presenting our certificate under mTLS). The token goes on
+        each call as metadata, added by `grpcutil.bearer_interceptors`."""
         mtls = settings().mtls
-        tls = grpc.ssl_channel_credentials(
+        return grpc.ssl_channel_credentials(
             self.ca, self.key if mtls else None, self.cert if mtls else None
-        )
-        if not with_token:
-            return tls
-        return grpc.composite_channel_credentials(
-            tls, grpc.access_token_call_credentials(self.token)
         )
 
     # -- NATS and HTTPS

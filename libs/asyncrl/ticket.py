@@ -31,14 +31,6 @@ class Ticket:
     def retry(self) -> Ticket:
         return Ticket(epoch=self.epoch, index=self.index, attempt=self.attempt + 1)
 
-    @staticmethod
-    def parse(group_id: str) -> Ticket | None:
-        """The ticket of a training group id; None for any other id (an eval group's)."""
-        gid = GroupId.parse(group_id)
-        if gid is None:
-            return None
-        return Ticket(epoch=gid.epoch, index=gid.index, attempt=gid.attempt)
-
     def to_json(self) -> list[int]:
         return [self.epoch, self.index, self.attempt]
 

@@ -64,7 +64,7 @@ class CommitHandler:
         t0 = time.perf_counter()
         fleet, over = self.fleet, self.lifecycle.stopping
         if over or version <= fleet.committed_version:  # a retry, or late
-            return CommitResult(fleet.version, 0, 0, over)
+            return CommitResult(fleet_version=fleet.version, stop=over)
         fleet.commit(version, uri, self.hooks.spawn)
         self.supervisor.committed()
         aborted = self.dispatcher.abort_stale(version)
@@ -90,7 +90,7 @@ class CommitHandler:
         self.hooks.changed()
         fleet.commit_took(time.perf_counter() - t0)
         await fleet.reaches(version - fleet_lag(self.spec.rollout), version)
-        return CommitResult(fleet.version, 0, 0, self.lifecycle.stopping)
+        return CommitResult(fleet_version=fleet.version, stop=self.lifecycle.stopping)
 
     def report_dropped(self, group_ids: list[str]) -> int:
         """The trainer dropped accepted groups as too stale: free capacity, re-queue prompts.

@@ -13,7 +13,7 @@ that the run deadlocks once drops + running exceed eta * B.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TypeVar
 
 from services.scheduler.records import GroupCounters, field_names
@@ -118,18 +118,9 @@ def must_abort(start_version: int, committed_version: int, eta: int) -> bool:
     return committed_version - 1 - start_version > eta
 
 
-@dataclass(frozen=True)
-class RolloutLoad:
-    """A rollout's load as `least_loaded` reads it (a registry Worker has the same fields)."""
-
-    worker_id: str
-    running: int
-    capacity: int
-
-
 def least_loaded(workers: Iterable[W]) -> W | None:
     """The least loaded worker (running / capacity) that has a free slot, ties by id: anything
-    with `worker_id`, `running` and `capacity` (a RolloutLoad, a registry Worker), in one pass
+    with `worker_id`, `running` and `capacity` (a registry Worker), in one pass
     with no copy (once per group)."""
     best, best_key = None, None
     for w in workers:

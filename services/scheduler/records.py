@@ -178,7 +178,5 @@ class Event:
 @dataclass
 class CommitResult:
     fleet_version: int
-    updated: int
-    fenced: int
     stop: bool
     """The experiment is over (finished or cancelled): the trainer should stop."""

@@ -122,10 +122,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             caller(),
         )
         return scheduler_pb2.CommitWeightsResponse(
-            fleet_version=result.fleet_version,
-            updated=result.updated,
-            fenced=result.fenced,
-            stop=result.stop,
+            fleet_version=result.fleet_version, stop=result.stop
         )
 
     async def ReportDropped(self, request, context):

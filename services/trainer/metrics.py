@@ -101,17 +101,9 @@ def version_spans(groups: list[TrajectoryGroup]) -> list[int]:
 
 
 def is_too_stale(group: TrajectoryGroup, trainer_version: int, eta: int) -> bool:
-    """A group may lag the trainer by at most eta versions (DESIGN invariant 1)."""
+    """A group may lag the trainer by at most eta versions (`rollout.max_head_offpolicyness`,
+    AReaL's bounded staleness, arXiv:2505.24298)."""
     return group.staleness(trainer_version) > eta
-
-
-def partition_by_staleness(
-    groups: list[TrajectoryGroup], trainer_version: int, eta: int
-) -> tuple[list[TrajectoryGroup], list[TrajectoryGroup]]:
-    """Split pulled groups into (trainable, too stale), keeping their order."""
-    fresh = [g for g in groups if not is_too_stale(g, trainer_version, eta)]
-    stale = [g for g in groups if is_too_stale(g, trainer_version, eta)]
-    return fresh, stale
 
 
 def drop_reason(group: TrajectoryGroup, trainer_version: int, eta: int) -> str:

@@ -74,10 +74,6 @@ class InFlight:
         self._task = asyncio.create_task(coro, name="publish-version")
 
     @property
-    def busy(self) -> bool:
-        return self._task is not None
-
-    @property
     def done(self) -> bool:
         """Nothing in flight, or it ended (then `wait()` returns at once or raises)."""
         return self._task is None or self._task.done()

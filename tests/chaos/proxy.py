@@ -118,7 +118,7 @@ async def serve(listen: str, upstream: str) -> None:
     else:  # TLS both ways; the caller's token travels on in the forwarded metadata
         # the rollout's certificate names loopback, not the upstream's 127.0.0.2
         options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", "localhost")]
-        channel = grpc.aio.secure_channel(upstream, creds.channel_credentials(False), options)
+        channel = grpc.aio.secure_channel(upstream, creds.channel_credentials(), options)
         server.add_secure_port(listen, creds.server_credentials())
     forwarder = Forwarder(channel)
     server.add_generic_rpc_handlers((forwarder,))

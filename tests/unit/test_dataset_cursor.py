@@ -7,6 +7,7 @@ import json
 import pytest
 
 from asyncrl.spec import SpecError
+from asyncrl.types import GroupId
 from services.scheduler.dataset import DatasetCursor, Ticket, load_prompts
 
 
@@ -86,12 +87,18 @@ def test_cursor_resume_from_json_state_continues_identically():
     assert drain(resumed) == drain(c)
 
 
-def test_ticket_group_id_round_trips_through_parse():
+def test_ticket_group_id_round_trips_through_group_id_parse():
     t = Ticket(2, 17, 3)
     gid = t.group_id("my-exp-e1-p2-a3-abc123")
     assert gid == "my-exp-e1-p2-a3-abc123-e2-p17-a3"
-    assert Ticket.parse(gid) == t
-    assert Ticket.parse("my-exp-eval-v0-p1") is None
+    parsed = GroupId.parse(gid)
+    assert (parsed.experiment_id, parsed.epoch, parsed.index, parsed.attempt) == (
+        "my-exp-e1-p2-a3-abc123",
+        2,
+        17,
+        3,
+    )
+    assert GroupId.parse("my-exp-eval-v0-p1") is None
 
 
 def write_jsonl(path, rows):

@@ -3,11 +3,12 @@ leases and eval accounting, with exact values (AReaL's reference numbers for cap
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from services.scheduler.evaluation import MAX_EVAL_ATTEMPTS, EvalRound, eval_due
 from services.scheduler.policy import (
-    RolloutLoad,
     StalenessManager,
     least_loaded,
     must_abort,
@@ -156,6 +157,15 @@ def test_finish_without_submit_is_a_bug():
 )
 def test_must_abort_only_when_even_the_committing_step_was_too_late(start, new, eta, expected):
     assert must_abort(start, new, eta) is expected
+
+
+@dataclass(frozen=True)
+class RolloutLoad:
+    """A rollout's load as `least_loaded` reads it (a registry Worker has the same fields)."""
+
+    worker_id: str
+    running: int
+    capacity: int
 
 
 def pick_rollout(loads) -> str | None:

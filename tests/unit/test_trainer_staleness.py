@@ -1,4 +1,4 @@
-"""The trainer's pure parts: the staleness partition, step metrics and the resume position."""
+"""The trainer's pure parts: the staleness rule, step metrics and the resume position."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from services.trainer.checkpoint import (
     latest_checkpoint,
     write_checkpoint,
 )
-from services.trainer.metrics import drop_reason, partition_by_staleness, step_metrics
+from services.trainer.metrics import drop_reason, is_too_stale, step_metrics
 
 
 def _group(gid: str, start_version: int, rewards=(1.0, 0.0), statuses=None) -> TrajectoryGroup:
@@ -37,19 +37,15 @@ def _group(gid: str, start_version: int, rewards=(1.0, 0.0), statuses=None) -> T
     )
 
 
-def test_partition_eta0_same_version_keeps_all():
-    fresh, stale = partition_by_staleness(
-        [_group("a", 3), _group("b", 3)], trainer_version=3, eta=0
-    )
-    assert [g.group_id for g in fresh] == ["a", "b"]
-    assert stale == []
+def test_too_stale_eta0_same_version_is_fresh():
+    assert not is_too_stale(_group("a", 3), trainer_version=3, eta=0)
+    assert is_too_stale(_group("a", 2), trainer_version=3, eta=0)
 
 
-def test_partition_staleness_above_eta_drops_in_order():
+def test_too_stale_only_above_eta():
     groups = [_group("a", 5), _group("b", 2), _group("c", 3), _group("d", 1)]
-    fresh, stale = partition_by_staleness(groups, trainer_version=5, eta=2)
-    assert [g.group_id for g in fresh] == ["a", "c"]  # staleness 0 and 2 (== eta: kept)
-    assert [g.group_id for g in stale] == ["b", "d"]  # staleness 3 and 4
+    stale = [g.group_id for g in groups if is_too_stale(g, trainer_version=5, eta=2)]
+    assert stale == ["b", "d"]  # staleness 3 and 4; "c" at 2 (== eta) is kept
 
 
 def test_drop_reason_names_staleness_and_eta():
