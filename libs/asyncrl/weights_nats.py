@@ -1,8 +1,9 @@
 """Weights without a shared filesystem: versions in a JetStream object store bucket.
 
-With `ASYNCRL_WEIGHTS_TRANSPORT=nats` the trainer writes a version to its local weight store
-as always (checkpoints and resume read it there), then uploads the version's files to the
-bucket `WEIGHTS_BUCKET` as objects `<experiment>/v000123/<file>`, the manifest
+With `trainer.weight_sync: nats` (services/trainer/transport.py; the deprecated
+`ASYNCRL_WEIGHTS_TRANSPORT=nats` is its alias) the trainer writes a version to its local
+weight store as always (checkpoints and resume read it there), then uploads the version's
+files to the bucket `WEIGHTS_BUCKET` as objects `<experiment>/v000123/<file>`, the manifest
 (`<experiment>/v000123/manifest.json`, the file names and sizes) last: a version without a
 manifest is not there yet. Its URI, what CommitWeights carries, is
 `nats-obj://asyncrl_weights/<experiment>/v000123`.
