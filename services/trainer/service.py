@@ -136,6 +136,7 @@ class TrainerService:
         self.log = log
         self._consumer: GroupConsumer | None = None
         self.sender: WeightSender | None = None  # how versions reach the rollouts
+        self._scheduler: SchedulerCalls | None = None  # CommitWeights, ReportDropped
         self._boundary_seq = 0  # last stream seq consumed at the last step boundary
         self._trained = RecentIds()  # group ids trained up to the last step boundary
         self._vocab_size = 0
