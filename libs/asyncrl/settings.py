@@ -36,9 +36,9 @@ class Settings(BaseSettings):
     weights: Path = Path("var/weights")
     """Weight store: one directory of HF safetensors per committed version."""
     weights_transport: Literal["file", "nats"] = "file"
-    """How rollouts get a version: `file` (a file:// URI into the weight store, a filesystem
-    they share with the trainer) or `nats` (the trainer also uploads it to the NATS object
-    store, rollouts fetch it into `<var>/weights-cache`: no shared filesystem)."""
+    """Deprecated alias of the spec's `trainer.weight_sync: nats` (services/trainer/transport.py):
+    `nats` sends every experiment's versions through the NATS object store too, with a warning
+    in the trainer's log; `file` (the default) leaves the choice to the spec."""
     log_format: str = "json"
     """`json` (services) or `console`."""
     log_level: str = "INFO"

@@ -207,10 +207,12 @@ class TrainerSpec(_Section):
     checkpoint_every: int = Field(1, gt=0)
     tp_size: int = Field(1, gt=0)
     dp_size: int = Field(1, gt=0)
-    weight_sync: Literal["disk", "nccl"] = "disk"
-    """How SGLang rollouts get a new version: `disk` (they load it from the weight store) or
-    `nccl` (the trainer also broadcasts it to their GPUs as rank 0; NCCL when the trainer has
-    CUDA, else gloo). The weight store is written either way."""
+    weight_sync: Literal["disk", "nats", "nccl"] = "disk"
+    """How rollouts get a new version (services/trainer/transport.py): `disk` (they load it
+    from the weight store, a shared filesystem), `nats` (the trainer also uploads it to the NATS
+    object store, rollouts fetch it into their cache: no shared filesystem) or `nccl` (the
+    trainer also broadcasts it to the SGLang engines' GPUs as rank 0; NCCL when the trainer has
+    CUDA, else gloo). The weight store is written in every case."""
     nccl_master: str | None = Field(None, pattern=r"^.+:\d+$")
     """host:port the trainer listens on as rank 0 (the engines' `nccl_master`)."""
     nccl_world_size: int | None = Field(None, gt=1)

@@ -86,3 +86,15 @@ def prune(root: Path, experiment_id: str, keep: int = 3, protect: Path | None = 
     for p in versions[:-keep]:
         if protect is None or p != Path(protect):
             shutil.rmtree(p, ignore_errors=True)
+
+
+class WeightReceiver:
+    """The rollout's side of the weights transport (the trainer's: services/trainer/transport.py):
+    the URI a commit carries -> the version's directory on this host, HF safetensors (a name ->
+    tensor mapping) and config.json, which every engine loads (an NCCL engine reads the tensors'
+    names and shapes there and receives their values over its weight-update group). This one
+    reads a file:// URI or a path in place (a filesystem shared with the trainer; the base
+    model); `asyncrl.weights_nats.NatsReceiver` also fetches nats-obj:// ones."""
+
+    async def receive(self, version: int, uri: str) -> Path:
+        return uri_to_path(uri)

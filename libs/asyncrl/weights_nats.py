@@ -1,8 +1,9 @@
 """Weights without a shared filesystem: versions in a JetStream object store bucket.
 
-With `ASYNCRL_WEIGHTS_TRANSPORT=nats` the trainer writes a version to its local weight store
-as always (checkpoints and resume read it there), then uploads the version's files to the
-bucket `WEIGHTS_BUCKET` as objects `<experiment>/v000123/<file>`, the manifest
+With `trainer.weight_sync: nats` (services/trainer/transport.py; the deprecated
+`ASYNCRL_WEIGHTS_TRANSPORT=nats` is its alias) the trainer writes a version to its local
+weight store as always (checkpoints and resume read it there), then uploads the version's
+files to the bucket `WEIGHTS_BUCKET` as objects `<experiment>/v000123/<file>`, the manifest
 (`<experiment>/v000123/manifest.json`, the file names and sizes) last: a version without a
 manifest is not there yet. Its URI, what CommitWeights carries, is
 `nats-obj://asyncrl_weights/<experiment>/v000123`.
@@ -41,8 +42,9 @@ from nats.js.object_store import OBJ_STREAM_TEMPLATE, ObjectStore
 
 from asyncrl.errors import BadRequest, Conflict
 from asyncrl.natsutil import WEIGHTS_BUCKET, iter_stored
+from asyncrl.retry import jetstream_call
 from asyncrl.settings import settings
-from asyncrl.weights import prune
+from asyncrl.weights import WeightReceiver, prune
 
 SCHEME = "nats-obj://"
 MANIFEST = "manifest.json"
@@ -225,3 +227,19 @@ async def fetch_version(js, uri: str, cache_root: Path, keep: int = CACHE_KEEP) 
         shutil.rmtree(tmp, ignore_errors=True)
     prune(Path(cache_root), prefix.partition("/")[0], keep=keep, protect=final)
     return final
+
+
+class NatsReceiver(WeightReceiver):
+    """A `nats-obj://` version fetched into `cache_root` (unless there already), retried for
+    `retry_s` while NATS is away (idempotent: a temporary directory renamed into place); any
+    other URI is a local path, as `WeightReceiver` reads it."""
+
+    def __init__(self, js, cache_root: Path, retry_s: float):
+        self.js, self.cache_root, self.retry_s = js, Path(cache_root), retry_s
+
+    async def receive(self, version: int, uri: str) -> Path:
+        if not is_nats_uri(uri):
+            return await super().receive(version, uri)
+        return await jetstream_call(
+            lambda: fetch_version(self.js, uri, self.cache_root), self.retry_s
+        )

@@ -37,7 +37,7 @@ def stall_seconds(prev_train_end: float | None, train_start: float, wait_s: floa
 
 def phase_histogram() -> Histogram:
     """Seconds per phase of the trainer's side of a weight update (serialize, write, commit;
-    upload: the object store part of write, with ASYNCRL_WEIGHTS_TRANSPORT=nats), its checkpoints, its train steps, and the stall each step waited on them; rendered by the
+    upload: the object store part of write, with trainer.weight_sync nats), its checkpoints, its train steps, and the stall each step waited on them; rendered by the
     trainer's collector (never prometheus' global registry)."""
     return Histogram(
         "asyncrl_trainer_phase_seconds",

@@ -30,7 +30,8 @@ def write_version(
 ) -> str:
     """`files` (+ the tokenizer's) as `version` in the weight store: written to a temporary
     directory and renamed into place, so a reader never sees it partial; the newest `keep`
-    versions are kept. Returns the version's URI."""
+    versions are kept, and `version` itself (a resumed trainer rewrites one the store pruned:
+    older than those kept). Returns the version's URI."""
     final = version_dir(root, experiment_id, version)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -42,7 +43,7 @@ def write_version(
         uri = publish_version(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    prune(root, experiment_id, keep=keep)
+    prune(root, experiment_id, keep=keep, protect=final)
     return uri
 
 

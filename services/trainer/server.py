@@ -37,7 +37,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.service = service
 
     async def GetStatus(self, request, context):
-        return self.service.status()
+        s = self.service
+        return trainer_pb2.TrainerStatus(
+            worker_id=s.worker_id,
+            experiment_id=s.experiment_id,
+            version=s.version,
+            step=s.step,
+            backend=s.spec.trainer.backend if s.spec else "",
+            last_step=s.last_metrics.to_proto() if s.last_metrics else None,
+            state=s.state,
+            message=s.message,
+        )
 
     async def StartExperiment(self, request, context):
         version, resumed = await self.service.start_experiment(

@@ -6,8 +6,8 @@ reason, a replay of a group already trained is skipped, a group staler than eta 
 the scheduler as dropped; all of them are acked and counted. Then train them
 (the backend computes in a worker thread so the event loop stays responsive), take the new
 version's weights as bytes, and go on with the next step while they are written to the weight
-store (with ASYNCRL_WEIGHTS_TRANSPORT=nats also uploaded to the NATS object store, for rollouts
-that do not share the trainer's filesystem: `asyncrl.weights_nats`) and committed
+store and sent the way `trainer.weight_sync` says (`transport.py`: disk, the NATS object store,
+or an NCCL broadcast) and committed
 (`CommitWeights`) in the background (`publish.py`: one version in flight,
 commits in order; the scheduler answers once it has recorded the version and updates the
 rollouts afterwards). The version at `trainer.total_steps` is committed before anything else
@@ -38,14 +38,9 @@ import grpc
 from asyncrl.errors import Conflict, NotFound
 from asyncrl.ledger import Ledger, ensure_ledger
 from asyncrl.logging import get_logger
-from asyncrl.retry import idempotent_rpc, jetstream_call
 from asyncrl.runtime import freeze_heap
-from asyncrl.settings import settings
 from asyncrl.spec import ExperimentSpec, SpecError, spec_from_json
 from asyncrl.types import StepMetrics, TrainerState, TrajectoryGroup
-from asyncrl.v1 import scheduler_pb2, trainer_pb2
-from asyncrl.weights import path_to_uri, version_dir
-from asyncrl.weights_nats import prune_versions, upload_version, uploaded, version_uri
 from services.trainer.backends import make_backend
 from services.trainer.checkpoint import (
     BACKEND_DIR,
@@ -58,22 +53,19 @@ from services.trainer.checkpoint import (
 from services.trainer.consumer import GroupConsumer, Pulled, unconsumed_group_ids
 from services.trainer.metrics import (
     StepTimes,
-    drop_reason,
     phase_histogram,
     stall_seconds,
     step_metrics,
 )
-from services.trainer.publish import InFlight, write_version
+from services.trainer.publish import InFlight
+from services.trainer.scheduler_calls import SchedulerCalls
+from services.trainer.transport import Store, WeightSender, sender_for
 from services.trainer.validation import Admission, RecentIds, Verdict, triage
-from services.trainer.weight_sync import WeightBroadcaster
 
 log = get_logger()
 
 KEEP_VERSIONS = 3
 """Versions kept in the weight store at least; `keep_versions` keeps what the fleet may need."""
-COMMIT_TIMEOUT_S = 300.0  # with trainer.weight_sync nccl the broadcast runs beside the commit
-REPORT_TIMEOUT_S = 10.0
-SCHEDULER_RETRY_S = 120.0  # keep retrying UNAVAILABLE this long (a scheduler restart)
 
 
 @dataclass
@@ -125,15 +117,12 @@ class TrainerService:
         weights_root: Path,
         fetch_timeout_s: float = 1.0,
         worker: Callable[[], str] = lambda: "",
-        weights_transport: str | None = None,
     ):
         self.js = js
         self.scheduler = scheduler  # scheduler_pb2_grpc.SchedulerStub
         self.var_dir = Path(var_dir)
         self.weights_root = Path(weights_root)
         self.fetch_timeout_s = fetch_timeout_s
-        self.weights_transport = weights_transport or settings().weights_transport
-        """`file`: rollouts read the weight store; `nats`: also uploaded to the object store."""
         self._worker = worker
         self.experiment_id = ""
         self.spec: ExperimentSpec | None = None
@@ -146,7 +135,8 @@ class TrainerService:
         self.last_metrics: StepMetrics | None = None
         self.log = log
         self._consumer: GroupConsumer | None = None
-        self._broadcaster: WeightBroadcaster | None = None  # trainer.weight_sync nccl
+        self.sender: WeightSender | None = None  # how versions reach the rollouts
+        self._scheduler: SchedulerCalls | None = None  # CommitWeights, ReportDropped
         self._boundary_seq = 0  # last stream seq consumed at the last step boundary
         self._trained = RecentIds()  # group ids trained up to the last step boundary
         self._vocab_size = 0
@@ -183,13 +173,8 @@ class TrainerService:
         return self.version, self.resumed
 
     def weights_uri(self, version: int) -> str:
-        """Where the rollouts load `version` from: the weight store (or its upload to the NATS
-        object store), "" for the base model."""
-        if version == 0:
-            return ""
-        if self.weights_transport == "nats":
-            return version_uri(self.experiment_id, version)
-        return path_to_uri(version_dir(self.weights_root, self.experiment_id, version))
+        """Where the rollouts load `version` from ("" for the base model)."""
+        return self.sender.uri(version) if version else ""
 
     async def stop_experiment(self, experiment_id: str) -> None:
         """Stop the loop at the next step boundary, with a final checkpoint."""
@@ -206,18 +191,6 @@ class TrainerService:
                 raise Conflict(f"trainer failed, nothing consistent to save: {self.message}")
             path = await self._checkpoint()
             return str(path), self.step
-
-    def status(self) -> trainer_pb2.TrainerStatus:
-        return trainer_pb2.TrainerStatus(
-            worker_id=self.worker_id,
-            experiment_id=self.experiment_id,
-            version=self.version,
-            step=self.step,
-            backend=self.spec.trainer.backend if self.spec else "",
-            last_step=self.last_metrics.to_proto() if self.last_metrics else None,
-            state=self.state,
-            message=self.message,
-        )
 
     def load(self) -> int:
         """Heartbeat load: 1 while an experiment is active."""
@@ -261,6 +234,14 @@ class TrainerService:
         self.ledger = Ledger(self.js, experiment_id)
         self.run_id = uuid.uuid4().hex[:8]
         """This process's run of the experiment, in its ledger events."""
+        store = Store(
+            root=self.weights_root,
+            experiment_id=experiment_id,
+            tokenizer_dir=Path(spec.model.tokenizer_path or spec.model.path),
+            keep=keep_versions(spec.rollout.max_head_offpolicyness),
+        )
+        self._scheduler = SchedulerCalls(self.scheduler, experiment_id, self._worker, self.log)
+        self.sender = sender_for(spec.trainer, store, self.js, self._observe, self.log)
 
     async def _release(self) -> None:
         if self._consumer is not None:
@@ -281,17 +262,10 @@ class TrainerService:
             self.step, self.version, self._boundary_seq = state.step, state.version, state.last_seq
             self._trained = RecentIds(state.trained_ids)
             self.resumed = True
-            if (
-                self.version > 0
-                and not version_dir(self.weights_root, self.experiment_id, self.version).exists()
-            ):
-                await asyncio.to_thread(self._publish_weights, self.version)  # pruned meanwhile
-            if self.version > 0 and self.weights_transport == "nats":
-                if not await uploaded(self.js, self.experiment_id, self.version):
-                    await self._upload(self.version)
+            if self.version > 0:
+                await self.sender.restore(self.version, self.backend.hf_files)
         self._consumer = GroupConsumer(self.js, self.experiment_id)
         await self._consumer.open(consumer_start_seq(state))
-        self._broadcaster = WeightBroadcaster.from_spec(spec.trainer)  # joins at 1st commit
         await ensure_ledger(self.js)
         # steps recorded after the checkpoint this run resumes from were lost with the process
         # that trained them: their groups come again and are trained by this run
@@ -335,7 +309,7 @@ class TrainerService:
             async with self._lock:
                 self._stage = "final checkpoint"
                 await self._checkpoint()
-            await self._leave_broadcast()  # before STOPPED: a stopped trainer holds no group
+            await self._close_sender()  # before STOPPED: a stopped trainer holds no group
             self.state = TrainerState.STOPPED
             self.log.info("experiment_stopped", version=self.version, step=self.step)
         except asyncio.CancelledError:
@@ -344,7 +318,7 @@ class TrainerService:
             self._fail(exc, self._stage)
         finally:
             self._publishing.cancel()
-            await self._leave_broadcast()
+            await self._close_sender()
 
     async def _record_left_over(self) -> None:
         """The training groups no step took when the run ended: reported, never silent."""
@@ -354,14 +328,11 @@ class TrainerService:
             await self.ledger.record("left_over", groups=ids, reason="not trained when it ended")
             self.log.info("left_over", groups=len(ids))
 
-    async def _leave_broadcast(self) -> None:
-        if self._broadcaster is None:
-            return
+    async def _close_sender(self) -> None:
         try:
-            await asyncio.to_thread(self._broadcaster.close)
+            await self.sender.close()
         except Exception as exc:  # noqa: BLE001 - the run's outcome is already recorded
-            self.log.warning("weight_broadcast_close_failed", error=describe(exc))
-        self._broadcaster = None
+            self.log.warning("weight_sender_close_failed", error=describe(exc))
 
     def _admission(self) -> Admission:
         return Admission(
@@ -387,7 +358,8 @@ class TrainerService:
             stale = [g for p in pulled for g in await self._admit(p, batch)]
             if stale:
                 self._stage = "report dropped"
-                await self._report_dropped(stale, self.spec.rollout.max_head_offpolicyness)
+                eta = self.spec.rollout.max_head_offpolicyness
+                await self._scheduler.report_dropped(stale, self.version, eta)
             if pulled:
                 batch.last_seq = pulled[-1].seq
         batch.wait_s = time.perf_counter() - t0
@@ -471,25 +443,12 @@ class TrainerService:
         A stop in the answer ends the run at the next step boundary."""
         self._publishing.stage = "publish weights"
         t0 = time.perf_counter()
-        tokenizer = Path(self.spec.model.tokenizer_path or self.spec.model.path)
-        uri = await asyncio.to_thread(
-            write_version,
-            self.weights_root,
-            self.experiment_id,
-            m.version,
-            files,
-            tokenizer,
-            keep_versions(self.spec.rollout.max_head_offpolicyness),
-        )
-        if self.weights_transport == "nats":
-            t_upload = time.perf_counter()
-            uri = await self._upload(m.version)
-            self._observe("upload", time.perf_counter() - t_upload)
+        uri = await self.sender.publish(m.version, files)
         t1 = time.perf_counter()
         m.write_s = t1 - t0
         self._observe("write", m.write_s)
         self._publishing.stage = "commit"
-        resp = await self._commit_and_send(uri, m)
+        resp = await self.sender.send(m.version, self._scheduler.commit(uri, m))
         commit_s = time.perf_counter() - t1
         self._observe("commit", commit_s)
         self._after = replace(self._after, commit_s=commit_s)
@@ -517,31 +476,6 @@ class TrainerService:
         self.phases.labels(self.experiment_id, phase).observe(seconds)
 
     # -- side effects ---------------------------------------------------------------------------
-    def _publish_weights(self, version: int) -> str:
-        """Serialise and write `version` now (a resumed version the store had pruned)."""
-        tokenizer = Path(self.spec.model.tokenizer_path or self.spec.model.path)
-        return write_version(
-            self.weights_root,
-            self.experiment_id,
-            version,
-            self.backend.hf_files(),
-            tokenizer,
-            keep_versions(self.spec.rollout.max_head_offpolicyness),
-        )
-
-    async def _upload(self, version: int) -> str:
-        """Upload `version` from the weight store to the NATS object store and prune the bucket
-        as the store is pruned; returns the version's `nats-obj://` URI."""
-        src = version_dir(self.weights_root, self.experiment_id, version)
-        keep = keep_versions(self.spec.rollout.max_head_offpolicyness)
-        # a put replaces, a prune is idempotent: retried while NATS is away
-        uri = await jetstream_call(
-            lambda: upload_version(self.js, src, self.experiment_id, version)
-        )
-        await jetstream_call(lambda: prune_versions(self.js, self.experiment_id, keep))
-        self.log.info("weights_uploaded", version=version, uri=uri)
-        return uri
-
     async def _checkpoint(self) -> Path:
         """Checkpoint the step boundary, once every version trained is committed."""
         await self._wait_published()
@@ -566,63 +500,3 @@ class TrainerService:
             last_seq=self._boundary_seq,
         )
         return path
-
-    async def _commit(self, uri: str, m: StepMetrics) -> scheduler_pb2.CommitWeightsResponse:
-        """CommitWeights is idempotent per (experiment, version): safe to retry. Each attempt
-        carries this trainer's worker id as of then (a new one once it re-registered with a
-        restarted scheduler, which answers UNAVAILABLE to an id it no longer knows)."""
-        metrics = m.to_proto()
-        async for attempt in idempotent_rpc(attempts=30, max_delay_s=SCHEDULER_RETRY_S):
-            with attempt:
-                req = scheduler_pb2.CommitWeightsRequest(
-                    experiment_id=self.experiment_id,
-                    version=m.version,
-                    uri=uri,
-                    metrics=metrics,
-                    trainer_id=self.worker_id,
-                )
-                return await self.scheduler.CommitWeights(req, timeout=COMMIT_TIMEOUT_S)
-
-    async def _commit_and_send(
-        self, uri: str, m: StepMetrics
-    ) -> scheduler_pb2.CommitWeightsResponse:
-        """CommitWeights; with trainer.weight_sync nccl, broadcast the version meanwhile (the
-        scheduler's UpdateWeights has each engine receive it while the trainer sends). Both
-        finish before a failure of either is raised, so no broadcast outlives the step."""
-        if self._broadcaster is None:
-            return await self._commit(uri, m)
-        model_dir = version_dir(self.weights_root, self.experiment_id, m.version)
-        sent, resp = await asyncio.gather(
-            asyncio.to_thread(self._broadcaster.send_version, model_dir),
-            self._commit(uri, m),
-            return_exceptions=True,
-        )
-        for result in (sent, resp):
-            if isinstance(result, BaseException):
-                raise result
-        return resp
-
-    async def _report_dropped(self, stale: list[TrajectoryGroup], eta: int) -> None:
-        """ReportDropped is idempotent per group id: safe to retry."""
-        req = scheduler_pb2.ReportDroppedRequest(
-            experiment_id=self.experiment_id,
-            groups=[
-                scheduler_pb2.DroppedGroup(
-                    group_id=g.group_id,
-                    prompt_id=g.prompt_id,
-                    start_version=g.start_version,
-                    trainer_version=self.version,
-                    reason=drop_reason(g, self.version, eta),
-                )
-                for g in stale
-            ],
-        )
-        async for attempt in idempotent_rpc(attempts=30, max_delay_s=SCHEDULER_RETRY_S):
-            with attempt:
-                await self.scheduler.ReportDropped(req, timeout=REPORT_TIMEOUT_S)
-        self.log.info(
-            "groups_dropped_stale",
-            version=self.version,
-            eta=eta,
-            groups=[g.group_id for g in stale],
-        )

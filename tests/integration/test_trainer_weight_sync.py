@@ -84,7 +84,7 @@ async def test_trainer_weight_sync_nccl_over_gloo_engine_serves_committed_weight
                 nccl_world_size=2,
             )
             await service.start_experiment(EXP, spec)
-            assert service._broadcaster.backend == "gloo"  # no CUDA here
+            assert service.sender.broadcaster.backend == "gloo"  # no CUDA here
             for gid in ("g0", "g1"):
                 await publish_group(js, _group(tiny, gid, 0))
             await wait_until(lambda: service.state in ("stopped", "failed"), timeout=120)
@@ -104,4 +104,4 @@ async def test_trainer_weight_sync_nccl_over_gloo_engine_serves_committed_weight
     assert served == trained  # exactly the trainer's committed weights
     assert served != base  # and the step changed them
     assert (stored / "model.safetensors").is_file()  # the weight store is still written
-    assert service._broadcaster is None  # closed when the experiment ended
+    assert service.sender.broadcaster.group is None  # left when the experiment ended

@@ -14,6 +14,7 @@ from asyncrl.v1 import rollout_pb2, trainer_pb2
 from asyncrl.weights_nats import (
     CHUNK_SIZE,
     MANIFEST,
+    NatsReceiver,
     WeightsFetchError,
     fetch_version,
     list_objects,
@@ -74,6 +75,19 @@ async def test_upload_fetch_multi_chunk_version_byte_identical(trainer, rollout,
     # a second fetch is the cached directory, even with the version gone from the bucket
     await prune_versions(trainer, EXP, keep=0)
     assert await fetch_version(rollout, uri, cache) == got
+
+
+async def test_nats_receiver_fetches_nats_uris_reads_paths_in_place(trainer, rollout, tmp_path):
+    """The rollout's side of the transport: a nats-obj:// version comes from the cache, a
+    file:// one (or the base model's path) is read where it is."""
+    src = _version_dir(tmp_path / "store", 4)
+    uri = await upload_version(trainer, src, EXP, 4)
+    receiver = NatsReceiver(rollout, tmp_path / "cache", retry_s=1.0)
+    got = await receiver.receive(4, uri)
+    assert got == tmp_path / "cache" / EXP / "v000004"
+    assert _files(got) == _files(src)
+    assert await receiver.receive(4, src.as_uri()) == src
+    assert await receiver.receive(0, str(src)) == src
 
 
 async def test_two_rollouts_of_one_host_fetch_the_same_version_at_once(trainer, rollout, tmp_path):
@@ -165,16 +179,15 @@ async def test_fetch_after_a_rewind_keeps_the_older_version_it_fetched(trainer, 
 
 
 async def test_trainer_publishes_nats_versions_rollout_loads_one(
-    tiny, js, scheduler, start_trainer, rollout, tmp_path, monkeypatch
+    tiny, js, scheduler, start_trainer, rollout, tmp_path
 ):
-    """ASYNCRL_WEIGHTS_TRANSPORT=nats end to end: each committed URI is a `nats-obj://` one,
+    """`trainer.weight_sync: nats` end to end: each committed URI is a `nats-obj://` one,
     the bucket keeps what the weight store keeps, and a rollout that never sees the trainer's
     filesystem loads a version from its own cache, byte for byte what the trainer wrote."""
-    monkeypatch.setenv("ASYNCRL_WEIGHTS_TRANSPORT", "nats")
     service, stub = await start_trainer()
+    spec = _spec(tiny[0], weight_sync="nats")
     await stub.StartExperiment(
-        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=_spec(tiny[0])),
-        timeout=60,
+        trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=spec), timeout=60
     )
     for version in range(4):  # eta 0: each step's groups start at the version before it
         for i in range(2):
@@ -215,7 +228,8 @@ async def test_resumed_trainer_uploads_its_version_again_when_bucket_lost_it(
 ):
     """The bucket is not the trainer's state: a trainer resuming at a version the bucket no
     longer holds (a NATS store lost, a bucket purged) uploads it again from its weight store,
-    and StartExperiment answers with its `nats-obj://` URI."""
+    and StartExperiment answers with its `nats-obj://` URI. (Chosen by the deprecated
+    ASYNCRL_WEIGHTS_TRANSPORT=nats: the alias still works.)"""
     monkeypatch.setenv("ASYNCRL_WEIGHTS_TRANSPORT", "nats")
     service, stub = await start_trainer()
     start = trainer_pb2.StartExperimentRequest(experiment_id=EXP, spec_json=_spec(tiny[0]))

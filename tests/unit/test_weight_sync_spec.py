@@ -47,7 +47,7 @@ def test_weight_sync_nccl_builds_rank_0_broadcaster_of_the_group():
         ),
         ({"nccl_master": "no-port"}, "trainer.nccl_master", "should match pattern"),
         ({"nccl_world_size": 1}, "trainer.nccl_world_size", "greater than 1"),
-        ({"weight_sync": "shm"}, "trainer.weight_sync", "'disk' or 'nccl'"),
+        ({"weight_sync": "shm"}, "trainer.weight_sync", "'disk', 'nats' or 'nccl'"),
     ],
 )
 def test_weight_sync_invalid_fields_raise_spec_error_naming_them(fields, field, reason):
