@@ -3,7 +3,7 @@ registration, only the trainer bound to an experiment may commit or report drops
 drop report names only groups the scheduler dispatched, and no plugin is imported by the
 scheduler (the workers that run one refuse it at bind, and the experiment fails with that).
 
-The first part uses the in-test fakes of test_scheduler_server; the real runs use an
+The first part uses the fakes of tests/fakes/scheduler_env.py; the real runs use an
 in-process scheduler, reward worker, torch rollout and torch trainer on the tiny model."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from services.rollout.torch_engine import TorchEngine
 from services.scheduler.registry import WorkerKind
 from services.scheduler.server import create_scheduler
 from services.trainer.server import create_trainer
-from tests.integration import test_scheduler_server as base
-from tests.integration.test_scheduler_server import (
+from tests.fakes import scheduler_env
+from tests.fakes.scheduler_env import (
     ROLLOUT,
     TRAINER,
     FakeRollout,
@@ -36,8 +36,8 @@ from tests.integration.test_scheduler_server import (
     running_experiment,
 )
 
-cluster = base.cluster
-files = base.files
+cluster = scheduler_env.cluster
+files = scheduler_env.files
 DENIED = grpc.StatusCode.PERMISSION_DENIED
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 MARKER = "tests.fixtures_plugins.marker"
@@ -206,8 +206,7 @@ async def test_report_dropped_unknown_group_invalid_argument_nothing_changed(clu
             cluster.trainer_stub.ReportDropped(dropped(exp_id, accepted, forged), timeout=5),
         )
         assert details.startswith("groups:") and repr(forged) in details
-    await asyncio.sleep(0.2)
-    await asyncio.wait_for(runner.settled(), 5)
+    await asyncio.wait_for(runner.settled(), 5)  # every event so far handled
     assert state() == before
     assert runner.state.value == "RUNNING"
     await cluster.trainer_stub.ReportDropped(dropped(exp_id, accepted), timeout=5)
