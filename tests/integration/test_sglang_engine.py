@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 import torch
 
+from asyncrl.natsutil import wait_until
 from asyncrl.net import free_port
 from asyncrl.spec import SamplingParams
 from asyncrl.tiny import build_tiny_model
@@ -178,7 +179,7 @@ async def test_generate_while_paused_blocks_until_continue(attached):
         async with http.post(f"{fake.url}/pause_generation", json={"mode": "abort"}) as r:
             assert r.status == 200
         task = asyncio.create_task(engine.generate(req("blocked", max_new=6)))
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: fake.stats["requests"] == 1)  # it reached the server
         assert not task.done()  # blocked by the server, not rejected
         assert fake.stats["tokens"] == 0
         async with http.post(f"{fake.url}/continue_generation", json={}) as r:
