@@ -28,6 +28,8 @@ from services.rollout.service import Binding, GroupJob
 from services.rollout.torch_engine import TorchEngine
 from tests.integration.engine_gate import hold_generation
 
+pytestmark = pytest.mark.slow  # deploys a model: left out of `make test-fast`
+
 EXP = "exp1"
 
 

@@ -334,6 +334,7 @@ def hold_commits_from(trainer, version: int) -> asyncio.Event:
     return release
 
 
+@pytest.mark.slow  # a real run on the tiny model: left out of make test-fast
 async def test_real_run_imposter_commit_and_forged_drop_refused_run_completes(stack):
     await stack.start()
     release = hold_commits_from(stack.trainer, 2)
@@ -358,6 +359,7 @@ async def test_real_run_imposter_commit_and_forged_drop_refused_run_completes(st
     assert all("forged" not in uri for uri in runner.record.weight_uris.values())
 
 
+@pytest.mark.slow  # a real run on the tiny model: left out of make test-fast
 async def test_real_run_scheduler_restart_trainer_commits_as_its_new_registration(stack):
     await stack.start()
     release = hold_commits_from(stack.trainer, 2)
@@ -381,6 +383,7 @@ async def test_real_run_scheduler_restart_trainer_commits_as_its_new_registratio
     assert stack.trainer.resumed is False
 
 
+@pytest.mark.slow  # a real run on the tiny model: left out of make test-fast
 async def test_missing_workflow_plugin_fails_experiment_with_rollout_message(stack):
     await stack.start()
     exp_id = await stack.submit(
@@ -394,6 +397,7 @@ async def test_missing_workflow_plugin_fails_experiment_with_rollout_message(sta
     assert "tests.fixtures_plugins.nope" not in sys.modules
 
 
+@pytest.mark.slow  # a real run on the tiny model: left out of make test-fast
 async def test_missing_reward_plugin_fails_experiment_with_reward_worker_message(stack):
     await stack.start()
     function = "plugin:tests.fixtures_plugins.nope:score"
@@ -407,6 +411,7 @@ async def test_missing_reward_plugin_fails_experiment_with_reward_worker_message
     assert exp.progress.dispatched == 0  # it failed before the trainer started
 
 
+@pytest.mark.slow  # a real run on the tiny model: left out of make test-fast
 async def test_scheduler_never_imports_a_submitted_plugin(stack):
     assert importlib.util.find_spec(MARKER) is not None  # importable: it is not a missing one
     await stack.start(workers=False)

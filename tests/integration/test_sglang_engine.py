@@ -30,6 +30,8 @@ from services.rollout.sglang_process import (
 from services.trainer.weight_sync import WeightBroadcaster
 from tests.fakes.sglang_server import fake_launch_cmd, serve_fake, spawn_fake
 
+pytestmark = pytest.mark.slow  # deploys a model: left out of `make test-fast`
+
 pytest_plugins = ["tests.fakes.sglang_server"]  # the sglang_fake / sglang_fake_url fixtures
 
 PROMPT = [1, 14, 15, 16, 17]  # <bos> + four characters
