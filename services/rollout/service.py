@@ -29,14 +29,16 @@ from asyncrl.runtime import freeze_heap
 from asyncrl.settings import settings
 from asyncrl.spec import ExperimentSpec, SamplingParams, SpecError, spec_from_json
 from asyncrl.throughput import Throughput
-from asyncrl.types import Completion, RewardStatus, Sample, Score, ScoreItem, TrajectoryGroup
+from asyncrl.types import RewardStatus, Sample, Score, ScoreItem, TrajectoryGroup
 from asyncrl.weights import uri_to_path
 from asyncrl.weights_nats import fetch_version, is_nats_uri
 from asyncrl.workflow import Workflow, WorkflowContext, make_workflow, resolve_workflow
-from services.rollout.engine import Engine, GenRequest, UpdatePhases
+from services.rollout.engine import Engine, UpdatePhases
 from services.rollout.filters import GroupStatus, decide, failed_samples
+from services.rollout.generation import Generation
 from services.rollout.openai_api import OpenAIEndpoint
 from services.rollout.reward_client import RewardBinding, RewardClient, RewardUnavailable
+from services.rollout.running import RunningGroup, RunningGroups
 
 log = get_logger(component="rollout")
 
@@ -143,17 +145,6 @@ class StatusInfo:
     engine: str
 
 
-@dataclass
-class _Running:
-    job: GroupJob
-    task: asyncio.Task | None = None
-    aborted: str = ""  # set when the service itself aborts the group (experiment switch)
-    abort_status: GroupStatus = GroupStatus.FAILED
-    """What an aborted group answers: ABORTED when the scheduler asked (AbortGroups)."""
-    publishing: bool = False
-    """Past the last point an abort can stop it: it is (being) published."""
-
-
 class RolloutService:
     def __init__(
         self,
@@ -180,7 +171,7 @@ class RolloutService:
         """Groups finished, by status, and their tokens: a line per group was ~15 CPU-µs of the
         ~240 a group costs the rollout (bench control_plane). Each group's line is still there
         (a failed group's at WARNING, the others' at DEBUG), and its fate in the ledger."""
-        self._groups: dict[str, _Running] = {}
+        self.groups = RunningGroups()
         self._weights_lock = asyncio.Lock()
         self.weights_cache = weights_cache or settings().var / WEIGHTS_CACHE
         """This host's copies of the `nats-obj://` versions it loaded (a few, the newest)."""
@@ -213,7 +204,7 @@ class RolloutService:
             self.binding = binding
             if experiment_id != previous:
                 self.experiment_id, self.tokenizer = "", None  # no groups until loaded
-                await self._abort_all(
+                await self.groups.abort_all(
                     f"aborted: rollout switched from experiment {previous!r} to {experiment_id!r}"
                 )
         log.info("experiment_bound", experiment=experiment_id, previous=previous)
@@ -290,20 +281,10 @@ class RolloutService:
         freeze_heap()  # the model and tokenizer: never scanned by the collector again
         log.info("experiment_loaded", experiment=binding.experiment_id, version=version)
 
-    async def _abort_all(self, reason: str) -> int:
-        tasks = []
-        for running in self._groups.values():
-            if running.task and not running.task.done():
-                running.aborted = reason
-                running.task.cancel()
-                tasks.append(running.task)
-        await asyncio.gather(*tasks, return_exceptions=True)
-        return len(tasks)
-
     # ---------------------------------------------------------------- groups
     @property
     def running_groups(self) -> int:
-        return len(self._groups)
+        return len(self.groups)
 
     async def generate_group(self, job: GroupJob) -> GroupSummary:
         if not job.group_id:
@@ -314,16 +295,11 @@ class RolloutService:
                 f"experiment_id: this rollout serves {self.experiment_id or 'nothing'!r},"
                 f" not {job.experiment_id!r} (BindExperiment and UpdateWeights first)"
             )
-        earlier = self._groups.get(job.group_id)
-        if earlier is not None:
-            await self._supersede(earlier)
-        running = _Running(job)
-        self._groups[job.group_id] = running
+        running = await self.groups.start(job)
         try:
             return await self._run_group(job, binding, running)
         finally:
-            if self._groups.get(job.group_id) is running:
-                del self._groups[job.group_id]
+            self.groups.finish(running)
 
     def abort_unpublished(self, experiment_id: str, group_ids: list[str], reason: str) -> list[str]:
         """Abort the named groups of `experiment_id` that have not begun publishing (AbortGroups:
@@ -331,33 +307,11 @@ class RolloutService:
         publishes nothing. Returns the ids aborted; the others go on as they would."""
         if experiment_id != self.experiment_id:
             return []
-        aborted = []
-        for group_id in group_ids:
-            running = self._groups.get(group_id)
-            if running is None or running.publishing or running.aborted:
-                continue
-            running.aborted, running.abort_status = reason, GroupStatus.ABORTED
-            if running.task is not None and not running.task.done():
-                running.task.cancel()  # generating: the engine drops its requests
-            aborted.append(group_id)  # else being scored: it stops before publishing
-        if aborted:
-            log.info("groups_aborted", groups=len(aborted), reason=reason)
-        return aborted
+        return self.groups.abort_unpublished(group_ids, reason)
 
-    async def _supersede(self, earlier: _Running) -> None:
-        """The scheduler dispatched a group this rollout is still running: it gave the earlier
-        call up (this rollout's lease expired while it was cut off, or the reply was lost) and
-        re-queued the group under the same id. The earlier run is stale: abort it (its call
-        answers FAILED to nobody) and run the group afresh; whatever the earlier run published
-        is deduplicated by the id. Refusing instead fenced the whole rollout."""
-        earlier.aborted = "aborted: the scheduler dispatched this group again"
-        log.info("group_superseded", group=earlier.job.group_id)
-        task = earlier.task
-        if task is not None and not task.done():
-            task.cancel()
-            await asyncio.wait([task])
-
-    async def _run_group(self, job: GroupJob, binding: Binding, running: _Running) -> GroupSummary:
+    async def _run_group(
+        self, job: GroupJob, binding: Binding, running: RunningGroup
+    ) -> GroupSummary:
         t0 = time.perf_counter()
         version_at_start = self.engine.version
         prompt_ids, chat_prompt = self._prompt(job, binding)
@@ -378,7 +332,7 @@ class RolloutService:
             return self._summary(
                 job, GroupStatus.FAILED, f"generation failed: {exc}", [], version_at_start, t0
             )
-        self._finish(samples)
+        self._generation().fill_text(samples)
         await self._score(job, binding, [s for s in samples if s.reward is None])
         if running.aborted:  # while it was being scored: nothing is published
             return self._summary(
@@ -424,8 +378,9 @@ class RolloutService:
     ) -> list[Sample]:
         """The group's n trajectories: the workflow's `run_group` with one context per sample
         (by default a run per sample, concurrently; one failure cancels the others)."""
+        generation = self._generation()
         contexts = [
-            self._context(job, binding, prompt_ids, i, chat_prompt)
+            self._context(job, binding, generation, prompt_ids, i, chat_prompt)
             for i in range(binding.n(job.eval))
         ]
         return await binding.workflow().run_group(contexts)
@@ -434,6 +389,7 @@ class RolloutService:
         self,
         job: GroupJob,
         binding: Binding,
+        generation: Generation,
         prompt_ids: list[int],
         index: int,
         chat_prompt: str | None = None,
@@ -455,9 +411,9 @@ class RolloutService:
             index=index,
             is_eval=job.eval,
             params=binding.params(job.eval),
-            tokenizer=self.tokenizer,
-            generate=self._generate,
-            generate_many=self._generate_many,
+            tokenizer=generation.tokenizer,
+            generate=generation.generate,
+            generate_many=generation.generate_many,
             score=score,
             version=lambda: self.engine.version,
             request_id=f"{job.group_id}:{index}",
@@ -465,41 +421,13 @@ class RolloutService:
             openai_session=self.openai.session,
         )
 
-    async def _generate(self, rid: str, input_ids: list[int], params: SamplingParams) -> Completion:
-        """One completion, its text decoded (a workflow's `ctx.generate`)."""
-        completion = await self.engine.generate(self._request(rid, input_ids, params))
-        return self._decoded(completion)
-
-    async def _generate_many(
-        self, requests: list[tuple[str, list[int], SamplingParams]]
-    ) -> list[Completion]:
-        """Several completions in one engine call (`asyncrl.workflow.generate_all`)."""
-        completions = await self.engine.generate_many([self._request(*r) for r in requests])
-        return [self._decoded(c) for c in completions]
-
-    def _request(self, rid: str, input_ids: list[int], params: SamplingParams) -> GenRequest:
-        return GenRequest(
-            rid=rid,
-            input_ids=input_ids,
-            params=params,
-            stop_token_ids=self._stops(params),
-            decode=self._decode,
+    def _generation(self) -> Generation:
+        return Generation(
+            engine=self.engine,
+            tokenizer=self.tokenizer,
+            eos_token_id=self.eos_token_id,
+            throughput=self.throughput,
         )
-
-    def _decoded(self, completion: Completion) -> Completion:
-        self.throughput.add(len(completion.output_ids))
-        completion.text = self._decode(completion.output_ids)
-        return completion
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def _stops(self, params: SamplingParams) -> list[int]:
-        """The token ids that end a sample: the spec's, and EOS unless `ignore_eos`."""
-        eos = self.eos_token_id
-        if eos is None or params.ignore_eos:
-            return list(params.stop_token_ids)
-        return [*params.stop_token_ids, eos]
 
     async def _publish(
         self, job: GroupJob, prompt_ids: list[int], samples: list[Sample], summary: GroupSummary
@@ -521,16 +449,6 @@ class RolloutService:
         )
         _, summary.duplicate = await publish_group(self.js, group)
         summary.published = True
-
-    def _finish(self, samples: list[Sample]) -> None:
-        """What to score when a workflow left `text` empty: the policy's tokens, decoded."""
-        for sample in samples:
-            if sample.text:
-                continue
-            ids = sample.output_ids
-            if sample.loss_mask and not all(sample.loss_mask):
-                ids = [t for t, m in zip(ids, sample.loss_mask, strict=True) if m]
-            sample.text = self._decode(ids)
 
     async def _score(self, job: GroupJob, binding: Binding, samples: list[Sample]) -> None:
         """Score the samples the workflow left unscored (one Score call). An unreachable reward
@@ -586,7 +504,7 @@ class RolloutService:
     async def close(self) -> None:
         """Abort what still runs (the gRPC server has stopped), then release the engine, the
         OpenAI endpoint and the reward channels."""
-        await self._abort_all("aborted: rollout stopping")
+        await self.groups.abort_all("aborted: rollout stopping")
         await self.engine.stop()
         await self.openai.stop()
         await self.rewards.close()

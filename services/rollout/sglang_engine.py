@@ -12,10 +12,10 @@ raises `SGLangBadResponse`, never a silently wrong sample.
 One `/generate` request per sample segment (`input_ids`, `return_logprob`, the sampling
 params, stop token ids); its request id is unique and prefix-free (`wire_rid`: SGLang aborts by
 prefix), its `max_new_tokens` clamped to the context the server reports (`GET /v1/models`);
-sglang_protocol.py builds the bodies and says what the server refuses. The behaviour logprob
-of a token is SGLang's `output_token_logprobs` value (the managed child runs with
-SGLANG_RETURN_ORIGINAL_LOGPROB=1, so it is the log-softmax of the unscaled logits, as the
-trainer recomputes it).
+sglang_protocol.py builds the bodies and says what the server refuses, sglang_client.py makes
+the calls. The behaviour logprob of a token is SGLang's `output_token_logprobs` value (the
+managed child runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1, so it is the log-softmax of the
+unscaled logits, as the trainer recomputes it).
 
 A weight update interrupts: `/pause_generation` (abort) -> the aborted requests come back with
 their partial output -> `/update_weights_from_disk` (or the bucketed NCCL broadcast) ->
@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-import json
 import time
 from dataclasses import replace
 from typing import Any
@@ -49,6 +48,7 @@ import aiohttp
 from asyncrl.logging import get_logger
 from asyncrl.types import Completion
 from services.rollout.engine import Engine, GenRequest, UpdatePhases
+from services.rollout.sglang_client import SGLangClient
 from services.rollout.sglang_config import SGLangConfig
 from services.rollout.sglang_process import (
     SGLangNotInstalled,
@@ -79,7 +79,6 @@ from services.rollout.sglang_sync import receive_version
 
 log = get_logger(component="sglang_engine")
 
-CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=60)
 UPDATE_TIMEOUT = aiohttp.ClientTimeout(total=1800)
 GENERATE_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30)
 
@@ -110,7 +109,8 @@ class SGLangEngine(Engine):
         """The managed child's launch config as last launched (None when attached)."""
         self.api = ServerApi(parse_version(version)) if version else None
         self.process: SGLangProcess | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self.http = SGLangClient(lambda: self.url_now)
+        self._request = self.http.request  # the control calls (pause, update, continue)
         self._version = 0
         self._weights: tuple[str, int] | None = None  # what the server serves (dir, version)
         self._group_ready = False
@@ -121,7 +121,6 @@ class SGLangEngine(Engine):
         self._inflight: dict[str, asyncio.Future] = {}  # segment rid -> done when answered
         self._running = 0
         self._down = False  # attach mode: a connection failed; wait for health first
-        self._background: set[asyncio.Task] = set()
         self._rid_seq = itertools.count()  # numbers every request id sent (wire_rid)
         self.context_len: int | None = None  # as the server reports it (None: not reported)
 
@@ -135,9 +134,7 @@ class SGLangEngine(Engine):
         return self._running
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=CONTROL_TIMEOUT
-        )
+        self.http.open()
         if self.url:
             await wait_healthy(self.url, self.config.startup_timeout_s)
             await self._detect_api()
@@ -149,9 +146,7 @@ class SGLangEngine(Engine):
         if self.process:
             await self.process.stop()
             self.process = None
-        if self._session:
-            await self._session.close()
-            self._session = None
+        await self.http.close()
 
     async def load(self, model_dir: str, version: int) -> None:
         """Serve `model_dir` as `version`: (re)launch the managed child on a new model, else
@@ -288,7 +283,7 @@ class SGLangEngine(Engine):
         done = asyncio.get_running_loop().create_future()
         self._inflight[rid] = done
         try:
-            async with self._session.post(
+            async with self.http.session.post(
                 f"{self.url_now}/generate", json=body, timeout=GENERATE_TIMEOUT
             ) as resp:
                 text = await resp.text()
@@ -301,7 +296,7 @@ class SGLangEngine(Engine):
             self._down = True
             raise
         except asyncio.CancelledError:
-            self._abort_soon(rid)
+            self.http.abort_soon(rid)
             raise
         finally:
             self._inflight.pop(rid, None)
@@ -326,23 +321,6 @@ class SGLangEngine(Engine):
             except (TypeError, ValueError):
                 pass  # e.g. "default": the server was not launched with a version
         return served
-
-    def _abort_soon(self, rid: str) -> None:
-        """Best effort: tell the server to drop a request whose caller went away."""
-        if self._session is None or self._session.closed:
-            return
-
-        async def abort():
-            url = f"{self.url_now}/abort_request"
-            try:
-                async with self._session.post(url, json=abort_body(rid)):
-                    pass
-            except (TimeoutError, aiohttp.ClientError):
-                pass
-
-        task = asyncio.get_running_loop().create_task(abort())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     # ---------------------------------------------------------------- server control
     @property
@@ -401,7 +379,7 @@ class SGLangEngine(Engine):
                 except TimeoutError as exc:
                     raise SGLangUnavailable(str(exc)) from exc
                 self._down = False
-        elif self._session is None:
+        elif self.http.session is None:
             raise RuntimeError("sglang engine stopped")
         else:
             raise RuntimeError("no model loaded: call load() first")
@@ -410,12 +388,7 @@ class SGLangEngine(Engine):
         """The attached server's version, once (`/get_server_info`, `/server_info` on 404)."""
         if self.api is not None:
             return
-        try:
-            info = await self._request("GET", "/get_server_info")
-        except SGLangError as exc:
-            if exc.status != 404:
-                raise
-            info = await self._request("GET", "/server_info")
+        info = await self.http.get_either("/get_server_info", "/server_info")
         self.api = ServerApi(parse_version(str(info.get("version", "0.4.0"))))
         log.info("sglang_version", url=self.url_now, version=".".join(map(str, self.api.version)))
 
@@ -428,37 +401,7 @@ class SGLangEngine(Engine):
             self.context_len = None
 
     async def model_info(self) -> dict:
-        first, second = self.api.model_info_paths
-        try:
-            return await self._request("GET", first)
-        except SGLangError as exc:
-            if exc.status != 404:
-                raise
-            return await self._request("GET", second)
-
-    async def _request(
-        self,
-        method: str,
-        path: str,
-        body: dict | None = None,
-        timeout: aiohttp.ClientTimeout = CONTROL_TIMEOUT,
-    ) -> dict:
-        kwargs = {"timeout": timeout}
-        if body is not None:
-            kwargs["json"] = body
-        async with self._session.request(method, f"{self.url_now}{path}", **kwargs) as resp:
-            text = await resp.text()
-            if resp.status != 200:
-                raise SGLangError(f"{path}: {error_message(resp.status, text)}", resp.status)
-        try:
-            data = json.loads(text) if text.strip() else {}
-        except ValueError:
-            return {"message": text}  # e.g. /flush_cache answers plain text
-        if not isinstance(data, dict):
-            raise SGLangBadResponse(f"{path}: expected a JSON object, got {text[:200]!r}")
-        if data.get("success") is False:  # a failure must not pass for a 200
-            raise SGLangError(f"{path}: {data.get('message', text)}", resp.status)
-        return data
+        return await self.http.get_either(*self.api.model_info_paths)
 
     async def _pause(self) -> None:
         await self._request("POST", "/pause_generation", self.api.pause_body)

@@ -6,14 +6,9 @@ from __future__ import annotations
 import asyncio
 
 from asyncrl.natsutil import STREAM, publish_group
-from asyncrl.types import Sample, TrajectoryGroup
 from services.trainer.consumer import GroupConsumer, jetstream_connection
-
-EXP = "exp1"
-
-
-def _group(gid: str) -> TrajectoryGroup:
-    return TrajectoryGroup(EXP, gid, "p", "q", "a", [1], [Sample([2], [-1.0], [0])])
+from tests.fakes.groups import EXP
+from tests.fakes.groups import tiny_group as _group
 
 
 async def _publish(js, *ids: str) -> None:

@@ -26,6 +26,8 @@ from services.trainer.algo import pack_groups, ppo_decoupled_loss, token_logprob
 from services.trainer.losses import ADVANTAGES, AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS
 from tests.integration.megatron_tp_worker import MICRO_BATCH, make_groups, make_spec, run_case
 
+pytestmark = pytest.mark.slow  # deploys a model: left out of `make test-fast`
+
 warnings.filterwarnings("ignore")
 pytest.importorskip("megatron.core")
 

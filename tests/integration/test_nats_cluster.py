@@ -144,7 +144,8 @@ async def test_groups_and_ledger_events_ride_out_the_loss_of_the_leader(cluster,
     rollout used to fail its group with NoRespondersError, a trainer its step)."""
     from asyncrl.ledger import Ledger, ensure_ledger
     from asyncrl.natsutil import LEDGER_STREAM, publish_group
-    from tests.integration.test_group_consumer_nats import EXP, _group
+    from tests.fakes.groups import EXP
+    from tests.fakes.groups import tiny_group as _group
 
     monkeypatch.setenv("ASYNCRL_NATS_REPLICAS", "3")
     nc = await connect(urls(cluster), identity="scheduler", reconnect_time_wait=0.2)

@@ -13,16 +13,10 @@ import pytest
 
 from asyncrl.workflow import Trajectory
 from services.rollout.openai_api import OpenAIEndpoint
-from tests.unit.test_chat import chat_context, enc
+from tests.fakes import chat_env
+from tests.fakes.chat_env import chat_context, enc
 
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from asyncrl.tiny import CHAT_TEMPLATE, build_char_tokenizer
-
-    t = build_char_tokenizer(tmp_path_factory.mktemp("tok"))
-    t.chat_template = CHAT_TEMPLATE
-    return t
+tok = chat_env.tok  # the tiny character tokenizer with a chat template (a fixture)
 
 
 @pytest.fixture

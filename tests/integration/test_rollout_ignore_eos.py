@@ -19,6 +19,8 @@ from services.rollout.engine import GenRequest
 from services.rollout.server import create_rollout
 from services.rollout.torch_engine import TorchEngine
 
+pytestmark = pytest.mark.slow  # deploys a model: left out of `make test-fast`
+
 MAX_NEW = 12
 
 

@@ -3,7 +3,7 @@ registration, only the trainer bound to an experiment may commit or report drops
 drop report names only groups the scheduler dispatched, and no plugin is imported by the
 scheduler (the workers that run one refuse it at bind, and the experiment fails with that).
 
-The first part uses the in-test fakes of test_scheduler_server; the real runs use an
+The first part uses the fakes of tests/fakes/scheduler_env.py; the real runs use an
 in-process scheduler, reward worker, torch rollout and torch trainer on the tiny model."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from services.rollout.torch_engine import TorchEngine
 from services.scheduler.registry import WorkerKind
 from services.scheduler.server import create_scheduler
 from services.trainer.server import create_trainer
-from tests.integration import test_scheduler_server as base
-from tests.integration.test_scheduler_server import (
+from tests.fakes import scheduler_env
+from tests.fakes.scheduler_env import (
     ROLLOUT,
     TRAINER,
     FakeRollout,
@@ -36,8 +36,8 @@ from tests.integration.test_scheduler_server import (
     running_experiment,
 )
 
-cluster = base.cluster
-files = base.files
+cluster = scheduler_env.cluster
+files = scheduler_env.files
 DENIED = grpc.StatusCode.PERMISSION_DENIED
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 MARKER = "tests.fixtures_plugins.marker"
@@ -206,8 +206,7 @@ async def test_report_dropped_unknown_group_invalid_argument_nothing_changed(clu
             cluster.trainer_stub.ReportDropped(dropped(exp_id, accepted, forged), timeout=5),
         )
         assert details.startswith("groups:") and repr(forged) in details
-    await asyncio.sleep(0.2)
-    await asyncio.wait_for(runner.settled(), 5)
+    await asyncio.wait_for(runner.settled(), 5)  # every event so far handled
     assert state() == before
     assert runner.state.value == "RUNNING"
     await cluster.trainer_stub.ReportDropped(dropped(exp_id, accepted), timeout=5)
@@ -335,6 +334,7 @@ def hold_commits_from(trainer, version: int) -> asyncio.Event:
     return release
 
 
+@pytest.mark.slow  # a real run on the tiny model: left out of make test-fast
 async def test_real_run_imposter_commit_and_forged_drop_refused_run_completes(stack):
     await stack.start()
     release = hold_commits_from(stack.trainer, 2)
@@ -359,6 +359,7 @@ async def test_real_run_imposter_commit_and_forged_drop_refused_run_completes(st
     assert all("forged" not in uri for uri in runner.record.weight_uris.values())
 
 
+@pytest.mark.slow  # a real run on the tiny model: left out of make test-fast
 async def test_real_run_scheduler_restart_trainer_commits_as_its_new_registration(stack):
     await stack.start()
     release = hold_commits_from(stack.trainer, 2)
@@ -382,6 +383,7 @@ async def test_real_run_scheduler_restart_trainer_commits_as_its_new_registratio
     assert stack.trainer.resumed is False
 
 
+@pytest.mark.slow  # a real run on the tiny model: left out of make test-fast
 async def test_missing_workflow_plugin_fails_experiment_with_rollout_message(stack):
     await stack.start()
     exp_id = await stack.submit(
@@ -395,6 +397,7 @@ async def test_missing_workflow_plugin_fails_experiment_with_rollout_message(sta
     assert "tests.fixtures_plugins.nope" not in sys.modules
 
 
+@pytest.mark.slow  # a real run on the tiny model: left out of make test-fast
 async def test_missing_reward_plugin_fails_experiment_with_reward_worker_message(stack):
     await stack.start()
     function = "plugin:tests.fixtures_plugins.nope:score"
@@ -408,6 +411,7 @@ async def test_missing_reward_plugin_fails_experiment_with_reward_worker_message
     assert exp.progress.dispatched == 0  # it failed before the trainer started
 
 
+@pytest.mark.slow  # a real run on the tiny model: left out of make test-fast
 async def test_scheduler_never_imports_a_submitted_plugin(stack):
     assert importlib.util.find_spec(MARKER) is not None  # importable: it is not a missing one
     await stack.start(workers=False)

@@ -13,16 +13,16 @@ from asyncrl.natsutil import STREAM, publish_group, wait_until
 from asyncrl.types import TrajectoryGroup
 from asyncrl.v1 import rollout_pb2
 from services.rollout.server import GroupCallError
-from tests.integration import test_scheduler_server as base
-from tests.integration.test_scheduler_server import (
+from tests.fakes import scheduler_env
+from tests.fakes.scheduler_env import (
     ROLLOUT,
     FakeRollout,
     FakeTrainer,
     running_experiment,
 )
 
-cluster = base.cluster
-files = base.files
+cluster = scheduler_env.cluster
+files = scheduler_env.files
 
 
 class PublishingRollout(FakeRollout):

@@ -2,8 +2,8 @@
 recorded, the ready rollouts load it in the background (coalescing commits that land during an
 update), and the staleness rule holds meanwhile: admission follows the fleet version, stale
 aborts the committed one, no training group starts while the fleet is behind the trainer, and
-a commit is answered once the fleet is at most `fleet_lag` (eta - 1, at most 1) behind. Real scheduler on port 0 against a real nats-server; fake workers (as in
-test_scheduler_server)."""
+a commit is answered once the fleet is at most `fleet_lag` (eta - 1, at most 1) behind. Real
+scheduler on port 0 against a real nats-server; fake workers (tests/fakes/scheduler_env.py)."""
 
 from __future__ import annotations
 
@@ -11,27 +11,30 @@ import asyncio
 
 from asyncrl.natsutil import wait_until
 from asyncrl.v1 import scheduler_pb2
-from tests.integration import test_scheduler_server as base
-from tests.integration.test_scheduler_server import (
+from tests.fakes import scheduler_env
+from tests.fakes.scheduler_env import (
     Cluster,
     FakeRollout,
     FakeTrainer,
     running_experiment,
 )
 
-cluster = base.cluster
-files = base.files
+cluster = scheduler_env.cluster
+files = scheduler_env.files
 
 
 class GatedRollout(FakeRollout):
-    """UpdateWeights to any version but 0 waits until `gate` is set (a slow weight load)."""
+    """UpdateWeights to any version but 0 waits until `gate` is set (a slow weight load);
+    `held` lists the versions that came to the gate."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
         self.gate = asyncio.Event()
+        self.held: list[int] = []
 
     async def UpdateWeights(self, request, context):
         if request.version > 0:
+            self.held.append(request.version)
             await self.gate.wait()
         return await super().UpdateWeights(request, context)
 
@@ -60,10 +63,11 @@ async def test_commit_answered_before_the_fleet_loads_it_lag_bounded_updates_coa
     second = asyncio.create_task(cluster.commit(exp_id, 2))
     await wait_until(lambda: runner.committed_version == 2)
     third = asyncio.create_task(cluster.commit(exp_id, 3))
-    await wait_until(lambda: runner.committed_version == 3)
-    await asyncio.sleep(0.2)
+    await wait_until(lambda: runner.committed_version == 3 and rollout.held == [1])
     assert not second.done() and not third.done()
     rollout.gate.set()
+    # each answer carries the fleet version it was given at: 2 waited for the fleet to serve 1
+    # (a lag of 1), 3 for 3 (the update it coalesced into)
     assert (await second).fleet_version >= 1
     assert (await third).fleet_version == 3
     assert [v for v, _ in rollout.updates] == [0, 1, 3]  # 2 was coalesced into 3

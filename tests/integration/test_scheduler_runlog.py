@@ -1,18 +1,18 @@
 """The scheduler's run logs (`trainer.loggers`): each committed step and each eval in
 TensorBoard and W&B (offline) under <ASYNCRL_VAR>/runs/<id>/, complete by the time the
 experiment is seen COMPLETED. Real scheduler on port 0 against a real nats-server; fake workers
-(as in test_scheduler_server); the files are read back with the libraries' own readers."""
+(tests/fakes/scheduler_env.py); the files are read back with the libraries' own readers."""
 
 from __future__ import annotations
 
 from asyncrl.natsutil import wait_until
 from asyncrl.v1 import common_pb2, scheduler_pb2
-from tests.integration import test_scheduler_server as base
-from tests.integration.test_scheduler_server import Cluster, FakeRollout, running_experiment
+from tests.fakes import scheduler_env
+from tests.fakes.scheduler_env import Cluster, FakeRollout, running_experiment
 from tests.runlogs import tensorboard_scalars, wandb_history
 
-cluster = base.cluster
-files = base.files
+cluster = scheduler_env.cluster
+files = scheduler_env.files
 
 
 async def _commit(cluster: Cluster, exp_id: str, version: int, loss: float):

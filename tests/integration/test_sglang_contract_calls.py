@@ -23,6 +23,8 @@ from services.trainer.weight_sync import WeightBroadcaster
 from tests import sglang_contract as sg
 from tests.fakes.sglang_server import serve_fake, spawn_fake
 
+pytestmark = pytest.mark.slow  # deploys a model: left out of `make test-fast`
+
 PROMPT = [1, 14, 15, 16, 17]
 LONG = [3 + i % 20 for i in range(240)]  # the tiny models' context is 256: 16 tokens left
 EOS = 2

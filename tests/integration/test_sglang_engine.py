@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 import torch
 
+from asyncrl.natsutil import wait_until
 from asyncrl.net import free_port
 from asyncrl.spec import SamplingParams
 from asyncrl.tiny import build_tiny_model
@@ -28,6 +29,8 @@ from services.rollout.sglang_process import (
 )
 from services.trainer.weight_sync import WeightBroadcaster
 from tests.fakes.sglang_server import fake_launch_cmd, serve_fake, spawn_fake
+
+pytestmark = pytest.mark.slow  # deploys a model: left out of `make test-fast`
 
 pytest_plugins = ["tests.fakes.sglang_server"]  # the sglang_fake / sglang_fake_url fixtures
 
@@ -178,7 +181,7 @@ async def test_generate_while_paused_blocks_until_continue(attached):
         async with http.post(f"{fake.url}/pause_generation", json={"mode": "abort"}) as r:
             assert r.status == 200
         task = asyncio.create_task(engine.generate(req("blocked", max_new=6)))
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: fake.stats["requests"] == 1)  # it reached the server
         assert not task.done()  # blocked by the server, not rejected
         assert fake.stats["tokens"] == 0
         async with http.post(f"{fake.url}/continue_generation", json={}) as r:

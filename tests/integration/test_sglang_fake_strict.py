@@ -12,6 +12,8 @@ import pytest
 from asyncrl.tiny import build_tiny_model
 from tests.fakes.sglang_server import serve_fake
 
+pytestmark = pytest.mark.slow  # deploys a model: left out of `make test-fast`
+
 PROMPT = [1, 14, 15, 16, 17]
 
 

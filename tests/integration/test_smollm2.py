@@ -28,6 +28,8 @@ from services.rollout.torch_engine import TorchEngine
 from services.trainer.algo import token_logprobs
 from tests.integration.megatron_tp_worker import make_spec
 
+pytestmark = pytest.mark.slow  # deploys a model: left out of `make test-fast`
+
 warnings.filterwarnings("ignore")
 pytest.importorskip("megatron.core")
 

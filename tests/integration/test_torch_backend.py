@@ -14,6 +14,8 @@ from asyncrl.tiny import build_tiny_model
 from asyncrl.types import RewardStatus, Sample, TrajectoryGroup
 from services.trainer.backends.torch_backend import TorchBackend
 
+pytestmark = pytest.mark.slow  # deploys a model: left out of `make test-fast`
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

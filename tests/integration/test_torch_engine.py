@@ -16,6 +16,8 @@ from services.rollout.engine import GenRequest
 from services.rollout.torch_engine import TorchEngine, sample_token
 from tests.integration.engine_gate import hold_generation
 
+pytestmark = pytest.mark.slow  # deploys a model: left out of `make test-fast`
+
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=12)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 PROMPTS = [[10, 11, 12], [20], [30, 31, 32, 33, 34, 35, 36], [40, 41]]

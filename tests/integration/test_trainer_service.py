@@ -44,6 +44,8 @@ from tests.fakes.trainer_env import (
     _wait_commits,
 )
 
+pytestmark = pytest.mark.slow  # deploys a model: left out of `make test-fast`
+
 scheduler = trainer_env.scheduler  # the recording scheduler and a trainer factory (fixtures)
 start_trainer = trainer_env.start_trainer
 

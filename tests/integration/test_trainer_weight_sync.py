@@ -7,6 +7,7 @@ GPUs: tests/integration/test_sglang_engine.py, marked gpu."""
 from __future__ import annotations
 
 import aiohttp
+import pytest
 
 from asyncrl.ledger import ensure_ledger
 from asyncrl.natsutil import publish_group, wait_until
@@ -19,6 +20,8 @@ from services.rollout.sglang_engine import SGLangEngine
 from services.trainer.server import create_trainer
 from tests.fakes.sglang_server import spawn_fake, tensor_digest
 from tests.fakes.trainer_env import EXP, RecordingScheduler, _group, _spec
+
+pytestmark = pytest.mark.slow  # deploys a model: left out of `make test-fast`
 
 
 class UpdatingScheduler(RecordingScheduler):

@@ -36,6 +36,8 @@ from tests.fakes.trainer_env import (
     serving,
 )
 
+pytestmark = pytest.mark.slow  # deploys a model: left out of `make test-fast`
+
 COMMIT_DELAY_S = 0.3
 start_trainer = trainer_env.start_trainer  # its trainers commit to `scheduler` below
 

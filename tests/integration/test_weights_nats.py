@@ -30,6 +30,8 @@ from services.trainer.service import keep_versions
 from tests.fakes import trainer_env
 from tests.fakes.trainer_env import EXP, _group, _spec, _wait_commits
 
+pytestmark = pytest.mark.slow  # deploys a model: left out of `make test-fast`
+
 scheduler = trainer_env.scheduler  # the recording scheduler and a trainer factory
 start_trainer = trainer_env.start_trainer
 

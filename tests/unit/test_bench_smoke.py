@@ -27,6 +27,7 @@ def quick_run(tmp_path_factory):
     return run_benchmarks(list(BENCHMARKS), quick=True, work_dir=tmp_path_factory.mktemp("b"))
 
 
+@pytest.mark.slow  # runs every benchmark, models included: left out of make test-fast
 def test_quick_run_every_benchmark_reports_or_skips_with_reason(quick_run):
     results, skipped = quick_run
     reported = {r.name for r in results}
@@ -36,6 +37,7 @@ def test_quick_run_every_benchmark_reports_or_skips_with_reason(quick_run):
     assert {"rollout", "interrupt", "transport"} <= reported  # nothing optional in these
 
 
+@pytest.mark.slow  # runs every benchmark, models included: left out of make test-fast
 def test_quick_run_results_have_positive_peers_and_consistent_ratios(quick_run):
     results, _ = quick_run
     for r in results:
@@ -46,6 +48,7 @@ def test_quick_run_results_have_positive_peers_and_consistent_ratios(quick_run):
         assert r.ratio == pytest.approx(r.value / r.peer_value)
 
 
+@pytest.mark.slow  # runs every benchmark, models included: left out of make test-fast
 def test_quick_run_rollout_compares_kv_engine_with_both_peers(quick_run):
     results, _ = quick_run
     peers = {r.peer for r in results if r.name == "rollout"}
@@ -54,6 +57,7 @@ def test_quick_run_rollout_compares_kv_engine_with_both_peers(quick_run):
     assert all(r.settings["interrupted"] == r.settings["in_flight"] for r in interrupt)
 
 
+@pytest.mark.slow  # runs every benchmark, models included: left out of make test-fast
 def test_build_report_serialises_results_machine_and_skips(quick_run):
     results, skipped = quick_run
     report = build_report(results, skipped, quick=True, command=["python", "-m", "bench"])
