@@ -24,14 +24,12 @@ from prometheus_client import Histogram
 from asyncrl.errors import BadRequest, Conflict
 from asyncrl.logging import Tally, get_logger
 from asyncrl.natsutil import publish_group
-from asyncrl.retry import jetstream_call
 from asyncrl.runtime import freeze_heap
 from asyncrl.settings import settings
 from asyncrl.spec import ExperimentSpec, SamplingParams, SpecError, spec_from_json
 from asyncrl.throughput import Throughput
 from asyncrl.types import RewardStatus, Sample, Score, ScoreItem, TrajectoryGroup
-from asyncrl.weights import uri_to_path
-from asyncrl.weights_nats import fetch_version, is_nats_uri
+from asyncrl.weights_nats import NatsReceiver, is_nats_uri
 from asyncrl.workflow import Workflow, WorkflowContext, make_workflow, resolve_workflow
 from services.rollout.engine import Engine, UpdatePhases
 from services.rollout.filters import GroupStatus, decide, failed_samples
@@ -175,6 +173,8 @@ class RolloutService:
         self._weights_lock = asyncio.Lock()
         self.weights_cache = weights_cache or settings().var / WEIGHTS_CACHE
         """This host's copies of the `nats-obj://` versions it loaded (a few, the newest)."""
+        self.receiver = NatsReceiver(js, self.weights_cache, retry_s=FETCH_RETRY_S)
+        """The rollout's side of the weights transport (services/trainer/transport.py)."""
         self.openai = OpenAIEndpoint(port=openai_port)
         self.update_seconds = Histogram(
             "asyncrl_rollout_weight_update_seconds",
@@ -221,7 +221,7 @@ class RolloutService:
         start = time.perf_counter()
         phases = UpdatePhases()
         async with self._weights_lock:
-            path, fetch_s = await self._local_dir(uri)
+            path, fetch_s = await self._local_dir(version, uri)
             if not (path / "config.json").is_file():
                 raise BadRequest("uri", f"no HuggingFace config.json in {path}")
             if self.tokenizer is None or experiment_id != self.experiment_id:
@@ -248,16 +248,13 @@ class RolloutService:
         )
         return WeightsResult(self.engine.version, seconds, interrupted, phases)
 
-    async def _local_dir(self, uri: str) -> tuple[Path, float]:
-        """The version's directory on this host and the seconds it took to fetch: a
-        `nats-obj://` version is fetched into the cache (unless it is there already), any other
-        URI is a local path (0 s)."""
-        if not is_nats_uri(uri):
-            return uri_to_path(uri), 0.0
+    async def _local_dir(self, version: int, uri: str) -> tuple[Path, float]:
+        """The version's directory on this host (`self.receiver`) and the seconds it took to
+        fetch it (0 for a path read in place)."""
         t0 = time.perf_counter()
-        path = await jetstream_call(  # idempotent: a temporary directory renamed into place
-            lambda: fetch_version(self.js, uri, self.weights_cache), FETCH_RETRY_S
-        )
+        path = await self.receiver.receive(version, uri)
+        if not is_nats_uri(uri):
+            return path, 0.0  # read in place: nothing was fetched
         seconds = time.perf_counter() - t0
         log.info("weights_fetched", uri=uri, path=str(path), seconds=round(seconds, 3))
         return path, seconds
