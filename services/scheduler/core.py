@@ -100,8 +100,11 @@ class Scheduler:
             fleet_seconds=self.fleet_seconds,
         )
         for record in await self.store.load_all():
-            await self.history.load_into(record)
-            await self._restore(record)
+            try:
+                await self.history.load_into(record)
+                await self._restore(record)
+            except Exception as e:  # one experiment's bad record never stops the scheduler
+                log.exception("experiment_restore_failed", experiment=record.id, error=repr(e))
         self.store.start()
         self.history.start()
         self._spawn(self._sweep_forever())
@@ -133,8 +136,8 @@ class Scheduler:
         if not record.state.terminal:
             try:
                 prompts, eval_prompts = await asyncio.to_thread(load_datasets, spec)
-            except (SpecError, OSError) as e:
-                error = e
+            except Exception as e:  # SpecError names the field; anything else is the reason too
+                error = e if isinstance(e, (SpecError, OSError)) else repr(e)
         runner = ExperimentRunner(record, spec, prompts, eval_prompts, self._ctx)
         self.runners[record.id] = runner
         if error is not None:

@@ -33,10 +33,16 @@ def load_prompts(
 ) -> list[Prompt]:
     """Read a JSONL file; SpecError(field, "line N: ...") for a bad row, or no rows at all."""
     prompts: list[Prompt] = []
-    with open(Path(path), encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
+    with open(Path(path), "rb") as f:  # bytes: a line that is not UTF-8 is named by its number
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise SpecError(
+                    field, f"line {line_no}: not UTF-8 (byte 0x{raw[e.start]:02x} at {e.start})"
+                ) from None
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:

@@ -134,3 +134,13 @@ def test_load_prompts_invalid_json_and_empty_file_rejected(tmp_path):
     with pytest.raises(SpecError, match="no prompts") as e:
         load_prompts(str(empty), "prompt", "answer", field="eval.dataset_path")
     assert e.value.field == "eval.dataset_path"
+
+
+def test_load_prompts_non_utf8_line_names_line_and_byte(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "x", "answer": "1"}\n\n{"prompt": "\xff", "answer": "2"}\n')
+    with pytest.raises(SpecError) as e:
+        load_prompts(str(bad), "prompt", "answer")
+    assert e.value.field == "dataset.path"
+    # blank line 2 is skipped but counted; '{"prompt": "' is 12 bytes, so 0xff is at offset 12
+    assert e.value.reason == "line 3: not UTF-8 (byte 0xff at 12)"
