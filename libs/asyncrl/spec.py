@@ -10,6 +10,8 @@ field (e.g. ``trainer.lr``) so servers answer INVALID_ARGUMENT with it.
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -28,7 +30,7 @@ from pydantic import (
 
 from asyncrl.errors import SpecError
 from asyncrl.registry import ENGINES, FILTERS, TRAINER_BACKENDS, WORKFLOWS, is_plugin_name
-from asyncrl.rewards import REWARD_FUNCTIONS, is_plugin
+from asyncrl.rewards import PLUGIN_PREFIX, REWARD_FUNCTIONS, is_plugin
 
 __all__ = ["SpecError"]  # raised by every validator here; defined with its kin in asyncrl.errors
 
@@ -40,8 +42,13 @@ MAX_PATH = 4096
 
 class _Section(BaseModel):
     # attribute docstrings become the JSON Schema's descriptions
+    # allow_inf_nan=False: every float of a spec is finite (inf would travel as JSON null and
+    # be refused only by a worker, far from the submit)
     model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+        extra="forbid",
+        validate_assignment=True,
+        use_attribute_docstrings=True,
+        allow_inf_nan=False,
     )
 
 
@@ -278,6 +285,32 @@ def check_files(spec: ExperimentSpec) -> None:
     tokenizer_dir = Path(spec.model.tokenizer_path or spec.model.path)
     if spec.rollout.workflow.chat_template and not has_chat_template(tokenizer_dir):
         raise SpecError("rollout.workflow.chat_template", f"no chat template in {tokenizer_dir}")
+
+
+def check_reward_plugin(spec: ExperimentSpec) -> None:
+    """SpecError("reward.function") for a plugin whose module is not on this host's path."""
+    if is_plugin(spec.reward.function):
+        module = spec.reward.function.removeprefix(PLUGIN_PREFIX).partition(":")[0]
+        check_plugin_module(module, "reward.function")
+
+
+def check_plugin_module(module: str, field: str) -> None:
+    """SpecError(field) when the plugin module `module` (a.b.c) cannot be found on this host's
+    path. Located, never imported: no user code runs (a top-level name is looked up by the
+    finders, each package below it in its directories by importlib.machinery.PathFinder)."""
+    parts = module.split(".")
+    for depth in range(len(parts)):
+        if depth == 0:  # a top-level name: every finder (editable installs too), no import
+            found = importlib.util.find_spec(parts[0])
+        else:
+            found = importlib.machinery.PathFinder.find_spec(".".join(parts[: depth + 1]), path)
+        if found is None:
+            raise SpecError(field, f"plugin module {module!r} not found (no {parts[depth]!r})")
+        path = found.submodule_search_locations
+        if path is None and depth < len(parts) - 1:
+            raise SpecError(
+                field, f"plugin module {module!r} not found ({parts[depth]!r} is not a package)"
+            )
 
 
 def has_chat_template(tokenizer_dir: Path) -> bool:

@@ -23,7 +23,14 @@ from asyncrl.ledger import ensure_ledger
 from asyncrl.logging import get_logger
 from asyncrl.rewards import check_reward_function
 from asyncrl.security import Principal
-from asyncrl.spec import ExperimentSpec, SpecError, check_files, spec_from_json, validate_spec
+from asyncrl.spec import (
+    ExperimentSpec,
+    SpecError,
+    check_files,
+    check_reward_plugin,
+    spec_from_json,
+    validate_spec,
+)
 from asyncrl.types import StepMetrics, TrainerState
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 from asyncrl.workflow import check_workflow
@@ -160,6 +167,7 @@ class Scheduler:
             raise BadRequest("spec_json", f"{len(spec_json)} bytes, at most {MAX_SPEC_BYTES}")
         check_files(spec)
         check_reward_function(spec.reward.function, spec.reward.kwargs)
+        check_reward_plugin(spec)  # docs/rewards.md: a missing module fails the submit
         try:
             check_workflow(spec.rollout.workflow.name, spec.rollout.workflow.args)
         except ValueError as e:

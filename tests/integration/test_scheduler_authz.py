@@ -398,15 +398,16 @@ async def test_missing_workflow_plugin_fails_experiment_with_rollout_message(sta
 
 
 @pytest.mark.slow  # a real run on the tiny model: left out of make test-fast
-async def test_missing_reward_plugin_fails_experiment_with_reward_worker_message(stack):
+async def test_missing_reward_plugin_function_fails_experiment_with_worker_message(stack):
     await stack.start()
-    function = "plugin:tests.fixtures_plugins.nope:score"
+    # the module exists (a missing one is refused at submit): its function does not
+    function = "plugin:tests.fixtures_plugins.rewards:nope"
     exp_id = await stack.submit(stack.spec(reward={"function": function}))
     exp = await stack.finished(exp_id, timeout=60)
     assert exp.state == scheduler_pb2.EXPERIMENT_STATE_FAILED
     assert exp.message.startswith("reward worker ") and "refused the experiment" in exp.message
-    assert "reward.function:" in exp.message and "cannot import tests.fixtures_plugins.nope" in (
-        exp.message
+    assert "reward.function:" in exp.message and (
+        "tests.fixtures_plugins.rewards has no function nope" in exp.message
     )
     assert exp.progress.dispatched == 0  # it failed before the trainer started
 

@@ -4,6 +4,7 @@ fails only its own experiment (issue 23, points 8 and 12). Real nats-server, rea
 from __future__ import annotations
 
 import shutil
+import sys
 
 import grpc
 import pytest
@@ -46,3 +47,57 @@ async def test_restore_with_non_utf8_line_fails_that_experiment_others_resume(
     assert got.state == scheduler_pb2.EXPERIMENT_STATE_FAILED
     assert got.message == "cannot resume: dataset.path: line 21: not UTF-8 (byte 0xe9 at 15)"
     assert (await cluster.experiment(healthy)).state == scheduler_pb2.EXPERIMENT_STATE_PENDING
+
+
+INF, NAN = float("inf"), float("nan")  # json.dumps writes them as Infinity and NaN
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ({"trainer": {"lr": INF}}, "trainer.lr"),
+        ({"trainer": {"lr": NAN}}, "trainer.lr"),
+        ({"reward": {"timeout_s": INF}}, "reward.timeout_s"),
+        ({"rollout": {"group_timeout_s": INF}}, "rollout.group_timeout_s"),
+        ({"rollout": {"gconfig": {"temperature": INF}}}, "rollout.gconfig.temperature"),
+        ({"rollout": {"gconfig": {"temperature": NAN}}}, "rollout.gconfig.temperature"),
+        ({"trainer": {"lr": "inf"}}, "trainer.lr"),  # a string pydantic would parse as inf
+    ],
+)
+async def test_submit_non_finite_number_invalid_argument_names_field(
+    cluster, files, override, field
+):
+    await cluster.start_scheduler()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await submit(cluster, spec(files, **override))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == f"{field}: Input should be a finite number"
+
+
+@pytest.mark.parametrize(
+    ("function", "reason"),
+    [
+        ("plugin:no_such_top_level_pkg:score", "'no_such_top_level_pkg' not found (no "),
+        ("plugin:tests.fixtures_plugins.nope:score", "'tests.fixtures_plugins.nope' not found ("),
+        (  # rewards is a module, not a package: nothing can be under it
+            "plugin:tests.fixtures_plugins.rewards.sub:score",
+            "'tests.fixtures_plugins.rewards.sub' not found ('rewards' is not a package)",
+        ),
+    ],
+)
+async def test_submit_missing_reward_plugin_module_invalid_argument(
+    cluster, files, function, reason
+):
+    await cluster.start_scheduler()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await submit(cluster, spec(files, reward={"function": function}))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(f"reward.function: plugin module {reason}")
+
+
+async def test_submit_present_reward_plugin_module_accepted_without_import(cluster, files):
+    await cluster.start_scheduler()
+    module = "tests.fixtures_plugins.marker"  # importing it would record that it ran
+    exp_id = await submit(cluster, spec(files, reward={"function": f"plugin:{module}:score"}))
+    assert cluster.scheduler.get(exp_id).state.value == "PENDING"
+    assert module not in sys.modules
