@@ -42,6 +42,7 @@ from asyncrl.runtime import freeze_heap
 from asyncrl.spec import ExperimentSpec, SpecError, spec_from_json
 from asyncrl.types import StepMetrics, TrainerState, TrajectoryGroup
 from services.trainer.backends import make_backend
+from services.trainer.backends.base import check_finite_step
 from services.trainer.checkpoint import (
     BACKEND_DIR,
     CheckpointState,
@@ -434,6 +435,7 @@ class TrainerService:
         """(In a worker thread: one hop for both) train on `groups`, then take the new weights
         as bytes; returns the stats, when the step ended, and the files."""
         stats = self.backend.train_step(groups)
+        check_finite_step(self.backend, stats, self.step + 1)  # before a version exists
         ended = time.perf_counter()
         self._stage = "serialize weights"
         return stats, ended, self.backend.hf_files()

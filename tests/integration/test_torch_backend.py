@@ -173,3 +173,20 @@ def test_checkpoint_resume_is_bit_identical_to_uninterrupted_run(model_dir, tmp_
         straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+def test_nonfinite_weight_named_and_step_check_names_step(model_dir):
+    from services.trainer.backends.base import Diverged, check_finite_step
+
+    be = make_backend(model_dir)
+    assert be.nonfinite_weight() is None
+    check_finite_step(be, {"loss": 0.5, "grad_norm": 1.0}, 3)  # finite: nothing raised
+    with pytest.raises(Diverged, match=r"^step 3 diverged: grad_norm is inf$"):
+        check_finite_step(be, {"loss": 0.5, "grad_norm": float("inf")}, 3)
+    name, param = next(iter(be.model.named_parameters()))
+    with torch.no_grad():
+        param.view(-1)[0] = float("nan")
+    assert be.nonfinite_weight() == name
+    with pytest.raises(Diverged) as e:
+        check_finite_step(be, {"loss": 0.5, "grad_norm": 1.0}, 4)
+    assert str(e.value) == f"step 4 diverged: weight {name} is not finite"

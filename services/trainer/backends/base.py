@@ -3,6 +3,7 @@ shares (packing groups onto its device, the RNG state a checkpoint carries)."""
 
 from __future__ import annotations
 
+import math
 import random
 import tempfile
 from abc import ABC, abstractmethod
@@ -24,6 +25,23 @@ from services.trainer.losses import (
     kl_reward_penalty,
     sample_advantages,
 )
+
+
+class Diverged(RuntimeError):
+    """A step produced a non-finite loss, gradient norm or weight: the run stops there, before
+    the version is published."""
+
+
+def check_finite_step(backend: TrainerBackend, stats: dict[str, float], step: int) -> None:
+    """Diverged naming `step` when its loss or gradient norm, or a weight after it, is not
+    finite (a NaN version must never be committed)."""
+    for key in ("loss", "grad_norm"):
+        value = float(stats.get(key, 0.0))
+        if not math.isfinite(value):
+            raise Diverged(f"step {step} diverged: {key} is {value}")
+    name = backend.nonfinite_weight()
+    if name is not None:
+        raise Diverged(f"step {step} diverged: weight {name} is not finite")
 
 
 class TrainerBackend(ABC):
@@ -74,6 +92,11 @@ class TrainerBackend(ABC):
     @abstractmethod
     def logprobs(self, groups: list[TrajectoryGroup]) -> list[list[list[float]]]:
         """Per group, per sample, the current model's logprobs of the output tokens."""
+
+    def nonfinite_weight(self) -> str | None:
+        """The name of a weight holding NaN or inf, if any (checked after each step). None by
+        default: a backend without the check relies on its loss and gradient norm."""
+        return None
 
     def close(self) -> None:
         """Release what the backend holds beyond this process (e.g. follower ranks under

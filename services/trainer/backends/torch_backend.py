@@ -157,6 +157,14 @@ class TorchBackend(TrainerBackend):
         if self.model_dir is not None:
             copy_tokenizer(self.model_dir, out_dir)
 
+    @torch.no_grad()
+    def nonfinite_weight(self) -> str | None:
+        assert self.model is not None, "load() first"
+        for name, param in self.model.named_parameters():
+            if not torch.isfinite(param).all():
+                return name
+        return None
+
     def hf_files(self) -> dict[str, bytes]:
         """What `save_hf` writes, as bytes: the state dict (a tied lm_head left out, as
         save_pretrained leaves it) serialised by safetensors, and the model's config."""
