@@ -37,6 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from asyncrl.logging import get_logger
+
 STATE_FILE = "state.json"
 BACKEND_DIR = "backend"
 PREFIX = "step_"
@@ -88,12 +90,32 @@ def _raw_state(ckpt_dir: Path) -> dict:
 
 
 def _log_ids(root: Path, log: dict) -> list[str]:
-    """The ids of the log prefix `log` names."""
-    with open(root / IDS_DIR / log["file"], "rb") as f:
+    """The ids of the log prefix `log` names. A torn last line (the file ends inside it: an
+    append a power cut interrupted) is cut with a log line, losing only that line's ids."""
+    path = root / IDS_DIR / log["file"]
+    with open(path, "rb") as f:
         data = f.read(log["bytes"])
-    ids = [i for line in data.splitlines() for i in json.loads(line)]
+    complete, _, tail = data.rpartition(b"\n")
+    if tail:  # a named prefix ends with a newline: this line was torn (or zeroed)
+        ids = _lines_ids(path, complete)
+        get_logger().warning(
+            "trained_ids_log_torn_line_cut", file=str(path), named=log["count"], kept=len(ids)
+        )
+        return ids
+    ids = _lines_ids(path, data)
     if len(data) != log["bytes"] or len(ids) != log["count"]:
-        raise ValueError(f"trained-ids log {log['file']} does not hold what its checkpoint names")
+        raise ValueError(f"trained-ids log {path} does not hold what its checkpoint names")
+    return ids
+
+
+def _lines_ids(path: Path, data: bytes) -> list[str]:
+    """The ids of complete lines (each a JSON array); ValueError naming the file and line."""
+    ids: list[str] = []
+    for n, line in enumerate(data.splitlines(), start=1):
+        try:
+            ids.extend(json.loads(line))
+        except ValueError as e:
+            raise ValueError(f"trained-ids log {path}: line {n} is not a JSON array: {e}") from e
     return ids
 
 
@@ -175,6 +197,7 @@ def _append_ids(root: Path, ids: Sequence[str], prev: dict | None) -> dict | Non
         f.seek(log["bytes"])  # past the prefix: what a failed checkpoint appended is cut off
         f.write(data)
         f.truncate()
+        os.fsync(f.fileno())  # the state.json naming this prefix is written after it
     return {
         **log,
         "bytes": log["bytes"] + len(data),
@@ -189,7 +212,10 @@ def _new_log(root: Path, step: int, ids: Sequence[str]) -> dict:
     ids = list(ids)
     data = json.dumps(ids, separators=(",", ":")).encode() + b"\n"
     (root / IDS_DIR).mkdir(parents=True, exist_ok=True)
-    (root / IDS_DIR / name).write_bytes(data)  # named by no checkpoint until state.json is
+    with open(root / IDS_DIR / name, "wb") as f:  # named by no checkpoint until state.json is
+        f.write(data)
+        os.fsync(f.fileno())
+    _fsync_dir(root / IDS_DIR)
     _WRITTEN.at(root).logs.add(name)
     return {"file": name, "bytes": len(data), "count": len(ids), "last": ids[-1]}
 
@@ -230,6 +256,23 @@ def _prune(root: Path, kept: list[Path]) -> None:
             written.logs.discard(name)
 
 
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(top: Path) -> None:
+    """fsync every file under `top`, then each directory (their entries)."""
+    for dirpath, _, filenames in os.walk(top):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
 def write_checkpoint(
     root: Path,
     state: CheckpointState,
@@ -253,9 +296,11 @@ def write_checkpoint(
         save_backend(tmp / BACKEND_DIR)
         raw = _state(root, state, latest)
         (tmp / STATE_FILE).write_text(json.dumps(raw, separators=(",", ":")))
+        _fsync_tree(tmp)  # on disk before the name says complete (a power cut leaves zeros)
         if final.exists():  # a leftover without state.json: incomplete, never readable
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync_dir(root)
         _WRITTEN.at(root).states[final.name] = raw
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -207,3 +207,63 @@ def test_checkpoint_memory_holds_one_root_the_kept_states(tmp_path):
     ]
     _write(tmp_path / "b", 1, _ids(0, B))  # another experiment: only its states in memory
     assert written.root == tmp_path / "b" and list(written.states) == ["step_000001"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed"])
+def test_checkpoint_torn_last_log_line_cut_with_a_log_line(tmp_path, damage):
+    from structlog.testing import capture_logs
+
+    _write(tmp_path, 1, _ids(0, 10))
+    raw = _write(tmp_path, 2, _ids(0, 10 + B))  # appends one line of B ids to the same log
+    log = tmp_path / IDS_DIR / raw["trained_ids_log"]["file"]
+    data = log.read_bytes()
+    cut = len(data) - _line(_ids(10, 10 + B))  # where step 2's line starts
+    if damage == "truncated":  # a power cut mid-append: 7 bytes of the line landed
+        log.write_bytes(data[: cut + 7])
+    else:  # the line's blocks read back as zeros
+        log.write_bytes(data[:cut] + bytes(len(data) - cut))
+    with capture_logs() as logs:
+        got = latest_checkpoint(tmp_path)
+    assert got[0].name == "step_000002" and got[1].trained_ids == _ids(0, 10)
+    assert [e for e in logs if e["event"] == "trained_ids_log_torn_line_cut"] == [
+        {
+            "event": "trained_ids_log_torn_line_cut",
+            "log_level": "warning",
+            "file": str(log),
+            "named": 10 + B,
+            "kept": 10,
+        }
+    ]
+    assert read_state(tmp_path / "step_000001").trained_ids == _ids(0, 10)  # its prefix whole
+
+
+def test_checkpoint_bad_middle_log_line_is_an_error_naming_file_and_line(tmp_path):
+    _write(tmp_path, 1, _ids(0, 10))
+    raw = _write(tmp_path, 2, _ids(0, 10 + B))
+    log = tmp_path / IDS_DIR / raw["trained_ids_log"]["file"]
+    log.write_bytes(b"garbage\n" + log.read_bytes().split(b"\n", 1)[1])
+    with pytest.raises(ValueError, match=rf"^trained-ids log {log}: line 1 is not a JSON array"):
+        latest_checkpoint(tmp_path)
+
+
+def test_checkpoint_files_fsynced_before_the_rename(tmp_path, monkeypatch):
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    _write(tmp_path, 1, _ids(0, 10))
+    (at,) = [i for i, e in enumerate(events) if e[0] == "replace"]
+    tmp = events[at][1]
+    synced = {path for kind, path in events[:at] if kind == "fsync"}
+    assert {f"{tmp}/{STATE_FILE}", f"{tmp}/backend/w", f"{tmp}/backend", tmp} <= synced
+    assert any(p.startswith(str(tmp_path / IDS_DIR) + "/ids_") for p in synced)  # the log
+    assert ("fsync", str(tmp_path)) in events[at:]  # the rename itself
