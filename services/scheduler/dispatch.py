@@ -19,7 +19,7 @@ from asyncrl.ledger import Ledger
 from asyncrl.spec import ExperimentSpec
 from asyncrl.throughput import Throughput
 from asyncrl.ticket import Ticket
-from asyncrl.types import EvalResult
+from asyncrl.types import EvalResult, GroupId
 from asyncrl.v1 import rollout_pb2
 from services.scheduler.calls import InFlight, WorkerCalls
 from services.scheduler.dataset import DatasetCursor, Prompt
@@ -369,13 +369,16 @@ class Dispatcher:
         Only groups this experiment dispatched and may still see trained count: accepted ones,
         and ones in flight or waiting to be dispatched again (the trainer may read a group
         whose answer is still on its way, or was lost); one reported twice, or ended by the
-        scheduler already, is ignored. Any other id is a BadRequest naming `groups`, and
-        nothing is changed."""
+        scheduler already, is ignored, as is one whose prompt the cursor has passed (a
+        re-report after a restart). Any other id is a BadRequest naming `groups`, and nothing
+        is changed."""
         tickets = {}
         for group_id in dict.fromkeys(group_ids):
             if group_id in self._drops_seen or group_id in self._aborted:
                 continue  # reported twice, or already re-queued when the scheduler aborted it
             ticket = self._droppable(group_id)
+            if ticket is None and self._passed(group_id):
+                continue  # re-reported after a restart forgot _drops_seen: handled then
             if ticket is None:
                 raise BadRequest(
                     "groups",
@@ -390,6 +393,17 @@ class Dispatcher:
             self.ledger.emit("dropped", group=group_id, reason="the trainer found it too stale")
             self.cursor.requeue(ticket, new_attempt=True)
         return len(tickets)
+
+    def _passed(self, group_id: str) -> bool:
+        """Whether `group_id` is a training group of this experiment whose prompt the cursor
+        has passed (dispatched, so any drop of it was handled: derived, not remembered)."""
+        gid = GroupId.parse(group_id)
+        c = self.cursor
+        if gid is None or gid.experiment_id != self.record.id or gid.index >= c.n_prompts:
+            return False
+        if gid.epoch != c.epoch:
+            return gid.epoch < c.epoch
+        return c.order(c.epoch).index(gid.index) < c.position
 
     def _droppable(self, group_id: str) -> Ticket | None:
         """The ticket of a training group the trainer may report dropped, else None."""
