@@ -7,13 +7,15 @@ Where an item is scored:
 - **Inline**, on the event loop, for the built-ins in `rewards.INLINE` (pure string work,
   linear in the text) when the item's texts are at most `rewards.INLINE_MAX_CHARS` long: a
   pool round trip costs far more than the function.
-- **One pool task for all the items of a call** while the function is cheap (its items took
-  under `BATCH_MAX_ITEM_S` on average, recently). The worker scores the items one after
+- **One pool task for all the items of a call** once the function is known cheap (its items
+  took under `BATCH_MAX_ITEM_S` on average, recently; a function never seen is scored one
+  task per item, so a function that hangs is killed at its own timeout from its first item). The worker scores the items one after
   another and reports an item that took longer than `timeout_s` as timed out; it starts no new
   item once `timeout_s` has passed, and the items left go in the next task. So a task runs
   at most about 2 x `timeout_s`, its deadline. A task that misses it (an item hangs) or whose
   worker dies is scored again **one task per item**: each item meets its own fate alone, and
-  its neighbours are unaffected.
+  its neighbours are unaffected, and the function is scored one task per item from then on
+  (until its items are cheap again).
 - **One pool task per item** for a slow function (its items run in parallel across the
   workers, and pebble kills each at its own `timeout_s`).
 """
@@ -151,7 +153,8 @@ class ScoringPool:
     async def _pooled(
         self, function: str, kwargs: dict[str, str], items: list[ScoreItem], timeout_s: float
     ) -> list[Score]:
-        if len(items) == 1 or self._cost.get(function, 0.0) > BATCH_MAX_ITEM_S:
+        cost = self._cost.get(function)  # None: never seen, so it may hang: not batched
+        if len(items) == 1 or cost is None or cost > BATCH_MAX_ITEM_S:
             return await self._one_by_one(function, kwargs, items, timeout_s)
         scores: list[Score] = []
         while len(scores) < len(items):
@@ -161,6 +164,8 @@ class ScoringPool:
                     function, kwargs, rest, timeout_s, 2 * timeout_s + TASK_SLACK_S
                 )
             except Exception:  # noqa: BLE001 - an item hung or killed its worker: each alone
+                # and from now on: a hung item then holds a pool slot for its timeout, once
+                self._cost[function] = max(self._cost.get(function, 0.0), timeout_s)
                 return scores + await self._one_by_one(function, kwargs, rest, timeout_s)
             scores += [_score(ok, value) for ok, value, _ in outcomes]
         return scores

@@ -66,7 +66,13 @@ async def test_score_inline_builtin_long_text_goes_to_pool(pool):
     assert long_result.status is FAILED and short == Score(1.0)
 
 
+async def _known_cheap(pool) -> None:
+    """Score two quick items: SCRIPTED is then known cheap, and batched."""
+    assert await pool.score(SCRIPTED, {}, _items("ok", "ok"), timeout_s=5) == [Score(1.0)] * 2
+
+
 async def test_score_batch_hanging_item_fails_alone(pool):
+    await _known_cheap(pool)
     items = _items("ok", "sleep 30", "raise", "ok", answer="0.5")
     start = time.monotonic()
     got = await pool.score(SCRIPTED, {}, items, timeout_s=0.4)
@@ -81,11 +87,13 @@ async def test_score_batch_hanging_item_fails_alone(pool):
 
 
 async def test_score_batch_worker_exit_fails_that_item_only(pool):
+    await _known_cheap(pool)
     got = await pool.score(SCRIPTED, {}, _items("ok", "exit", "ok", answer="2"), timeout_s=5)
     assert got == [Score(2.0), Score(0.0, FAILED, "worker died (exit code 3)"), Score(2.0)]
 
 
 async def test_score_batch_slow_item_times_out_rest_scored_in_next_task(pool):
+    await _known_cheap(pool)
     got = await pool.score(SCRIPTED, {}, _items("sleep 0.5", "ok", "ok"), timeout_s=0.3)
     assert got == [Score(0.0, FAILED, "timed out after 0.3s"), Score(1.0), Score(1.0)]
 
@@ -96,3 +104,37 @@ def test_score_items_stops_starting_items_after_timeout():
     assert (ok, reason) == (False, "timed out after 0.1s") and seconds >= 0.2
     outcomes = score_items(SCRIPTED, {}, items[1:], timeout_s=0.1)
     assert [(ok, value) for ok, value, _ in outcomes] == [(True, 1.0), (True, 1.0)]
+
+
+@pytest.fixture
+async def one_worker():
+    p = ScoringPool(workers=1)
+    yield p
+    await p.close()
+
+
+async def _timed(pool, completions, timeout_s: float) -> tuple[list[Score], float]:
+    start = time.monotonic()
+    got = await pool.score(SCRIPTED, {}, _items(*completions), timeout_s=timeout_s)
+    return got, time.monotonic() - start
+
+
+async def test_score_never_seen_function_hanging_holds_the_slot_its_timeout_only(one_worker):
+    got, took = await _timed(one_worker, ["sleep 30", "sleep 30"], timeout_s=1.5)
+    assert got == [Score(0.0, FAILED, "timed out after 1.5s")] * 2
+    # one worker, each item killed at its own 1.5 s: 3 s. Batched first (before), the pair
+    # held it 2 x 1.5 + 0.5 s, then each item again for 1.5 s: 6.5 s
+    assert 3.0 <= took < 5.0
+    got, took = await _timed(one_worker, ["ok"], timeout_s=1.5)
+    assert got == [Score(1.0)] and took < 1.0  # the slot is free again
+    assert one_worker.in_flight == 0
+
+
+async def test_score_batch_that_hung_function_scored_per_item_from_then_on(one_worker):
+    await _known_cheap(one_worker)
+    got, _ = await _timed(one_worker, ["sleep 30", "ok"], timeout_s=1.0)  # the batch hangs
+    assert got == [Score(0.0, FAILED, "timed out after 1s"), Score(1.0)]
+    got, took = await _timed(one_worker, ["sleep 30", "ok"], timeout_s=1.0)
+    assert got == [Score(0.0, FAILED, "timed out after 1s"), Score(1.0)]
+    # per item: the hung one killed at 1 s. Batched again (before): 2 x 1 + 0.5 s, then 1 s
+    assert took < 2.4
