@@ -299,15 +299,17 @@ def check_plugin_module(module: str, field: str) -> None:
     path. Located, never imported: no user code runs (a top-level name is looked up by the
     finders, each package below it in its directories by importlib.machinery.PathFinder)."""
     parts = module.split(".")
+    search: list[str] | None = None  # the package directories the next part is looked up in
     for depth in range(len(parts)):
         if depth == 0:  # a top-level name: every finder (editable installs too), no import
             found = importlib.util.find_spec(parts[0])
         else:
-            found = importlib.machinery.PathFinder.find_spec(".".join(parts[: depth + 1]), path)
+            name = ".".join(parts[: depth + 1])
+            found = importlib.machinery.PathFinder.find_spec(name, search)
         if found is None:
             raise SpecError(field, f"plugin module {module!r} not found (no {parts[depth]!r})")
-        path = found.submodule_search_locations
-        if path is None and depth < len(parts) - 1:
+        search = found.submodule_search_locations
+        if search is None and depth < len(parts) - 1:
             raise SpecError(
                 field, f"plugin module {module!r} not found ({parts[depth]!r} is not a package)"
             )
