@@ -10,11 +10,11 @@ import grpc
 import pytest
 
 from asyncrl.v1 import scheduler_pb2
-from tests.integration import test_scheduler_server as base
-from tests.integration.test_scheduler_server import spec, submit
+from tests.fakes import scheduler_env
+from tests.fakes.scheduler_env import spec, submit
 
-cluster = base.cluster
-files = base.files
+cluster = scheduler_env.cluster
+files = scheduler_env.files
 
 NOT_UTF8 = b'{"prompt": "caf\xe9", "answer": "1"}\n'  # latin-1 0xe9: an invalid UTF-8 sequence
 

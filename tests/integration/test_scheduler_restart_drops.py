@@ -10,11 +10,11 @@ import pytest
 
 from asyncrl.natsutil import wait_until
 from asyncrl.v1 import scheduler_pb2
-from tests.integration import test_scheduler_server as base
-from tests.integration.test_scheduler_server import FakeRollout, running_experiment
+from tests.fakes import scheduler_env
+from tests.fakes.scheduler_env import FakeRollout, running_experiment
 
-cluster = base.cluster
-files = base.files
+cluster = scheduler_env.cluster
+files = scheduler_env.files
 
 
 def dropped(exp_id: str, *group_ids: str) -> scheduler_pb2.ReportDroppedRequest:
