@@ -73,7 +73,7 @@ def of_files(files: Mapping[str, bytes]) -> str:
     for name, data in files.items():
         if name.endswith(".safetensors"):
             tensors += _safetensors_tensors(data)
-    return _digest(tensors)
+    return _digest(tensors) if tensors else ""
 
 
 def of_dir(model_dir: str | Path) -> str:
@@ -110,6 +110,11 @@ def read_manifest(version_dir: Path) -> str:
     if not path.is_file():
         return ""
     return str(json.loads(path.read_text()).get("fingerprint", ""))
+
+
+def differs(a: str, b: str) -> bool:
+    """Both fingerprints known and not the same: a mismatch ("" on either side is unverified)."""
+    return bool(a and b and a != b)
 
 
 def stamp(versions: Iterable[int], known: Mapping[int, str]) -> dict[int, str]:

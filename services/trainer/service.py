@@ -139,7 +139,6 @@ class TrainerService:
         self._scheduler: SchedulerCalls | None = None  # CommitWeights, ReportDropped
         self._boundary_seq = 0  # last stream seq consumed at the last step boundary
         self._trained = RecentIds()  # group ids trained up to the last step boundary
-        self._fingerprints: dict[int, str] = {}  # version -> its weights' fingerprint
         self._vocab_size = 0
         self._stage = ""  # what the loop is doing: names the cause of a failure
         self._task: asyncio.Task | None = None
@@ -228,7 +227,7 @@ class TrainerService:
         self.version = self.step = self._boundary_seq = 0
         self.resumed, self.last_metrics = False, None
         self._trained = RecentIds()
-        self._fingerprints = {}
+        self._fingerprints: dict[int, str] = {}  # version -> its weights' fingerprint
         self._train_end, self._after = None, StepTimes()
         self._publishing = InFlight()
         self._stop = asyncio.Event()  # a StopExperiment during loading stops the new run
@@ -448,23 +447,17 @@ class TrainerService:
         self._publishing.stage = "publish weights"
         t0 = time.perf_counter()
         uri = await self.sender.publish(m.version, files)
-        fingerprint = self._fingerprints[m.version] = self.sender.fingerprint(m.version)
+        fp = self._fingerprints[m.version] = self.sender.fingerprint(m.version)
         t1 = time.perf_counter()
         m.write_s = t1 - t0
         self._observe("write", m.write_s)
         self._publishing.stage = "commit"
-        resp = await self.sender.send(m.version, self._scheduler.commit(uri, m, fingerprint))
+        resp = await self.sender.send(m.version, self._scheduler.commit(uri, m, fp))
         commit_s = time.perf_counter() - t1
         self._observe("commit", commit_s)
         self._after = replace(self._after, commit_s=commit_s)
-        await self.ledger.record(
-            "trained",
-            step=m.step,
-            version=m.version,
-            groups=ids,
-            run=self.run_id,
-            fingerprint=fingerprint,
-        )
+        fields = {"groups": ids, "run": self.run_id, "fingerprint": fp}
+        await self.ledger.record("trained", step=m.step, version=m.version, **fields)
         if resp.stop:
             self.log.info(
                 "scheduler_says_stop", version=m.version, fleet_version=resp.fleet_version

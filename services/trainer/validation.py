@@ -17,6 +17,7 @@ from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from asyncrl.fingerprint import differs
 from asyncrl.types import Sample, TrajectoryGroup
 from services.trainer.metrics import is_too_stale
 
@@ -79,7 +80,7 @@ def _fingerprint_reason(i: int, s: Sample, a: Admission) -> str:
     tell, an older rollout) on either side is not a mismatch."""
     for version, seen in s.fingerprints.items():
         wrote = a.fingerprints.get(version, "")
-        if seen and wrote and seen != wrote:
+        if differs(seen, wrote):
             return (
                 f"sample {i}: weights fingerprint {seen} for version {version}"
                 f" is not the trainer's {wrote}"
