@@ -20,7 +20,7 @@ from services.rollout.server import create_rollout
 from services.rollout.torch_engine import TorchEngine
 from services.scheduler.fleet import WEIGHTS_CHECKED
 from services.trainer.publish import write_version
-from tests.integration.test_scheduler_server import (
+from tests.fakes.scheduler_env import (
     TRAINER,
     FakeTrainer,
     cluster,  # noqa: F401 - a fixture
@@ -29,7 +29,7 @@ from tests.integration.test_scheduler_server import (
 )
 from tests.integration.test_weights_fingerprint import KeepsOldWeights
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # deploys models
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,8 @@ from services.trainer.publish import write_version
 from services.trainer.validation import Admission, Verdict, triage
 from tests.integration.test_rollout_service import EXP, _read_back, _request, _serve
 
+pytestmark = pytest.mark.slow  # deploys a model: left out of `make test-fast`
+
 
 class KeepsOldWeights(TorchEngine):
     """A test double of a broken engine: UpdateWeights reports success (the new version, no
