@@ -29,6 +29,7 @@ import contextlib
 import json
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -60,7 +61,13 @@ from services.trainer.metrics import (
 from services.trainer.publish import InFlight
 from services.trainer.scheduler_calls import SchedulerCalls
 from services.trainer.transport import Store, WeightSender, sender_for
-from services.trainer.validation import Admission, RecentIds, Verdict, triage
+from services.trainer.validation import (
+    Admission,
+    RecentIds,
+    Verdict,
+    fingerprint_tally,
+    triage,
+)
 
 log = get_logger()
 
@@ -139,6 +146,7 @@ class TrainerService:
         self._scheduler: SchedulerCalls | None = None  # CommitWeights, ReportDropped
         self._boundary_seq = 0  # last stream seq consumed at the last step boundary
         self._trained = RecentIds()  # group ids trained up to the last step boundary
+        self.samples_checked: Counter[str] = Counter()  # by weights check (`_reset`)
         self._vocab_size = 0
         self._stage = ""  # what the loop is doing: names the cause of a failure
         self._task: asyncio.Task | None = None
@@ -228,6 +236,7 @@ class TrainerService:
         self.resumed, self.last_metrics = False, None
         self._trained = RecentIds()
         self._fingerprints: dict[int, str] = {}  # version -> its weights' fingerprint
+        self.samples_checked = Counter()  # trained samples: verified / unverified weights
         self._train_end, self._after = None, StepTimes()
         self._publishing = InFlight()
         self._stop = asyncio.Event()  # a StopExperiment during loading stops the new run
@@ -378,6 +387,7 @@ class TrainerService:
         if verdict == Verdict.TRAIN:
             batch.groups.append(p.group)
             batch.taken.add(p.group.group_id)
+            self.samples_checked.update(fingerprint_tally(p.group, self._fingerprints))
         elif verdict == Verdict.STALE:
             batch.dropped += 1
             return [p.group]

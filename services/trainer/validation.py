@@ -88,6 +88,20 @@ def _fingerprint_reason(i: int, s: Sample, a: Admission) -> str:
     return ""
 
 
+def fingerprint_tally(group: TrajectoryGroup, known: Mapping[int, str]) -> dict[str, int]:
+    """A group admitted for training, its samples by weights check: `verified` (every version
+    of its tokens has a fingerprint, the trainer's) or `unverified` (one is missing on either
+    side: an older rollout, an engine that cannot tell, a version from before a restart).
+    Mismatches never get here: they are quarantined."""
+    verified = sum(
+        1
+        for s in group.samples
+        if s.versions
+        and all(s.fingerprints.get(v, "") == known.get(v, "") != "" for v in set(s.versions))
+    )
+    return {"verified": verified, "unverified": len(group.samples) - verified}
+
+
 def invalid_reason(group: TrajectoryGroup, a: Admission) -> str:
     """Why `group` must not be trained; "" when it is well-formed for this trainer."""
     if group.experiment_id != a.experiment_id:

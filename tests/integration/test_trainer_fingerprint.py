@@ -15,6 +15,7 @@ from asyncrl.ledger import read_events
 from asyncrl.natsutil import publish_group
 from asyncrl.v1 import trainer_pb2
 from asyncrl.weights import uri_to_path
+from services.trainer.server import TrainerCollector
 from tests.fakes import trainer_env
 from tests.fakes.trainer_env import EXP, _group, _spec, _wait_commits
 from tests.integration.test_trainer_service import _dead_letters
@@ -82,3 +83,14 @@ async def test_wrong_weights_quarantined_right_and_unverified_trained(
     [quarantined] = [e for e in events if e["event"] == "quarantined"]
     assert quarantined["group"] == "wrong" and "weights fingerprint" in quarantined["reason"]
     assert service.state in ("waiting", "training")
+    # g0, g1 (no fingerprints, and none recorded for the base) and "unverified": 6 samples
+    assert service.samples_checked == {"verified": 2, "unverified": 6}
+    [family] = [
+        f
+        for f in TrainerCollector(service).collect()
+        if f.name == "asyncrl_trainer_samples_weights_checked"
+    ]
+    assert {s.labels["result"]: s.value for s in family.samples if s.name.endswith("_total")} == {
+        "unverified": 6.0,
+        "verified": 2.0,
+    }

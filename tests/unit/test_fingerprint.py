@@ -17,7 +17,7 @@ from asyncrl.convert import sample_from_proto, sample_to_proto
 from asyncrl.types import Sample, TrajectoryGroup
 from asyncrl.v1 import trajectory_pb2
 from services.trainer.publish import write_version
-from services.trainer.validation import Admission, Verdict, triage
+from services.trainer.validation import Admission, Verdict, fingerprint_tally, triage
 
 
 def _by_hand(tensors: list[tuple[str, str, list[int], bytes]]) -> str:
@@ -152,3 +152,12 @@ def test_triage_quarantines_a_sample_whose_weights_are_not_the_trainers():
     assert triage(_group({1: "", 2: "sha256:two"}), a, set()) == (Verdict.TRAIN, "")
     unknown = Admission(experiment_id="e", vocab_size=10, trainer_version=2, eta=2)
     assert triage(_group({1: "sha256:old"}), unknown, set()) == (Verdict.TRAIN, "")
+
+
+def test_fingerprint_tally_counts_samples_proven_for_every_version():
+    known = {1: "sha256:one", 2: "sha256:two"}
+    group = _group({1: "sha256:one", 2: "sha256:two"})  # both samples proven
+    assert fingerprint_tally(group, known) == {"verified": 2, "unverified": 0}
+    group = _group({2: "sha256:two"})  # version 1 of sample 1 carries none
+    assert fingerprint_tally(group, known) == {"verified": 1, "unverified": 1}
+    assert fingerprint_tally(_group({}), {}) == {"verified": 0, "unverified": 2}
