@@ -33,6 +33,7 @@ def sample_to_proto(s: Sample) -> trajectory_pb2.Sample:
         reward_reason=s.reward_reason,
         text=s.text,
         loss_mask=[] if all_policy else s.loss_mask,  # empty: all the policy's
+        fingerprints=s.fingerprints,
     )
 
 
@@ -49,6 +50,7 @@ def sample_from_proto(m: trajectory_pb2.Sample) -> Sample:
         reward_reason=m.reward_reason,
         text=m.text,
         loss_mask=m.loss_mask[:],
+        fingerprints=dict(m.fingerprints),
     )
 
 

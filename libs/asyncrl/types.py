@@ -199,6 +199,9 @@ class Sample:
     loss_mask: list[int] = field(default_factory=list)
     turns: int = 0
     """Policy turns appended (not sent on the wire)."""
+    fingerprints: dict[int, str] = field(default_factory=dict)
+    """Version -> fingerprint of the weights the engine held for it, for each version in
+    `versions` (`asyncrl.fingerprint`); "" or absent: unverified."""
 
     def add_policy(self, c: Completion) -> None:
         """Append a completion: trained tokens."""

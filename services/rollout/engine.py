@@ -46,6 +46,10 @@ class UpdatePhases:
 class Engine(ABC):
     name: str = "engine"
     last_update: UpdatePhases = UpdatePhases()
+    fingerprint: str = ""
+    """The fingerprint (`asyncrl.fingerprint`) of the weights the engine holds, computed over
+    what it loaded: set only where they were actually applied, so an update that reports
+    success without applying them shows. "" where the engine cannot tell (unverified)."""
     """The phases of the last `update_weights` (an engine sets a new one per update)."""
 
     @property

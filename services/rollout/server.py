@@ -173,7 +173,9 @@ class RolloutServicer(GroupsServicer):
         return rollout_pb2.AbortGroupsResponse(aborted=aborted)
 
     async def UpdateWeights(self, request, context):
-        r = await self.service.update_weights(request.experiment_id, request.version, request.uri)
+        r = await self.service.update_weights(
+            request.experiment_id, request.version, request.uri, request.fingerprint
+        )
         return rollout_pb2.UpdateWeightsResponse(
             version=r.version,
             seconds=r.seconds,
@@ -182,6 +184,7 @@ class RolloutServicer(GroupsServicer):
             pause_s=r.phases.pause_s,
             load_s=r.phases.load_s,
             resume_s=r.phases.resume_s,
+            fingerprint=self.service.engine.fingerprint,
         )
 
     async def GetStatus(self, request, context):

@@ -22,6 +22,7 @@ from pathlib import Path
 from prometheus_client import Histogram
 
 from asyncrl.errors import BadRequest, Conflict
+from asyncrl.fingerprint import differs, stamp
 from asyncrl.logging import Tally, get_logger
 from asyncrl.natsutil import publish_group
 from asyncrl.runtime import freeze_heap
@@ -165,6 +166,7 @@ class RolloutService:
         """The tokenizer's EOS (a transformers property costs ~5 µs a read: read once)."""
         self.rewards = RewardClient()
         self.throughput = Throughput()
+        self.served: dict[int, str] = {}  # version -> fingerprint of what the engine held
         self._tally = Tally("groups_done", log)
         """Groups finished, by status, and their tokens: a line per group was ~15 CPU-µs of the
         ~240 a group costs the rollout (bench control_plane). Each group's line is still there
@@ -209,9 +211,11 @@ class RolloutService:
                 )
         log.info("experiment_bound", experiment=experiment_id, previous=previous)
 
-    async def update_weights(self, experiment_id: str, version: int, uri: str) -> WeightsResult:
+    async def update_weights(
+        self, experiment_id: str, version: int, uri: str, fp: str = ""
+    ) -> WeightsResult:
         """First load of the bound experiment (model + tokenizer), or an interrupting weight
-        update of the served one."""
+        update of the served one (again if it holds other weights than fingerprint `fp`)."""
         if self.binding is None or self.binding.experiment_id != experiment_id:
             bound = self.binding.experiment_id if self.binding else "nothing"
             raise Conflict(
@@ -227,11 +231,12 @@ class RolloutService:
             if self.tokenizer is None or experiment_id != self.experiment_id:
                 await self._load(self.binding, path, version)
                 interrupted = 0  # nothing of this experiment ran before
-            elif version == self.engine.version:
+            elif version == self.engine.version and not differs(fp, self.engine.fingerprint):
                 interrupted = 0  # a retried UpdateWeights: already served
             else:
                 interrupted = await self.engine.update_weights(str(path), version)
                 phases = self.engine.last_update
+            self.served[self.engine.version] = self.engine.fingerprint
             if fetch_s or phases is self.engine.last_update:  # fetched, or an engine update
                 phases = replace(phases, read_s=phases.read_s + fetch_s)  # fetched, then read
                 self._observe(experiment_id, phases)
@@ -430,6 +435,8 @@ class RolloutService:
         self, job: GroupJob, prompt_ids: list[int], samples: list[Sample], summary: GroupSummary
     ) -> None:
         """To JetStream with Nats-Msg-Id = group id, before the summary goes back."""
+        for s in samples:
+            s.fingerprints = stamp(s.versions, self.served)
         group = TrajectoryGroup(
             experiment_id=job.experiment_id,
             group_id=job.group_id,

@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import DynamicCache
 
+from asyncrl import fingerprint
 from asyncrl.logging import get_logger
 from asyncrl.spec import SamplingParams
 from asyncrl.types import Completion
@@ -123,7 +124,15 @@ class _Op:
     future: asyncio.Future
     state: dict[str, torch.Tensor] | None = None
     read_s: float = 0.0
+    fingerprint: str = ""
+    """Of `state` (an update) as read; a load computes it over the files it loads."""
     submitted: float = field(default_factory=time.perf_counter)
+
+
+def _read_state(model_dir: str) -> tuple[dict[str, torch.Tensor], str]:
+    """A version's tensors as read, and their fingerprint (before the pause: one sha256 pass)."""
+    state = load_state_dict_files(model_dir)
+    return state, fingerprint.of_state(state)
 
 
 def sample_token(
@@ -238,10 +247,10 @@ class TorchEngine(Engine):
         if self.model is None:
             raise RuntimeError("update_weights before load")
         t0 = time.perf_counter()
-        state = await asyncio.to_thread(load_state_dict_files, model_dir)
+        state, fp = await asyncio.to_thread(_read_state, model_dir)
         read_s = time.perf_counter() - t0
         return await self._submit_op(
-            _Op("update", str(model_dir), version, self._new_future(), state, read_s)
+            _Op("update", str(model_dir), version, self._new_future(), state, read_s, fp)
         )
 
     async def generate(self, req: GenRequest) -> Completion:
@@ -357,6 +366,7 @@ class TorchEngine(Engine):
                 self._slots.clear()
                 self._waiting.clear()
                 await asyncio.to_thread(self._load_model, op.model_dir)
+                op.fingerprint = await asyncio.to_thread(fingerprint.of_dir, op.model_dir)
                 result = 0
             else:
                 paused = time.perf_counter()
@@ -375,6 +385,7 @@ class TorchEngine(Engine):
                 )
             self._version = op.version
             self.model_dir = op.model_dir
+            self.fingerprint = op.fingerprint  # what was applied just now
             log.info(  # with the loop's counters so far: a run's logs can fit its cost
                 "weights_applied",
                 kind=op.kind,

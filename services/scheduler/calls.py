@@ -163,11 +163,13 @@ class WorkerCalls:
         return list((await stub.AbortGroups(request, timeout=timeout)).aborted)
 
     async def update_weights(
-        self, worker: Worker, version: int, uri: str, timeout: float
+        self, worker: Worker, version: int, uri: str, timeout: float, fingerprint: str = ""
     ) -> rollout_pb2.UpdateWeightsResponse:
+        """`fingerprint`: the committed one ("" unknown); a rollout that serves `version` with
+        other weights loads it again."""
         stub = rollout_pb2_grpc.RolloutStub(self.channels.get(worker.address))
         request = rollout_pb2.UpdateWeightsRequest(
-            experiment_id=self.experiment_id, version=version, uri=uri
+            experiment_id=self.experiment_id, version=version, uri=uri, fingerprint=fingerprint
         )
         return await stub.UpdateWeights(request, timeout=timeout)
 

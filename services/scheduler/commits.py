@@ -58,14 +58,16 @@ class CommitHandler:
         self.hooks = hooks
         self.log = log
 
-    async def commit(self, version: int, uri: str, metrics: StepMetrics) -> CommitResult:
+    async def commit(
+        self, version: int, uri: str, metrics: StepMetrics, fingerprint: str = ""
+    ) -> CommitResult:
         """Record `version` (durable in the weight store) as the trainer's newest and answer.
         The caller was authorized first (`TrainerAuthority.authorize`)."""
         t0 = time.perf_counter()
         fleet, over = self.fleet, self.lifecycle.stopping
         if over or version <= fleet.committed_version:  # a retry, or late
             return CommitResult(fleet_version=fleet.version, stop=over)
-        fleet.commit(version, uri, self.hooks.spawn)
+        fleet.commit(version, uri, self.hooks.spawn, fingerprint)
         self.supervisor.committed()
         aborted = self.dispatcher.abort_stale(version)
         if aborted:
@@ -78,6 +80,7 @@ class CommitHandler:
             "version_committed",
             version=version,
             uri=uri,
+            fingerprint=fingerprint,
             fleet_version=fleet.version,
             loss=metrics.loss,
             reward_mean=metrics.reward_mean,

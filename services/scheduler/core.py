@@ -225,13 +225,14 @@ class Scheduler:
         metrics: StepMetrics,
         trainer_id: str = "",
         caller: Principal | None = None,
+        fingerprint: str = "",
     ) -> CommitResult:
         """Only the experiment's trainer may commit (PermissionDenied otherwise)."""
         runner = self.get(experiment_id)
         await runner.authority.authorize(caller, trainer_id)
         if not uri:
             raise BadRequest("uri", "required")
-        return await runner.commits.commit(version, uri, metrics)
+        return await runner.commits.commit(version, uri, metrics, fingerprint)
 
     async def report_dropped(
         self, experiment_id: str, group_ids: list[str], caller: Principal | None = None

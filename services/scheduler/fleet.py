@@ -6,6 +6,12 @@ answered as soon as it is recorded: `update` (one background task at a time) bri
 rollouts to the newest target; commits that land meanwhile coalesce into the next update. The
 fleet version moves only once an update is done, and a rollout that fails it is fenced. A
 rollout that joins loads the fleet's weights first (`join`), and is ready then.
+
+A rollout serves a version only once it proved it: its UpdateWeights answer carries the
+fingerprint of the weights it holds (`asyncrl.fingerprint`), which must be the one the trainer
+committed; a rollout whose fingerprint differs is fenced (it reloads when bound again). Either
+side "" (an older trainer or rollout, an engine that cannot tell) is unverified: counted, not
+fenced. `WEIGHTS_CHECKED` counts the outcomes.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 
 from asyncrl.phases import WeightPhase
 from asyncrl.spec import RolloutSpec
@@ -35,6 +41,16 @@ way): the trainer trains on while the fleet loads the version it just committed.
 then consumes groups up to one version staler than when the fleet keeps up, so the lag comes
 out of eta: at eta <= 1 it is 0 (answered once the fleet serves v; the trainer still trains its
 next step meanwhile, but what it consumes stays as fresh as before)."""
+
+
+WEIGHTS_CHECKED = Counter(
+    "asyncrl_scheduler_weights_checked",
+    "Rollouts' UpdateWeights answers by fingerprint check: match, mismatch (fenced),"
+    " unverified (no fingerprint on one side)",
+    ["experiment", "result"],
+    registry=None,
+)
+"""Rendered by the scheduler's collector (never prometheus' global registry)."""
 
 
 def fleet_lag(rollout: RolloutSpec) -> int:
@@ -112,6 +128,8 @@ class Fleet:
         self.target: tuple[int, str] = (self.version, self.uri)
         """The trainer's newest committed (version, uri): where the fleet is being taken."""
         self.target_at = time.monotonic()
+        self.fingerprints: dict[int, str] = {}
+        """Version -> the fingerprint the trainer committed with it (this process's commits)."""
         self.task: asyncio.Task | None = None
         """The update under way (one at a time)."""
         self.last: FleetUpdate | None = None
@@ -151,9 +169,12 @@ class Fleet:
             return self.record.weight_uris[version]
         return self.calls.spec.model.path if version == 0 else self.uri
 
-    def commit(self, version: int, uri: str, spawn: Callable) -> None:
-        """The trainer committed `version` (durable at `uri`): update the fleet to it, in the
-        background (`spawn` runs `update` unless one is under way)."""
+    def commit(self, version: int, uri: str, spawn: Callable, fingerprint: str = "") -> None:
+        """The trainer committed `version` (durable at `uri`, its weights' `fingerprint`):
+        update the fleet to it, in the background (`spawn` runs `update` unless one is under
+        way)."""
+        if fingerprint:
+            self.fingerprints[version] = fingerprint
         self.set_target(version, uri)
         self.record.add_weights(version, uri)
         if self.task is None or self.task.done():
@@ -228,9 +249,10 @@ class Fleet:
         the ones that failed or lagged past the spec's `rollout.weight_update_timeout_s`, with
         the reason. That deadline, not a frozen worker's lease, bounds how long it waits."""
         timeout = self.calls.spec.rollout.weight_update_timeout_s
+        expected = self.fingerprints.get(version, "")
         t0 = time.perf_counter()
         results = await asyncio.gather(
-            *(self.calls.update_weights(w, version, uri, timeout) for w in workers),
+            *(self.calls.update_weights(w, version, uri, timeout, expected) for w in workers),
             return_exceptions=True,
         )
         update = FleetUpdate(version, seconds=time.perf_counter() - t0)
@@ -239,12 +261,34 @@ class Fleet:
                 update.failed.append((w, result.code().name))
             elif isinstance(result, BaseException):
                 update.failed.append((w, type(result).__name__))
+            elif reason := self.unproven(w, version, result.fingerprint):
+                update.failed.append((w, reason))
             else:
                 self.registry.weights_loaded(w, version)
                 update.updated += 1
                 if update.slowest is None or result.seconds > update.slowest.seconds:
                     update.slowest = result
         return update
+
+    def unproven(self, worker: Worker, version: int, fingerprint: str) -> str:
+        """Why `worker`'s answer to UpdateWeights(`version`) does not prove it serves the
+        committed weights ("" if it does, or if either fingerprint is unknown: unverified)."""
+        committed = self.fingerprints.get(version, "")
+        if not committed or not fingerprint:
+            WEIGHTS_CHECKED.labels(self.record.id, "unverified").inc()
+            return ""
+        if fingerprint == committed:
+            WEIGHTS_CHECKED.labels(self.record.id, "match").inc()
+            return ""
+        WEIGHTS_CHECKED.labels(self.record.id, "mismatch").inc()
+        self.log.warning(
+            "weights_fingerprint_mismatch",
+            worker=worker.worker_id,
+            version=version,
+            fingerprint=fingerprint,
+            committed=committed,
+        )
+        return f"weights fingerprint {fingerprint} is not the committed {committed}"
 
     def into_metrics(self, metrics: StepMetrics) -> None:
         """The newest update and the last commit's bookkeeping, into a step's metrics."""
@@ -286,9 +330,13 @@ class Fleet:
         await self.calls.bind(worker, timeout)
         while True:
             version, uri = self.version, self.uri
-            await self.calls.update_weights(worker, version, uri, timeout)
+            expected = self.fingerprints.get(version, "")
+            answer = await self.calls.update_weights(worker, version, uri, timeout, expected)
             async with self.lock:
                 if worker.experiment_id != self.record.id:
+                    return None
+                if reason := self.unproven(worker, version, answer.fingerprint):
+                    self.hooks.fence(worker, f"UpdateWeights v{version}: {reason}")
                     return None
                 if version == self.version:
                     self.registry.weights_loaded(worker, version)

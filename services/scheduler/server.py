@@ -18,6 +18,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.convert import experiment_to_proto, kind_from_proto, worker_to_proto
 from services.scheduler.core import Scheduler
 from services.scheduler.experiments import ExperimentRunner
+from services.scheduler.fleet import WEIGHTS_CHECKED
 from services.scheduler.records import Event
 from services.scheduler.registry import WorkerKind
 
@@ -120,6 +121,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             StepMetrics.from_proto(request.metrics),
             request.trainer_id,
             caller(),
+            request.fingerprint,
         )
         return scheduler_pb2.CommitWeightsResponse(
             fleet_version=result.fleet_version, stop=result.stop
@@ -161,6 +163,7 @@ class SchedulerCollector(Collector):
             workers.add_metric([kind], float(n))
         yield workers
         yield from self.scheduler.fleet_seconds.collect()
+        yield from WEIGHTS_CHECKED.collect()
 
     def _experiments(self):
         label = ["experiment"]

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Coroutine
 from pathlib import Path
 
+from asyncrl import fingerprint
 from asyncrl.weights import TOKENIZER_FILES, prune, publish_version, version_dir
 
 
@@ -31,7 +32,8 @@ def write_version(
     """`files` (+ the tokenizer's) as `version` in the weight store: written to a temporary
     directory and renamed into place, so a reader never sees it partial; the newest `keep`
     versions are kept, and `version` itself (a resumed trainer rewrites one the store pruned:
-    older than those kept). Returns the version's URI."""
+    older than those kept). Its manifest records the weights' fingerprint (`asyncrl.fingerprint`,
+    one sha256 pass over the tensors' bytes). Returns the version's URI."""
     final = version_dir(root, experiment_id, version)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -39,6 +41,7 @@ def write_version(
         tmp.mkdir()
         for name, data in files.items():
             (tmp / name).write_bytes(data)
+        fingerprint.write_manifest(tmp, version, fingerprint.of_files(files))
         _add_tokenizer(Path(tokenizer_dir), version_dir(root, experiment_id, version - 1), tmp)
         uri = publish_version(tmp, final)
     finally:

@@ -24,8 +24,11 @@ class SchedulerCalls:
         self._worker = worker
         self.log = log
 
-    async def commit(self, uri: str, m: StepMetrics) -> scheduler_pb2.CommitWeightsResponse:
-        """CommitWeights is idempotent per (experiment, version): safe to retry. Each attempt
+    async def commit(
+        self, uri: str, m: StepMetrics, fingerprint: str = ""
+    ) -> scheduler_pb2.CommitWeightsResponse:
+        """CommitWeights (with the version's weights fingerprint, "" if unknown) is idempotent
+        per (experiment, version): safe to retry. Each attempt
         carries this trainer's worker id as of then (a new one once it re-registered with a
         restarted scheduler, which answers UNAVAILABLE to an id it no longer knows)."""
         metrics = m.to_proto()
@@ -37,6 +40,7 @@ class SchedulerCalls:
                     uri=uri,
                     metrics=metrics,
                     trainer_id=self._worker(),
+                    fingerprint=fingerprint,
                 )
                 return await self.stub.CommitWeights(req, timeout=COMMIT_TIMEOUT_S)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from asyncrl.grpcutil import channel
@@ -87,6 +88,14 @@ class TrainerCollector(Collector):
                 family.add_metric(labels, float(getattr(s.last_metrics, key)))
             yield family
         yield from s.phases.collect()
+        checked = CounterMetricFamily(
+            "asyncrl_trainer_samples_weights_checked",
+            "Samples trained, by weights fingerprint check: verified, unverified",
+            labels=["experiment", "result"],
+        )
+        for result, n in sorted(s.samples_checked.items()):
+            checked.add_metric([s.experiment_id, result], float(n))
+        yield checked
 
 
 async def create_trainer(

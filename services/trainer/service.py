@@ -29,6 +29,7 @@ import contextlib
 import json
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -61,7 +62,13 @@ from services.trainer.metrics import (
 from services.trainer.publish import InFlight
 from services.trainer.scheduler_calls import SchedulerCalls
 from services.trainer.transport import Store, WeightSender, sender_for
-from services.trainer.validation import Admission, RecentIds, Verdict, triage
+from services.trainer.validation import (
+    Admission,
+    RecentIds,
+    Verdict,
+    fingerprint_tally,
+    triage,
+)
 
 log = get_logger()
 
@@ -140,6 +147,7 @@ class TrainerService:
         self._scheduler: SchedulerCalls | None = None  # CommitWeights, ReportDropped
         self._boundary_seq = 0  # last stream seq consumed at the last step boundary
         self._trained = RecentIds()  # group ids trained up to the last step boundary
+        self.samples_checked: Counter[str] = Counter()  # by weights check (`_reset`)
         self._vocab_size = 0
         self._stage = ""  # what the loop is doing: names the cause of a failure
         self._task: asyncio.Task | None = None
@@ -228,6 +236,8 @@ class TrainerService:
         self.version = self.step = self._boundary_seq = 0
         self.resumed, self.last_metrics = False, None
         self._trained = RecentIds()
+        self._fingerprints: dict[int, str] = {}  # version -> its weights' fingerprint
+        self.samples_checked = Counter()  # trained samples: verified / unverified weights
         self._train_end, self._after = None, StepTimes()
         self._publishing = InFlight()
         self._stop = asyncio.Event()  # a StopExperiment during loading stops the new run
@@ -265,6 +275,7 @@ class TrainerService:
             self.resumed = True
             if self.version > 0:
                 await self.sender.restore(self.version, self.backend.hf_files)
+                self._fingerprints[self.version] = self.sender.fingerprint(self.version)
         self._consumer = GroupConsumer(self.js, self.experiment_id)
         await self._consumer.open(consumer_start_seq(state))
         await ensure_ledger(self.js)
@@ -341,6 +352,7 @@ class TrainerService:
             vocab_size=self._vocab_size,
             trainer_version=self.version,
             eta=self.spec.rollout.max_head_offpolicyness,
+            fingerprints=self._fingerprints,
         )
 
     async def _collect(self) -> Batch | None:
@@ -376,6 +388,7 @@ class TrainerService:
         if verdict == Verdict.TRAIN:
             batch.groups.append(p.group)
             batch.taken.add(p.group.group_id)
+            self.samples_checked.update(fingerprint_tally(p.group, self._fingerprints))
         elif verdict == Verdict.STALE:
             batch.dropped += 1
             return [p.group]
@@ -446,17 +459,17 @@ class TrainerService:
         self._publishing.stage = "publish weights"
         t0 = time.perf_counter()
         uri = await self.sender.publish(m.version, files)
+        fp = self._fingerprints[m.version] = self.sender.fingerprint(m.version)
         t1 = time.perf_counter()
         m.write_s = t1 - t0
         self._observe("write", m.write_s)
         self._publishing.stage = "commit"
-        resp = await self.sender.send(m.version, self._scheduler.commit(uri, m))
+        resp = await self.sender.send(m.version, self._scheduler.commit(uri, m, fp))
         commit_s = time.perf_counter() - t1
         self._observe("commit", commit_s)
         self._after = replace(self._after, commit_s=commit_s)
-        await self.ledger.record(
-            "trained", step=m.step, version=m.version, groups=ids, run=self.run_id
-        )
+        fields = {"groups": ids, "run": self.run_id, "fingerprint": fp}
+        await self.ledger.record("trained", step=m.step, version=m.version, **fields)
         if resp.stop:
             self.log.info(
                 "scheduler_says_stop", version=m.version, fleet_version=resp.fleet_version

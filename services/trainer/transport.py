@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from asyncrl.fingerprint import read_manifest
 from asyncrl.retry import jetstream_call
 from asyncrl.settings import settings
 from asyncrl.spec import TrainerSpec
@@ -82,6 +83,11 @@ class WeightSender:
         in a worker thread, when it has to be written)."""
         raise NotImplementedError
 
+    def fingerprint(self, version: int) -> str:
+        """The published `version`'s weights fingerprint, from its manifest in the weight store
+        (every sender writes the store first); "" if it has none."""
+        raise NotImplementedError
+
     async def send(self, version: int, commit: Awaitable[T]) -> T:
         """Deliver the published `version` while `commit` (CommitWeights) runs; returns its
         answer. Rollouts that load from the URI need nothing more than the commit."""
@@ -105,6 +111,9 @@ class DiskSender(WeightSender):
     async def publish(self, version: int, files: Files) -> str:
         await asyncio.to_thread(self.store.write, version, files)
         return self.uri(version)
+
+    def fingerprint(self, version: int) -> str:
+        return read_manifest(self.store.dir(version))
 
     async def restore(self, version: int, files: Callable[[], Files]) -> None:
         if not self.store.dir(version).exists():  # pruned after the checkpoint was taken
@@ -162,6 +171,9 @@ class NcclSender(WeightSender):
 
     async def restore(self, version: int, files: Callable[[], Files]) -> None:
         await self.files.restore(version, files)
+
+    def fingerprint(self, version: int) -> str:
+        return self.files.fingerprint(version)
 
     async def send(self, version: int, commit: Awaitable[T]) -> T:
         """The broadcast (joining the group at the first) and the commit run together; both

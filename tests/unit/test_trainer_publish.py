@@ -48,6 +48,7 @@ def test_write_version_tokenizer_dir_lacking_files_links_only_those_present(tmp_
     third = version_dir(root, "e", 3)
     assert sorted(p.name for p in third.iterdir()) == [
         "config.json",
+        "fingerprint.json",
         "merges.txt",
         "tokenizer.json",
         "tokenizer_config.json",
@@ -116,4 +117,5 @@ def test_write_version_tokenizer_dir_missing_writes_only_files(tmp_path):
     root = tmp_path / "weights"
     for version in (1, 2):  # a hub name as the tokenizer's path: nothing to list
         write_version(root, "e", version, {"config.json": b"{}"}, tmp_path / "org/model", keep=3)
-    assert [p.name for p in version_dir(root, "e", 2).iterdir()] == ["config.json"]
+    names = sorted(p.name for p in version_dir(root, "e", 2).iterdir())
+    assert names == ["config.json", "fingerprint.json"]

@@ -5,9 +5,14 @@ tests/integration/test_trainer_weight_sync.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
+from safetensors.torch import save
 from structlog.testing import capture_logs
 
+from asyncrl.fingerprint import of_files
 from asyncrl.logging import get_logger
 from asyncrl.spec import validate_spec
 from asyncrl.weights import path_to_uri
@@ -82,18 +87,24 @@ def test_uris_base_model_is_empty_then_file_or_nats(tmp_path):
 async def test_disk_sender_publishes_files_with_tokenizer_keeps_newest_and_restores(tmp_path):
     store = _store(tmp_path)
     sender = DiskSender(store)
-    files = {"model.safetensors": b"\x00weights", "config.json": b'{"a": 1}'}
+    weights = save({"w": torch.tensor([1.0, 2.0])})
+    files = {"model.safetensors": weights, "config.json": b'{"a": 1}'}
     uris = [await sender.publish(v, files) for v in (1, 2, 3)]
     assert uris == [sender.uri(v) for v in (1, 2, 3)]
     kept = sorted(p.name for p in (tmp_path / "weights" / "e").iterdir())
     assert kept == ["v000002", "v000003"]  # keep=2
     d = store.dir(3)
-    assert {p.name: p.read_bytes() for p in d.iterdir()} == files | {"tokenizer.json": b"{}"}
+    manifest = json.dumps({"version": 3, "fingerprint": of_files(files)}).encode() + b"\n"
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == files | {
+        "tokenizer.json": b"{}",
+        "fingerprint.json": manifest,
+    }
+    assert sender.fingerprint(3) == of_files(files)
     calls = []
     await sender.restore(3, lambda: calls.append(3) or files)  # there: nothing written
     await sender.restore(1, lambda: calls.append(1) or files)  # pruned: written again
     assert calls == [1]  # and kept, though older than the two newest (a rewound trainer's)
-    assert (store.dir(1) / "model.safetensors").read_bytes() == b"\x00weights"
+    assert (store.dir(1) / "model.safetensors").read_bytes() == weights
     assert await sender.send(1, _answer("committed")) == "committed"
 
 
