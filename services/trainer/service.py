@@ -445,8 +445,7 @@ class TrainerService:
         self.state = TrainerState.WAITING
 
     def _step(self, groups: list[TrajectoryGroup]) -> tuple[dict[str, float], float, dict]:
-        """(In a worker thread: one hop for both) train on `groups`, then take the new weights
-        as bytes; returns the stats, when the step ended, and the files."""
+        """(In a worker thread) train on `groups`; the stats, when it ended, the new weights."""
         stats = self.backend.train_step(groups)
         check_finite_step(self.backend, stats, self.step + 1)  # before a version exists
         ended = time.perf_counter()
