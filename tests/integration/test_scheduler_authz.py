@@ -25,6 +25,7 @@ from services.rollout.server import create_rollout
 from services.rollout.torch_engine import TorchEngine
 from services.scheduler.registry import WorkerKind
 from services.scheduler.server import create_scheduler
+from services.trainer.scheduler_calls import SchedulerCalls
 from services.trainer.server import create_trainer
 from tests.fakes import scheduler_env
 from tests.fakes.scheduler_env import (
@@ -317,27 +318,27 @@ async def stack(nats_server, tiny, tmp_path):
     await s.close()
 
 
-def hold_commits_from(trainer, version: int) -> asyncio.Event:
-    """The trainer service's commits of `version` and later wait until the returned Event is
-    set: the run stays at version - 1, RUNNING, for as long as the test acts on it. (A real
-    step of the tiny model takes ~30 ms: six steps were over in 0.25 s, before or during what a
-    test did "mid-run".)"""
-    commit = trainer._commit
+def hold_commits_from(monkeypatch, version: int) -> asyncio.Event:
+    """The trainer's commits (`SchedulerCalls.commit`, made per experiment) of `version` and
+    later wait until the returned Event is set: the run stays at version - 1, RUNNING, for as
+    long as the test acts on it. (A real step of the tiny model takes ~30 ms: six steps were
+    over in 0.25 s, before or during what a test did "mid-run".)"""
+    commit = SchedulerCalls.commit
     release = asyncio.Event()
 
-    async def gated(uri, metrics):
+    async def gated(self, uri, metrics, *args, **kwargs):
         if metrics.version >= version:
             await release.wait()
-        return await commit(uri, metrics)
+        return await commit(self, uri, metrics, *args, **kwargs)
 
-    trainer._commit = gated
+    monkeypatch.setattr(SchedulerCalls, "commit", gated)
     return release
 
 
 @pytest.mark.slow  # a real run on the tiny model: left out of make test-fast
-async def test_real_run_imposter_commit_and_forged_drop_refused_run_completes(stack):
+async def test_real_run_imposter_commit_and_forged_drop_refused_run_completes(stack, monkeypatch):
     await stack.start()
-    release = hold_commits_from(stack.trainer, 2)
+    release = hold_commits_from(monkeypatch, 2)
     exp_id = await stack.submit(stack.spec(trainer={"total_steps": 6}))
     runner = stack.scheduler.get(exp_id)
     await wait_until(lambda: runner.version >= 1, timeout=120)
@@ -360,9 +361,11 @@ async def test_real_run_imposter_commit_and_forged_drop_refused_run_completes(st
 
 
 @pytest.mark.slow  # a real run on the tiny model: left out of make test-fast
-async def test_real_run_scheduler_restart_trainer_commits_as_its_new_registration(stack):
+async def test_real_run_scheduler_restart_trainer_commits_as_its_new_registration(
+    stack, monkeypatch
+):
     await stack.start()
-    release = hold_commits_from(stack.trainer, 2)
+    release = hold_commits_from(monkeypatch, 2)
     exp_id = await stack.submit(stack.spec(trainer={"total_steps": 6}))
     runner = stack.scheduler.get(exp_id)
     await wait_until(lambda: runner.version >= 1, timeout=120)
