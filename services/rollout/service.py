@@ -40,6 +40,8 @@ from services.rollout.reward_client import RewardBinding, RewardClient, RewardUn
 from services.rollout.running import RunningGroup, RunningGroups
 
 log = get_logger(component="rollout")
+SERVED_KEEP = 64
+"""Versions behind the served one whose fingerprints are kept to stamp samples with."""
 
 
 @dataclass
@@ -237,6 +239,8 @@ class RolloutService:
                 interrupted = await self.engine.update_weights(str(path), version)
                 phases = self.engine.last_update
             self.served[self.engine.version] = self.engine.fingerprint
+            for old in [v for v in self.served if v < self.engine.version - SERVED_KEEP]:
+                del self.served[old]  # a sample this stale is dropped: "" (unverified) at worst
             if fetch_s or phases is self.engine.last_update:  # fetched, or an engine update
                 phases = replace(phases, read_s=phases.read_s + fetch_s)  # fetched, then read
                 self._observe(experiment_id, phases)
