@@ -73,7 +73,7 @@ def run(shape: str, work: Path, sizes: dict) -> dict:
         "micro_batch_tokens": sizes["micro_batch_tokens"],
         "load_s": round(load_s, 2),
         "first_step_s": round(first[0], 3),
-        "step_s": round(step_s, 4),
+        "step_s": round(step_s, 6),
         "step_s_all": [round(t, 4) for t in times],
         "tokens_per_s": round(rows * row_tokens / step_s, 1),
         "loss_tokens_per_s": round(first[1]["tokens"] / step_s, 1),
