@@ -36,3 +36,9 @@ def two_args(completion: str, answer: str) -> float:
 
 
 NOT_CALLABLE = 3
+
+
+def sleep_forever(completion: str, answer: str, prompt: str, **kwargs: str) -> float:
+    """A plugin that hangs: never returns (the reward service kills it at its timeout_s)."""
+    while True:
+        time.sleep(3600)
