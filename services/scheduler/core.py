@@ -28,6 +28,7 @@ from asyncrl.spec import (
     SpecError,
     check_files,
     check_reward_plugin,
+    largest_field,
     spec_from_json,
     validate_spec,
 )
@@ -164,7 +165,8 @@ class Scheduler:
         the workers that run it load it when the experiment binds, and a refusal fails it."""
         spec = spec_from_json(spec_json)  # first: a too long field is named
         if len(spec_json) > MAX_SPEC_BYTES:
-            raise BadRequest("spec_json", f"{len(spec_json)} bytes, at most {MAX_SPEC_BYTES}")
+            why = f"the spec is {len(spec_json)} bytes, at most {MAX_SPEC_BYTES}"
+            raise BadRequest(largest_field(spec.model_dump()), why)
         check_files(spec)
         check_reward_function(spec.reward.function, spec.reward.kwargs)
         check_reward_plugin(spec)  # docs/rewards.md: a missing module fails the submit

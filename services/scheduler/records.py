@@ -69,7 +69,9 @@ class Progress(GroupCounters):
     staleness_max: int = 0
     stale_groups: int = 0
     left_over: int = 0
-    """Accepted groups never trained: fewer than a batch when the run ended."""
+    """Prompts left over when the run ended, as the ledger counts them: groups cancelled in
+    flight, prompts re-queued and not dispatched again, accepted groups never trained
+    (`Dispatcher.left_over_at_end`; while finishing: the accepted groups never trained)."""
 
 
 @dataclass
