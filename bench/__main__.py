@@ -14,7 +14,15 @@ import torch
 
 from asyncrl.logging import configure_logging
 from bench import BENCHMARKS
-from bench.report import Context, Result, Skip, build_report, render_table, write_report
+from bench.report import (
+    Context,
+    Result,
+    Skip,
+    build_report,
+    machine_info,
+    render_table,
+    write_report,
+)
 
 
 def run_benchmarks(
@@ -63,11 +71,14 @@ def main(argv: list[str] | None = None) -> int:
         console = Console(width=150)
     err = Console(stderr=True, markup=False, highlight=False)
     names = args.only or list(BENCHMARKS)
+    machine = machine_info()  # before the run: its load is what else the machine is doing
+    err.print(f"[bench] machine: {machine['line']}", style="dim")
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-") as tmp:
         results, skipped = run_benchmarks(
             names, args.quick, Path(tmp), progress=lambda m: err.print(m, style="dim")
         )
-    report = build_report(results, skipped, args.quick, ["python", "-m", "bench", *sys.argv[1:]])
+    command = ["python", "-m", "bench", *sys.argv[1:]]
+    report = build_report(results, skipped, args.quick, command, machine)
     write_report(report, args.out)
     console.print(render_table(report))
     console.print(f"report: {args.out}")
