@@ -26,10 +26,11 @@ from bench.report import (
 
 
 def run_benchmarks(
-    names: list[str], quick: bool, work_dir: Path, progress=None
+    names: list[str], quick: bool, work_dir: Path, progress=None, only: list[str] | None = None
 ) -> tuple[list[Result], list[dict]]:
-    """Run the named benchmarks in order in one context; (results, skipped)."""
-    ctx = Context(work_dir=work_dir, quick=quick)
+    """Run the named benchmarks in order in one context (`only`: those named with --only);
+    (results, skipped)."""
+    ctx = Context(work_dir=work_dir, quick=quick, only=list(only or []))
     results, skipped = [], []
     for name in names:
         module = importlib.import_module(BENCHMARKS[name])
@@ -75,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     err.print(f"[bench] machine: {machine['line']}", style="dim")
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-") as tmp:
         results, skipped = run_benchmarks(
-            names, args.quick, Path(tmp), progress=lambda m: err.print(m, style="dim")
+            names,
+            args.quick,
+            Path(tmp),
+            progress=lambda m: err.print(m, style="dim"),
+            only=args.only,
         )
     command = ["python", "-m", "bench", *sys.argv[1:]]
     report = build_report(results, skipped, args.quick, command, machine)

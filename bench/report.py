@@ -51,6 +51,9 @@ class Context:
     work_dir: Path
     quick: bool = False
     shared: dict = field(default_factory=dict)
+    only: list[str] = field(default_factory=list)
+    """The benchmarks named with `--only` (empty: all of them): one named may run its full
+    size, which would make the whole `make bench` too long (bench.scale)."""
 
     def size(self, full, quick):
         return quick if self.quick else full
