@@ -81,7 +81,7 @@ class Sizes:
     steady_s: float = 30.0
     warmup_versions: int = 2
     """Versions every experiment commits before the steady window."""
-    timeout_s: float = 90.0
+    timeout_s: float = 180.0
     """How long a phase may take to reach its goal (every rollout bound, the warm-up's
     versions, the killed rollouts expired) before the run counts as broken there."""
 
@@ -91,7 +91,7 @@ class Sizes:
         windows and groups, a 5 s lease."""
         return cls(
             rollouts=100, rewards=10, experiments=2, rollout_procs=1, vanish=20,
-            group_s=2.0, batch=16, lease_ttl_s=5.0, idle_s=4.0, steady_s=8.0,
+            group_s=2.0, batch=16, lease_ttl_s=5.0, idle_s=3.0, steady_s=6.0,
             warmup_versions=1, timeout_s=25.0,
         )  # fmt: skip
 
@@ -361,8 +361,10 @@ async def idle_window(client: AsyncrlClient, dep: Deployment, s: Sizes, ids: lis
     """Cancel the experiments; once their workers are free, a window of heartbeats only."""
     for i in ids:
         await client.cancel(i)
-    with contextlib.suppress(TimeoutError):
-        await wait_workers(client, dep, lambda ws: not any(w.experiment_id for w in ws), timeout=30)
+    with contextlib.suppress(Broke):
+        await wait_workers(
+            client, dep, lambda ws: not any(w.experiment_id for w in ws), "cancel", s.timeout_s
+        )
     await asyncio.sleep(2 * s.heartbeat_interval_s)
     window = CpuWindow(dep)
     await asyncio.sleep(s.idle_s)

@@ -66,7 +66,7 @@ class Stats:
     registering: float = 0.0
     """Wall time the first identity began to register (its server serving)."""
     registered: float = 0.0
-    """Wall time the last identity registered."""
+    """Wall time the last identity registered (so far)."""
     heartbeats: list[tuple[float, float]] = field(default_factory=list)
     """(wall time sent, seconds to the answer) of every heartbeat."""
     heartbeat_failures: list[float] = field(default_factory=list)
@@ -256,18 +256,9 @@ def _port(server: grpc.aio.Server, creds) -> str:
     return f"127.0.0.1:{server.add_secure_port('127.0.0.1:0', creds)}"
 
 
-async def serve(args: argparse.Namespace) -> None:
-    stats, rng = Stats(), random.Random(args.seed)
-    kind = args.kind
-    sched = channel(args.scheduler, identity=kind)
-    stub = scheduler_pb2_grpc.SchedulerStub(sched)
-    nc = js = None
-    if kind in ("rollout", "trainer"):
-        nc = await connect(identity=kind)
-        js = nc.jetstream()
-        if kind == "rollout":
-            await ensure_stream(js)
-    servers, identities = [], []
+def _servers(args, stub, stats: Stats, js, rng) -> tuple[list[grpc.aio.Server], list[Identity]]:
+    """The gRPC servers (one, a port per identity; a trainer's own each) and the identities."""
+    kind, servers, identities = args.kind, [], []
     if kind == "trainer":  # GetStatus names the trainer's experiment: a server each
         for i in range(args.count):
             server, creds = _server(kind)
@@ -277,32 +268,54 @@ async def serve(args: argparse.Namespace) -> None:
             )
             servers.append(server)
             identities.append(ident)
+        return servers, identities
+    server, creds = _server(kind)
+    for i in range(args.count):
+        address = _port(server, creds)
+        identities.append(Identity(kind, address, f"{args.name}-{i}", args.capacity, stub, stats))
+    if kind == "rollout":
+        rollout_pb2_grpc.add_RolloutServicer_to_server(
+            ZeroRollout(js, stats, args.group_s, rng), server
+        )
     else:
-        server, creds = _server(kind)
-        for i in range(args.count):
-            address = _port(server, creds)
-            identities.append(
-                Identity(kind, address, f"{args.name}-{i}", args.capacity, stub, stats)
-            )
-        if kind == "rollout":
-            servicer = ZeroRollout(js, stats, args.group_s, rng)
-            rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, server)
-        else:
-            reward_pb2_grpc.add_RewardServicer_to_server(ZeroReward(), server)
-        servers.append(server)
-    for server in servers:
-        await server.start()
-    stats.registering = time.time()
-    for i in range(0, len(identities), 50):  # registration in waves: the scheduler logs each
-        await asyncio.gather(*(ident.register() for ident in identities[i : i + 50]))
-    stats.registered = time.time()
-    beats = [asyncio.create_task(ident.beat_forever(rng)) for ident in identities]
+        reward_pb2_grpc.add_RewardServicer_to_server(ZeroReward(), server)
+    return [server], identities
+
+
+async def _live(ident: Identity, registering: asyncio.Semaphore, rng, stats: Stats) -> None:
+    """Register (at most REGISTERING at once in a process), then heartbeat at once, as each
+    worker's own WorkerAgent does."""
+    async with registering:
+        await ident.register()
+    stats.registered = max(stats.registered, time.time())
+    await ident.beat_forever(rng)
+
+
+REGISTERING = 50
+
+
+async def serve(args: argparse.Namespace) -> None:
+    stats, rng = Stats(), random.Random(args.seed)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
+    sched = channel(args.scheduler, identity=args.kind)
+    stub = scheduler_pb2_grpc.SchedulerStub(sched)
+    nc = js = None
+    if args.kind in ("rollout", "trainer"):
+        nc = await connect(identity=args.kind)
+        js = nc.jetstream()
+        if args.kind == "rollout":
+            await ensure_stream(js)
+    servers, identities = _servers(args, stub, stats, js, rng)
+    for server in servers:
+        await server.start()
+    stats.registering = time.time()
+    registering = asyncio.Semaphore(REGISTERING)
+    tasks = [asyncio.create_task(_live(i, registering, rng, stats)) for i in identities]
     await stop.wait()
-    for task in beats:
+    for task in tasks:
         task.cancel()
     args.stats.write_text(json.dumps(asdict(stats)))
     for server in servers:
