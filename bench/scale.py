@@ -168,6 +168,19 @@ class Deployment:
             "--seed", str(len(self.procs)),
         ])  # fmt: skip
 
+    def expired(self) -> list[float]:
+        """Wall times of the scheduler's `worker_expired` events (its log: JSON lines)."""
+        from datetime import datetime
+
+        times = []
+        with open(self.var / "logs" / "scheduler.log", "rb") as f:
+            for line in f:
+                if b'"worker_expired"' in line:
+                    with contextlib.suppress(ValueError, KeyError):
+                        stamp = json.loads(line)["timestamp"].replace("Z", "+00:00")
+                        times.append(datetime.fromisoformat(stamp).timestamp())
+        return times
+
     def stats_file(self, name: str) -> Path:
         return self.var / f"stats-{name}.json"
 
@@ -438,6 +451,7 @@ def measure(work_dir: Path, s: Sizes) -> dict:
             raw = asyncio.run(run_phases(dep, var, s))
         finally:
             stats = dep.stop()
+        raw["expired"] = dep.expired()
         return figures(raw, stats, s)
     finally:
         for k, v in saved.items():
@@ -466,7 +480,7 @@ def results(f: dict, s: Sizes) -> list[Result]:
     workers = s.rollouts + s.rewards + s.experiments
     engine_ms = 1e3 * s.group_s
     rows = [
-        ("live workers whose lease lapsed (a heartbeat answered unknown)",
+        ("live workers the scheduler expired (their lease lapsed)",
          f["lapsed_live_workers"], "workers", "the workers registered", workers),
         ("lease sweep (expire + idle checks)", f["sweep_us"], "µs",
          "the sweep interval", 1e6 * min(1.0, max(0.05, s.lease_ttl_s / 4))),
@@ -486,7 +500,8 @@ def results(f: dict, s: Sizes) -> list[Result]:
         ]  # fmt: skip
     if idle := f.get("idle"):
         rows.append(
-            ("scheduler CPU-µs per heartbeat, no experiment", idle["cpu_us_per_heartbeat"], "µs",
+            ("scheduler CPU-µs per heartbeat (or registration), no experiment",
+             idle["cpu_us_per_worker_rpc"], "µs",
              f"one core's µs per heartbeat ({workers} workers, 1 per {s.heartbeat_interval_s:g} s)",
              1e6 * s.heartbeat_interval_s / workers)
         )  # fmt: skip
@@ -513,12 +528,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reduced", action="store_true", help="the size `make bench` runs")
     p.add_argument("--steady", type=float, help="seconds of the steady window")
     p.add_argument("--lease", type=float, help="the scheduler's lease (default 10 s)")
+    p.add_argument("--rollouts", type=int, help="rollout workers (default 1000; 100 vanish)")
+    p.add_argument("--experiments", type=int, help="experiments (default 10)")
     p.add_argument("--work", type=Path, help="keep the run's files here (logs, stats)")
     args = p.parse_args(argv)
     configure_logging("bench", json=False, level="WARNING")
     s = Sizes.reduced() if args.reduced else Sizes()
     if args.lease:
         s.lease_ttl_s = args.lease
+    if args.rollouts:  # a tenth of them reward workers, a tenth vanish, as at full size
+        s.rollouts, s.rewards, s.vanish = args.rollouts, args.rollouts // 10, args.rollouts // 10
+    if args.experiments:
+        s.experiments = args.experiments
     if args.steady:
         s.steady_s = args.steady
     if args.work:

@@ -68,6 +68,9 @@ def sweep_us(s: Sizes, repeats: int = 200) -> float:
 def window_beats(window: dict, beats: list[tuple], stats: dict[str, dict]) -> dict:
     """The scheduler's share, and the heartbeats' latency and failures, over `window`."""
     lat = [x for t, x in beats if in_window(t, window)]
+    registered = sum(
+        1 for st in stats.values() for t in st["registrations"] if in_window(t, window)
+    )
     failed = sum(
         1 for st in stats.values() for t in st["heartbeat_failures"] if in_window(t, window)
     )
@@ -77,6 +80,7 @@ def window_beats(window: dict, beats: list[tuple], stats: dict[str, dict]) -> di
         "heartbeat_ms_p99": round(1e3 * percentile(lat, 99), 2),
         "heartbeat_ms_max": round(1e3 * max(lat, default=float("nan")), 2),
         "heartbeats_failed": failed,
+        "registrations": registered,
     }
 
 
@@ -87,7 +91,8 @@ def figures(raw: dict, stats: dict[str, dict], s: Sizes) -> dict:
     f: dict = {
         "sizes": asdict(s),
         "broke": raw.get("broke"),
-        "lapsed_live_workers": sum(len(st["reregistered"]) for st in stats.values()),
+        "lapsed_live_workers": lapsed(raw, s.vanish),
+        "registrations": sum(len(st["registrations"]) for st in stats.values()),
         "commit_failures": sum(st.get("commit_failures", 0) for st in stats.values()),
         "sweep_us": round(sweep_us(s), 1),
     }
@@ -100,7 +105,7 @@ def figures(raw: dict, stats: dict[str, dict], s: Sizes) -> dict:
     if "bind" in raw:
         f["bind"] = window_beats(raw["bind"], beats, stats)
     if "idle" in raw:
-        f["idle"] = idle_figures(raw["idle"], beats)
+        f["idle"] = idle_figures(raw["idle"], beats, stats)
     if "steady" in raw:
         f["steady"] = steady_figures(raw, stats, beats, s)
         if "idle" in f:  # what the experiments add to the heartbeats' cost, per group
@@ -111,13 +116,29 @@ def figures(raw: dict, stats: dict[str, dict], s: Sizes) -> dict:
     return f
 
 
-def idle_figures(idle: dict, beats: list[tuple]) -> dict:
+def lapsed(raw: dict, vanish: int) -> int:
+    """Live workers the scheduler expired: its `worker_expired` events, but for the killed
+    process's rollouts (those after the kill, up to their number)."""
+    killed_at = raw.get("vanish", {}).get("killed_at")
+    if killed_at is None:
+        return len(raw["expired"])
+    before = sum(1 for t in raw["expired"] if t < killed_at)
+    after = sum(1 for t in raw["expired"] if t >= killed_at)
+    return before + max(0, after - vanish)
+
+
+def idle_figures(idle: dict, beats: list[tuple], stats: dict[str, dict]) -> dict:
+    """Heartbeats only: the scheduler's CPU per worker RPC (a heartbeat, or a registration
+    after a failed one), the heartbeats' latency."""
     lat = [x for t, x in beats if in_window(t, idle)]
+    registered = sum(1 for st in stats.values() for t in st["registrations"] if in_window(t, idle))
+    rpcs = max(1, len(lat) + registered)
     return {
         "scheduler_share": round(idle["share"]["scheduler"], 3),
         "nats_share": round(idle["share"]["nats"], 3),
         "heartbeats_per_s": round(len(lat) / idle["seconds"], 1),
-        "cpu_us_per_heartbeat": round(1e6 * idle["cpu_s"]["scheduler"] / max(1, len(lat)), 1),
+        "registrations_per_s": round(registered / idle["seconds"], 1),
+        "cpu_us_per_worker_rpc": round(1e6 * idle["cpu_s"]["scheduler"] / rpcs, 1),
         "heartbeat_ms_p50": round(1e3 * percentile(lat, 50), 2),
         "heartbeat_ms_p99": round(1e3 * percentile(lat, 99), 2),
     }

@@ -69,6 +69,8 @@ class Stats:
     """Wall time the last identity registered (so far)."""
     heartbeats: list[tuple[float, float]] = field(default_factory=list)
     """(wall time sent, seconds to the answer) of every heartbeat."""
+    registrations: list[float] = field(default_factory=list)
+    """Wall times of every RegisterWorker answered (the first, and each after a failure)."""
     heartbeat_failures: list[float] = field(default_factory=list)
     """Wall times of the heartbeats that failed (deadline: the interval, as the worker's)."""
     reregistered: list[float] = field(default_factory=list)
@@ -99,6 +101,7 @@ class Identity:
         while True:
             try:
                 resp = await self.stub.RegisterWorker(request, timeout=RPC_TIMEOUT_S)
+                self.stats.registrations.append(time.time())
                 break
             except grpc.aio.AioRpcError:
                 await asyncio.sleep(0.5)

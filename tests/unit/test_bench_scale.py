@@ -8,7 +8,7 @@ import math
 import pytest
 
 from bench.scale import Sizes
-from bench.scale_figures import dispatch_latencies, in_window, percentile, sweep_us
+from bench.scale_figures import dispatch_latencies, in_window, lapsed, percentile, sweep_us
 
 
 def test_percentile_nearest_rank():
@@ -57,3 +57,11 @@ def test_sizes_offered_load_and_reduced_fits_make_bench():
 def test_sweep_of_the_real_registry_is_timed():
     us = sweep_us(Sizes.reduced(), repeats=20)
     assert 0 < us < 1e6
+
+
+def test_lapsed_counts_expiries_of_live_workers_only():
+    # 2 expiries before the kill (live workers whose lease lapsed); 3 after it, of which the
+    # 2 killed rollouts' own are expected: 1 more live worker lapsed
+    raw = {"expired": [1.0, 2.0, 10.0, 11.0, 12.0], "vanish": {"killed_at": 5.0}}
+    assert lapsed(raw, vanish=2) == 3
+    assert lapsed({"expired": [1.0, 2.0]}, vanish=2) == 2  # broke before the kill
