@@ -38,6 +38,7 @@ import grpc
 from asyncrl.grpcutil import CHANNEL_OPTIONS, channel
 from asyncrl.logging import configure_logging
 from asyncrl.natsutil import STREAM, connect, ensure_stream, publish_group, train_subject
+from asyncrl.retry import idempotent_rpc
 from asyncrl.security import credentials, server_interceptors
 from asyncrl.types import TrajectoryGroup
 from asyncrl.v1 import (
@@ -68,7 +69,7 @@ class Stats:
     registered: float = 0.0
     """Wall time the last identity registered (so far)."""
     heartbeats: list[tuple[float, float]] = field(default_factory=list)
-    """(wall time sent, seconds to the answer) of every heartbeat."""
+    """(wall time sent, seconds to the answer, retries included) of every heartbeat."""
     registrations: list[float] = field(default_factory=list)
     """Wall times of every RegisterWorker answered (the first, and each after a failure)."""
     heartbeat_failures: list[float] = field(default_factory=list)
@@ -108,25 +109,28 @@ class Identity:
         self.worker_id, self.interval = resp.worker_id, resp.heartbeat_interval_s or 1.0
 
     async def beat_forever(self, rng: random.Random) -> None:
-        """Heartbeat every `interval` seconds (the first after a random part of it, so that
-        the identities of a process do not beat in step); register again when unknown or when
-        the heartbeat failed, as `asyncrl.worker.WorkerAgent` does."""
+        """Heartbeat `interval` seconds after the last answer (the first after a random part of
+        it more, so that the identities of a process do not beat in step) as
+        `asyncrl.worker.WorkerAgent` does:
+        a failed heartbeat is retried (`idempotent_rpc`, 3 attempts, each with the interval as
+        its deadline), then the worker registers again; an unknown one registers again."""
         await asyncio.sleep(rng.uniform(0, self.interval))
+        request = scheduler_pb2.HeartbeatRequest(worker_id=self.worker_id)
         while True:
+            await asyncio.sleep(self.interval)  # after the answer, as WorkerAgent
             t0, wall = time.perf_counter(), time.time()
             try:
-                resp = await self.stub.Heartbeat(
-                    scheduler_pb2.HeartbeatRequest(worker_id=self.worker_id),
-                    timeout=max(1.0, self.interval),
-                )
+                async for attempt in idempotent_rpc(attempts=3, max_delay_s=self.interval * 3):
+                    with attempt:
+                        request.worker_id = self.worker_id
+                        resp = await self.stub.Heartbeat(request, timeout=max(1.0, self.interval))
                 self.stats.heartbeats.append((wall, time.perf_counter() - t0))
                 if not resp.known:  # the lease lapsed: a new id, bound afresh
                     self.stats.reregistered.append(wall)
                     await self.register()
-            except grpc.aio.AioRpcError:  # as WorkerAgent: register again (same id if live)
+            except grpc.aio.AioRpcError:
                 self.stats.heartbeat_failures.append(wall)
                 await self.register()
-            await asyncio.sleep(max(0.0, self.interval - (time.perf_counter() - t0)))
 
 
 class ZeroRollout(GroupsServicer):
