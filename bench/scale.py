@@ -47,6 +47,7 @@ import psutil
 
 from asyncrl.client import AsyncrlClient
 from asyncrl.ledger import read_events
+from asyncrl.machine import machine_line
 from asyncrl.natsutil import LocalNatsServer, connect
 from asyncrl.net import free_port
 from asyncrl.v1 import common_pb2
@@ -438,6 +439,7 @@ def measure(work_dir: Path, s: Sizes) -> dict:
     """Run the deployment on a fresh var dir under `work_dir`; `figures` of the run."""
     from asyncrl.security import ensure_secrets
 
+    machine = machine_line()  # before the run: its load is what else the machine does
     var = work_dir / f"scale-{os.getpid()}-{time.monotonic_ns()}"
     var.mkdir(parents=True)
     secrets = var / "secrets"
@@ -452,7 +454,7 @@ def measure(work_dir: Path, s: Sizes) -> dict:
         finally:
             stats = dep.stop()
         raw["expired"] = dep.expired()
-        return figures(raw, stats, s)
+        return {"machine": machine, **figures(raw, stats, s)}
     finally:
         for k, v in saved.items():
             if v is None:
