@@ -1,8 +1,8 @@
 """A thousand replicas, simulated: the real scheduler with 1,000 rollout workers, 100 reward
 workers and 10 experiments at once (issue 24 point 4).
 
-    python -m bench --only scale        # the full size (a few minutes on 2 cores)
-    python -m bench                     # a reduced size among the others (< 60 s)
+    python -m bench --only scale        # the full size (3-6 min here: docs/benchmarks.md)
+    python -m bench                     # a reduced size among the others (~95 s here)
 
 The scheduler and the nats-server are the real ones, secure (TLS and a token on every RPC,
 NATS users), as `make up` runs them, with the default lease (10 s) and heartbeat interval
@@ -12,21 +12,27 @@ real: registration, heartbeats, BindExperiment, GenerateGroups (each group ACCEP
 engine's time, asleep, and published to JetStream), UpdateWeights after every commit, and the
 trainers' CommitWeights (one per B groups on the experiment's train subject).
 
-Phases, each measured on the scheduler's process (user + system CPU over wall time):
-1. idle: every worker registered and heartbeating, no experiment: **CPU-µs per heartbeat**
-   (the scheduler's CPU ÷ heartbeats the stand-ins sent) and its latency p50/p99;
-2. steady: the experiments running: the scheduler's **CPU share**, groups/s dispatched,
-   **dispatch latency** p50/p99 (the ledger's `dispatched` event, the moment the scheduler
-   admits a group, to its GenerateGroups call's arrival at the rollout: one wall clock on one
-   machine; the ledger's times have 1 ms resolution), heartbeat latency under load;
+Phases, in order, each measured on the scheduler's process (user + system CPU over wall time):
+1. binding: the experiments are submitted, then the rollouts start (so that the scheduler
+   spreads them: an experiment submitted while rollouts are idle takes them all): seconds until
+   every rollout is bound, heartbeat latency and failures, registrations;
+2. steady (after every experiment committed `warmup_versions`): the scheduler's **CPU share**,
+   groups/s dispatched, **dispatch latency** p50/p99 (the ledger's `dispatched` event, the
+   moment the scheduler admits a group, to its GenerateGroups call's arrival at the rollout:
+   one wall clock on one machine; the ledger's times have 1 ms resolution), heartbeat latency;
 3. vanish: the process serving `vanish` rollouts is killed at once (a host gone): seconds until
-   the scheduler expired them all (its lease), the groups re-queued, the dispatch rate meanwhile;
-   then as many new rollouts register: seconds until all are bound and serving, and the
-   experiments' rollout counts after (the rebalance);
-4. lease sweeps: the sweeper's pass (expire, then the idle checks) on the real `Registry` with
+   the scheduler expired them all (its lease), the groups re-queued; then as many new rollouts
+   register: seconds until all are bound and until their first group, and the experiments'
+   rollout counts after (the rebalance);
+4. idle: the experiments cancelled, heartbeats only: **CPU-µs per heartbeat** (the scheduler's
+   CPU ÷ the heartbeats and registrations the stand-ins got answered) and its latency;
+5. lease sweeps: the sweeper's pass (expire, then the idle checks) on the real `Registry` with
    the same workers, timed in this process.
-Each result's peer is the budget it spends (one core, the heartbeat interval, the engine's time
-per group, the lease): the ratio is the share of it used.
+Throughout: the live workers whose lease lapsed (the scheduler's `worker_expired` events). A
+phase that misses its goal within `timeout_s` ends the run there (`broke`: where), and what
+was measured so far is reported (the idle window still runs). Each result's peer is the budget
+it spends (one core, the heartbeat interval, the engine's time per group, the lease, the
+workers registered): the ratio is the share of it used.
 """
 
 from __future__ import annotations
@@ -88,7 +94,7 @@ class Sizes:
 
     @classmethod
     def reduced(cls) -> Sizes:
-        """For `make bench` (< 60 s): a tenth of the workers, two experiments, shorter
+        """For `make bench`: a tenth of the workers, two experiments, shorter
         windows and groups, a 5 s lease."""
         return cls(
             rollouts=100, rewards=10, experiments=2, rollout_procs=1, vanish=20,
