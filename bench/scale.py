@@ -85,7 +85,7 @@ class Sizes:
     lease_ttl_s: float = 10.0
     heartbeat_interval_s: float = 1.0
     idle_s: float = 10.0
-    steady_s: float = 30.0
+    steady_s: float = 20.0
     warmup_versions: int = 2
     """Versions every experiment commits before the steady window."""
     timeout_s: float = 180.0
@@ -99,7 +99,7 @@ class Sizes:
         return cls(
             rollouts=100, rewards=10, experiments=2, rollout_procs=1, vanish=20,
             group_s=2.0, batch=16, lease_ttl_s=5.0, idle_s=3.0, steady_s=6.0,
-            warmup_versions=1, timeout_s=25.0,
+            warmup_versions=1, timeout_s=45.0,
         )  # fmt: skip
 
     @property
