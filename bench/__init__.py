@@ -22,4 +22,5 @@ BENCHMARKS: dict[str, str] = {
     "weight_sync": "bench.weight_sync",
     "weight_transfer": "bench.weight_transfer",
     "fingerprint": "bench.fingerprint",
+    "scale": "bench.scale",
 }
