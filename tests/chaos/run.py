@@ -138,7 +138,7 @@ class Run(ExperimentWatch):
 
     def submit(self) -> None:
         id_file = self.cfg.var / "experiment_id"
-        sets = [a for o in self.cfg.overrides() for a in ("--set", o)]
+        sets = [a for o in (*self.cfg.overrides(), *self.scenario.sets) for a in ("--set", o)]
         done = self.sh(".venv/bin/asyncrl", "submit", str(ARITH), "--id-file", str(id_file), *sets)
         if done.returncode != 0:
             raise RuntimeError(f"submit failed: {done.stdout}{done.stderr}")

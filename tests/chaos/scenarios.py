@@ -159,6 +159,8 @@ class Scenario:
     """Bad messages the ledger must count as quarantined."""
     expect_replayed: int = 0
     """Replays of trained groups the trainer must report skipping (StepMetrics.replayed)."""
+    sets: tuple[str, ...] = ()
+    """Extra `--set` overrides of the experiment (after the run's own, so they win)."""
 
 
 def _scenarios() -> dict[str, Scenario]:
@@ -187,7 +189,9 @@ def _scenarios() -> dict[str, Scenario]:
             expect_replayed=1,
         ),
     ]
-    return {s.name: s for s in (*kills, *others)}
+    from tests.chaos.scenarios_ck import scenarios as ck  # noqa: PLC0415 - imports this module
+
+    return {s.name: s for s in (*kills, *others, *ck())}
 
 
 SCENARIOS = _scenarios()
