@@ -109,9 +109,12 @@ class Damaged(ValueError):
 def _raw_state(ckpt_dir: Path) -> dict:
     path = Path(ckpt_dir) / STATE_FILE
     try:
-        return json.loads(path.read_bytes())
+        raw = json.loads(path.read_bytes())
     except (OSError, ValueError) as e:
         raise Damaged(path, f"unreadable state: {type(e).__name__}: {e}") from e
+    if not isinstance(raw, dict):
+        raise Damaged(path, f"unreadable state: a JSON {type(raw).__name__}, not an object")
+    return raw
 
 
 def _log_ids(root: Path, log: dict) -> list[str]:
@@ -262,9 +265,9 @@ def _after(ids: Sequence[str], last: str) -> list[str] | None:
 @dataclass
 class _Written:
     """What this process wrote under the root it last wrote to: the states of the checkpoints
-    still kept, by step directory name (the next checkpoint continues the newest, and pruning
-    reads the logs they name, without reading them back: a complete checkpoint is never
-    changed), and the logs it created (the only ones it appends to). One root: a trainer
+    still kept, by step directory name (the next checkpoint continues the log of the one it
+    prunes, and pruning reads the logs they name, without reading them back: a complete
+    checkpoint is never changed), and the logs it created (the only ones it appends to). One root: a trainer
     checkpoints one experiment at a time, and a finished one's are not kept in memory."""
 
     root: Path | None = None
