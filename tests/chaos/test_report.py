@@ -110,4 +110,5 @@ def test_scenarios_every_fault_of_the_suite_present():
     assert set(SCENARIOS) == {
         *("rollout", "reward", "trainer", "scheduler", "nats"),
         *("stop-rollout", "stop-trainer", "lost-reply", "poison"),
+        *("corrupt-checkpoint", "deep-rewind"),
     }
