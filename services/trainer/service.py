@@ -49,7 +49,7 @@ from services.trainer.checkpoint import (
     CheckpointState,
     checkpoint_root,
     consumer_start_seq,
-    latest_checkpoint,
+    resume_point,
     write_checkpoint,
 )
 from services.trainer.consumer import GroupConsumer, Pulled, unconsumed_group_ids
@@ -265,7 +265,7 @@ class TrainerService:
         self._vocab_size = model_vocab_size(spec.model.path)
         self.backend = make_backend(spec)
         await asyncio.to_thread(self.backend.load, spec.model.path)
-        found = latest_checkpoint(checkpoint_root(self.var_dir, self.experiment_id))
+        found = resume_point(checkpoint_root(self.var_dir, self.experiment_id), self.log)
         state = None
         if found is not None:
             path, state = found

@@ -160,7 +160,8 @@ class Scenario:
     expect_replayed: int = 0
     """Replays of trained groups the trainer must report skipping (StepMetrics.replayed)."""
     sets: tuple[str, ...] = ()
-    """Extra `--set` overrides of the submitted spec (e.g. its reward function)."""
+    """Extra `--set` overrides of the submitted spec, after the run's own, so they win (e.g.
+    its reward function)."""
     expect_failed_reasons: tuple[str, ...] = ()
     """The task fails some prompts: there must be some, each with one of these in its reason."""
 
@@ -191,9 +192,10 @@ def _scenarios() -> dict[str, Scenario]:
             expect_replayed=1,
         ),
     ]
-    from tests.chaos import scenarios_rw
+    from tests.chaos import scenarios_ck, scenarios_rw  # noqa: PLC0415 - they import this module
 
-    return {s.name: s for s in (*kills, *others, *scenarios_rw.scenarios())}
+    extra = (*scenarios_rw.scenarios(), *scenarios_ck.scenarios())
+    return {s.name: s for s in (*kills, *others, *extra)}
 
 
 SCENARIOS = _scenarios()

@@ -111,6 +111,7 @@ def test_scenarios_every_fault_of_the_suite_present():
         *("rollout", "reward", "trainer", "scheduler", "nats"),
         *("stop-rollout", "stop-trainer", "lost-reply", "poison"),
         "hung-reward",
+        *("corrupt-checkpoint", "deep-rewind"),
     }
 
 
