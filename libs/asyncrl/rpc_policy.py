@@ -68,17 +68,23 @@ worker's calls come from the identity that registered it, and that `CommitWeight
 `ReportDropped` come from the trainer bound to that experiment."""
 
 TENANT_METHODS = frozenset(
-    f"/asyncrl.v1.Scheduler/{m}"
-    for m in (
-        "SubmitExperiment",
-        "CancelExperiment",
-        "GetExperiment",
-        "ListExperiments",
-        "WatchExperiment",
-        "ListWorkers",
-    )
+    [
+        *(
+            f"/asyncrl.v1.Scheduler/{m}"
+            for m in (
+                "SubmitExperiment",
+                "CancelExperiment",
+                "GetExperiment",
+                "ListExperiments",
+                "WatchExperiment",
+                "ListWorkers",
+            )
+        ),
+        "/asyncrl.v1.Reward/ListRewardFunctions",
+    ]
 )
 """What a token with a tenant may call (its role permitting): the scheduler's experiment
-methods, which show it only its tenant's experiments, and ListWorkers, which hides which
-experiment another tenant's workers serve. Not the workers' own methods (a trainer's or a
-rollout's GetStatus names the experiment it serves; CheckpointNow acts on any)."""
+methods, which show it only its tenant's experiments, ListWorkers, which hides which
+experiment another tenant's workers serve, and the reward functions' names. Not the workers'
+own methods: a trainer's or a rollout's GetStatus names the experiment it serves, and
+CheckpointNow acts on any."""

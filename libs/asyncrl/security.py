@@ -513,7 +513,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if principal.tenant and details.method not in TENANT_METHODS:
             message = (
                 f"{principal.subject} (tenant {principal.tenant}) may not call {details.method}: "
-                "a tenant's token calls only the scheduler's experiment methods and ListWorkers"
+                "a tenant's token calls only the scheduler's experiment methods, ListWorkers "
+                "and ListRewardFunctions"
             )
             return _denied(handler, grpc.StatusCode.PERMISSION_DENIED, message)
         if principal.role not in allowed:
