@@ -42,7 +42,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from asyncrl.logging import get_logger
-from asyncrl.rpc_policy import POLICY, ROLES, TENANT_METHODS
+from asyncrl.rpc_policy import POLICY, ROLES, TENANT_METHODS, WORKER_ROLES  # noqa: F401 (re-exported)
 from asyncrl.settings import settings
 
 log = get_logger()
