@@ -18,8 +18,10 @@ experiment ids), no KV, no weights, no other consumer, and its own inboxes only.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
+import time
 from collections.abc import AsyncIterator
 
 import nats
@@ -30,6 +32,8 @@ from asyncrl.security import TENANT_NATS_PREFIX, tenant_nats_user
 
 READ_BATCH = 256
 """Messages asked for per pull."""
+BUSY_RETRY_S = 0.2
+"""How often a read tries again while another read of the same tenant holds the consumer."""
 READER_IDLE_S = 30.0
 """A reader's consumer is removed by nats-server this long after its last pull (a reader that
 died before deleting it)."""
@@ -104,6 +108,20 @@ async def _create_reader(
     raise RuntimeError(f"creating reader {reader} on {stream}: {error.get('description')}")
 
 
+async def _wait_create_reader(
+    nc: nats.NATS, stream: str, subject: str, reader: str, start_seq: int, timeout: float
+) -> int:
+    """`_create_reader`, waiting up to `timeout` for another read of the tenant to finish."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await _create_reader(nc, stream, subject, reader, start_seq, timeout)
+        except ReaderBusy:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(BUSY_RETRY_S)
+
+
 def _status(msg: Msg) -> str:
     return (msg.headers or {}).get("Status", "")
 
@@ -123,7 +141,7 @@ async def iter_tenant_stored(
     if root is None or not subject.startswith(f"{root}.{tenant}."):
         return
     reader = reader_name(tenant)
-    pending = await _create_reader(nc, stream, subject, reader, start_seq, timeout)
+    pending = await _wait_create_reader(nc, stream, subject, reader, start_seq, timeout)
     if not pending:
         await _delete_reader(nc, stream, reader, timeout)
         return

@@ -238,3 +238,11 @@ async def test_cli_readers_as_a_tenant_token(stored, nats_server, tmp_path, monk
     assert other.to_json() == (await fetch_report("acme.none-000000", nats_server.url)).to_json()
     assert other.prompts == [] and sum(other.totals.values()) == 0
 
+
+
+async def test_two_reads_of_one_tenant_at_once_each_get_everything(stored, as_tenant):
+    """The tenant has one reader consumer per stream: a second read waits for the first
+    instead of sharing its consumer (which would split the messages between them)."""
+    acme = await as_tenant("acme")
+    first, second = await asyncio.gather(_ids(acme.js, ACME), _ids(acme.js, ACME))
+    assert first == second == [f"{ACME}-e0-p0-a0", f"{ACME}-eval-v0-p0-a0"]

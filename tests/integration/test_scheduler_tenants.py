@@ -203,11 +203,15 @@ async def test_list_workers_hides_which_experiment_another_tenant_is_served(flee
     async def bound(stub) -> set[str]:
         got = await stub.ListWorkers(pb.ListWorkersRequest(), timeout=5)
         assert len(got.workers) == 3  # the fleet is shared: every worker is listed
-        return {w.experiment_id for w in got.workers if w.kind == common_pb2.WORKER_KIND_ROLLOUT}
+        return {
+            (w.experiment_id, w.version)
+            for w in got.workers
+            if w.kind == common_pb2.WORKER_KIND_ROLLOUT
+        }
 
-    assert await bound(fleet.acme_viewer) == {a.id}
-    assert await bound(fleet.op_viewer) == {a.id}
-    assert await bound(fleet.bcorp_viewer) == {""}
+    assert await bound(fleet.acme_viewer) == {(a.id, 0)}
+    assert await bound(fleet.op_viewer) == {(a.id, 0)}
+    assert await bound(fleet.bcorp_viewer) == {("", -1)}
 
 
 async def test_tenant_token_may_not_call_workers_own_methods(fleet, as_token, reward_address):
