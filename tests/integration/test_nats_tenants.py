@@ -239,7 +239,6 @@ async def test_cli_readers_as_a_tenant_token(stored, nats_server, tmp_path, monk
     assert other.prompts == [] and sum(other.totals.values()) == 0
 
 
-
 async def test_two_reads_of_one_tenant_at_once_each_get_everything(stored, as_tenant):
     """The tenant has one reader consumer per stream: a second read waits for the first
     instead of sharing its consumer (which would split the messages between them)."""
