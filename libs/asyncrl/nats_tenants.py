@@ -126,6 +126,16 @@ def _status(msg: Msg) -> str:
     return (msg.headers or {}).get("Status", "")
 
 
+def _check_status(msg: Msg, got: int, what: str) -> None:
+    """A pull that ended with nothing read, or with anything but 408 (request expired, e.g. a
+    409 when the consumer went away): raise, rather than pull again forever."""
+    status = _status(msg)
+    if status == "408" and got:
+        return
+    reason = (msg.headers or {}).get("Description", "")
+    raise RuntimeError(f"reading with {what}: status {status} {reason}".strip())
+
+
 async def iter_tenant_stored(
     nc: nats.NATS,
     stream: str,
@@ -155,9 +165,10 @@ async def iter_tenant_stored(
                 json.dumps(ask).encode(),
                 reply=inbox,
             )
-            for _ in range(ask["batch"]):
+            for got in range(ask["batch"]):
                 msg = await sub.next_msg(timeout + 1)
-                if _status(msg):  # 404 / 408: nothing more in this pull
+                if _status(msg):  # the pull ended early: a 408 when it expired
+                    _check_status(msg, got, f"{reader} on {stream}")
                     break
                 pending = msg.metadata.num_pending
                 yield msg
