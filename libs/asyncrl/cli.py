@@ -245,7 +245,7 @@ def status(
 def list_(
     ctx: typer.Context, as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False
 ) -> None:
-    """All experiments the scheduler knows."""
+    """All experiments the scheduler knows (a tenant's token: its tenant's only)."""
 
     async def go():
         async with AsyncrlClient(_address(ctx)) as client:
@@ -256,12 +256,13 @@ def list_(
         out.print_json(json.dumps([_to_dict(e) for e in exps]))
         return
     table = Table(title="experiments")
-    for col in ("id", "name", "state", "version", "trained", "created"):
+    for col in ("id", "tenant", "name", "state", "version", "trained", "created"):
         table.add_column(col, overflow="fold")
     for e in exps:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.created_unix_ms / 1000))
         table.add_row(
             e.id,
+            e.tenant or "-",
             escape(e.name),
             state_name(e.state),
             str(e.progress.version),

@@ -54,10 +54,13 @@ MAX_SPEC_BYTES = 256 * 1024
 """Largest spec_json accepted (the spec is part of the experiment's KV record)."""
 
 
-def new_experiment_id(name: str) -> str:
-    """slug(name)-<6 hex>, only [a-z0-9-] (the id is a NATS subject token)."""
+def new_experiment_id(name: str, tenant: str = "") -> str:
+    """slug(name)-<6 hex>, only [a-z0-9-] (the id is a NATS subject token); a tenant's is
+    `<tenant>.<slug>-<6 hex>`, so that its subjects sit under the tenant's own prefix
+    (asyncrl.nats_tenants)."""
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40].strip("-") or "experiment"
-    return f"{slug}-{secrets.token_hex(3)}"
+    own = f"{slug}-{secrets.token_hex(3)}"
+    return f"{tenant}.{own}" if tenant else own
 
 
 def load_datasets(spec: ExperimentSpec) -> tuple[list[Prompt], list[Prompt]]:
@@ -158,8 +161,9 @@ class Scheduler:
 
     # ---- experiments -------------------------------------------------------------------------
 
-    async def submit(self, spec_json: str) -> ExperimentRunner:
-        """Validate (SpecError names the field), persist, and start waiting for workers.
+    async def submit(self, spec_json: str, tenant: str = "") -> ExperimentRunner:
+        """Validate (SpecError names the field), persist, and start waiting for workers; the
+        experiment belongs to `tenant` ("": the operator).
 
         No user code runs here: a plugin (workflow, reward function) is checked by name only;
         the workers that run it load it when the experiment binds, and a refusal fails it."""
@@ -177,8 +181,9 @@ class Scheduler:
         prompts, eval_prompts = await asyncio.to_thread(load_datasets, spec)
         now_ms = int(time.time() * 1000)
         record = ExperimentRecord(
-            id=new_experiment_id(spec.name),
+            id=new_experiment_id(spec.name, tenant),
             name=spec.name,
+            tenant=tenant,
             spec=spec.model_dump(),
             created_unix_ms=now_ms,
             updated_unix_ms=now_ms,

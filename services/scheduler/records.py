@@ -100,6 +100,8 @@ class ExperimentRecord:
     weight_uris: dict[int, str] = field(default_factory=dict)
     """Weights URI per committed version (to roll the fleet back to a trainer's checkpoint)."""
     failure_reasons: dict[str, int] = field(default_factory=dict)
+    tenant: str = ""
+    """The submitting token's tenant ("": the operator's; records saved before tenants)."""
 
     def add_weights(self, version: int, uri: str) -> None:
         """Remember where `version` lives; only the last KEPT versions (and v0) are kept."""
