@@ -21,4 +21,5 @@ BENCHMARKS: dict[str, str] = {
     "control_plane": "bench.control_plane",
     "weight_sync": "bench.weight_sync",
     "weight_transfer": "bench.weight_transfer",
+    "offpolicy": "bench.offpolicy",
 }
