@@ -15,12 +15,16 @@ the trained groups, and the fraction of tokens masked or truncated by the correc
 eta, one line per correction).
 
 How staleness is made to bite on two cores. The knobs are the spec's own, nothing hidden in an
-engine: generation is cheap (a 130k-parameter model, answers of at most 6 tokens, the rollout
-on its own core), so the rollout fills every slot eta allows while the trainer works through
-`minibatches` optimizer updates per version; `max_concurrent_rollouts` is (eta + 1) x batch, so
-admission, not the slot count, is the bound; and the learning rate is `lr`, above the demo's
-3e-4, so each version moves the policy further from the one that generated a stale sample.
-The report carries each run's mean staleness, so whether it bit is measured, not assumed.
+engine: `max_concurrent_rollouts` is at least (eta + 1) x batch, so admission, not the slot
+count, bounds how far generation runs ahead; `minibatches` optimizer updates per version and a
+learning rate `lr` above the demo's 3e-4 move the policy further per version, so a sample one
+version old is already off-policy. Whether generation actually runs ahead depends on the
+machine: the trainer only gets stale samples when the rollout outpaces it. The report carries
+each run's mean staleness, so whether it bit is measured, not assumed.
+
+`rollout.filter` is `none`: a run whose policy collapses to all-wrong groups still ends at its
+step count (under `nonconstant_reward` every group of a collapsed policy is rejected, the
+trainer never fills a batch and the experiment waits until the bench's timeout).
 
 At eta = 0 the behaviour and proximal policies are the same weights (w = pi_prox / pi_behav = 1
 up to the engines' numerics), where token_tis, token_mis, seq_mis, icepop and m2po compute
@@ -72,32 +76,36 @@ class Plan:
     etas: tuple[int, ...] = (0, 4, 8)
     corrections: tuple[str, ...] = CORRECTIONS
     seeds: tuple[int, ...] = (1, 2, 3)
-    steps: int = 40
+    steps: int = 20
     batch: int = 8
     n_samples: int = 16
     minibatches: int = 4
     lr: float = 1e-3
     eval_every: int = 5
-    eval_prompts: int = 200
-    threshold: float = 0.4
+    eval_prompts: int = 100
+    threshold: float = 0.2
     """The accuracy whose first crossing is each run's steps to accuracy."""
-    parallel: int = 3
+    parallel: int = 4
     """Experiments at once (trainer and rollout replicas of the one deployment)."""
     timeout_s: float = 900.0
 
     def runs(self) -> list[tuple[int, int, str]]:
-        """(seed, eta, correction) of every run, seed-major: a cut-short matrix has whole seeds.
+        """(seed, eta, correction) of every run: eta = 0 first, then the highest, then the
+        rest from the top down (a matrix cut short keeps its ends), seeds in turn within each.
         At eta = 0 the corrections in SAME_ON_POLICY are left out (token_cap's runs stand in)."""
+        etas = sorted(self.etas, key=lambda e: (e != 0, -e))
         return [
             (seed, eta, corr)
+            for eta in etas
             for seed in self.seeds
-            for eta in self.etas
             for corr in self.corrections
             if not (eta == 0 and corr in SAME_ON_POLICY and DEFAULT in self.corrections)
         ]
 
 
-QUICK = Plan(etas=(0, 4), corrections=(DEFAULT, "icepop"), seeds=(1,), steps=20, eval_every=5)
+QUICK = Plan(
+    etas=(0, 4), corrections=(DEFAULT, "icepop"), seeds=(1,), steps=10, eval_prompts=50, parallel=3
+)
 
 
 # ---------------------------------------------------------------------------- pure aggregation
@@ -315,6 +323,7 @@ def experiment_spec(task_dir: Path, plan: Plan, seed: int, eta: int, correction:
             f"rollout.max_head_offpolicyness={eta}",
             f"rollout.n_samples={plan.n_samples}",
             f"rollout.max_concurrent_rollouts={max(64, (eta + 1) * plan.batch)}",
+            "rollout.filter=none",
             "trainer.backend=torch",
             f"trainer.offpolicy_correction={correction}",
             f"trainer.total_steps={plan.steps}",
@@ -361,13 +370,16 @@ def run_one(dep: Deployment, task_dir: Path, plan: Plan, seed: int, eta: int, co
     )
 
 
-def run_matrix(plan: Plan, var: Path, progress=print) -> list[RunRecord]:
+def run_matrix(plan: Plan, var: Path, log: Path, progress=print) -> list[RunRecord]:
     """Every run of `plan` through one deployment, `plan.parallel` experiments at a time (one
-    trainer and one rollout replica each), in `plan.runs()` order. A run that fails or times
-    out is reported and left out (its cell then has fewer seeds)."""
+    trainer and one rollout replica each), in `plan.runs()` order, each appended to `log`
+    (JSON lines) as it ends. A run that fails or times out is reported and left out (its cell
+    then has fewer seeds)."""
     task_dir = ensure_task()
     todo = plan.runs()
     records: list[RunRecord] = []
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
 
     def one(i: int, seed: int, eta: int, corr: str) -> None:
         what = f"[offpolicy] {i}/{len(todo)} eta={eta} {corr} seed={seed}"
@@ -377,6 +389,8 @@ def run_matrix(plan: Plan, var: Path, progress=print) -> list[RunRecord]:
             progress(f"{what}: {exc}")
             return
         records.append(r)
+        with log.open("a") as f:
+            f.write(json.dumps(asdict(r)) + "\n")
         progress(
             f"{what}: final {r.final_accuracy:.3f}, staleness {r.staleness_mean:.2f}, "
             f"masked {r.masked_fraction:.3f}, {r.wall_s:.0f}s"
@@ -397,6 +411,8 @@ def run_matrix(plan: Plan, var: Path, progress=print) -> list[RunRecord]:
 
 def report(plan: Plan, records: list[RunRecord], argv: list[str]) -> dict:
     cells = with_on_policy_twins(aggregate(records, plan.threshold), plan)
+    order = {corr: i for i, corr in enumerate(plan.corrections)}
+    cells.sort(key=lambda c: (c.eta, order.get(c.correction, len(order))))
     top = max(plan.etas)
     return {
         "command": ["python", "-m", "bench.offpolicy", *argv],
@@ -485,6 +501,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--n-samples", type=int, help="override the plan's group size")
     ap.add_argument("--parallel", type=int, help="experiments at once (trainer/rollout replicas)")
     ap.add_argument("--out", type=Path, default=ROOT / "var" / "bench")
+    ap.add_argument("--from-runs", type=Path, help="report the runs of this offpolicy-runs.jsonl")
     return ap.parse_args(argv)
 
 
@@ -497,7 +514,13 @@ def main(argv: list[str] | None = None) -> int:
              "parallel": args.parallel}  # fmt: skip
     plan = Plan(**{**asdict(plan), **{k: v for k, v in sizes.items() if v}})
     argv = list(argv if argv is not None else sys.argv[1:])
-    rep = run_and_write(plan, args.out, argv, progress=lambda m: print(m, flush=True))
+    if args.from_runs:  # the report of runs already made (a matrix cut short)
+        lines = args.from_runs.read_text().splitlines()
+        records = [RunRecord(**json.loads(line)) for line in lines if line.strip()]
+        records = [r for r in records if r.eta in plan.etas and r.correction in plan.corrections]
+        rep = write_report(plan, records, args.out, argv)
+    else:
+        rep = run_and_write(plan, args.out, argv, progress=lambda m: print(m, flush=True))
     print(table(rep))
     print(f"clear winner at eta={max(plan.etas)}: {rep['clear_winner_at_top_eta'] or 'none'}")
     print(f"report: {args.out / 'offpolicy.json'}, plot: {args.out / 'offpolicy.png'}")
@@ -509,7 +532,11 @@ def run_and_write(plan: Plan, out: Path, argv: list[str], progress=print) -> dic
     and write <out>/offpolicy.json and <out>/offpolicy.png; the report."""
     var = out / "offpolicy-var"
     shutil.rmtree(var, ignore_errors=True)
-    records = run_matrix(plan, var, progress=progress)
+    records = run_matrix(plan, var, out / "offpolicy-runs.jsonl", progress=progress)
+    return write_report(plan, records, out, argv)
+
+
+def write_report(plan: Plan, records: list[RunRecord], out: Path, argv: list[str]) -> dict:
     rep = report(plan, records, argv)
     out.mkdir(parents=True, exist_ok=True)
     (out / "offpolicy.json").write_text(json.dumps(rep, indent=2) + "\n")
