@@ -23,4 +23,5 @@ BENCHMARKS: dict[str, str] = {
     "weight_transfer": "bench.weight_transfer",
     "fingerprint": "bench.fingerprint",
     "scale": "bench.scale",
+    "offpolicy": "bench.offpolicy",
 }
