@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from bench import yardstick
 from bench.decode import fit_decode, fit_line
 from bench.system import counters_between
 from bench.yardstick import EngineUse, efficiencies, losses, noise, spread
