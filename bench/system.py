@@ -1,62 +1,32 @@
-"""Async against sync on the whole system, and against the ideal for the same workload.
+"""Async against sync on the whole system, against a zero-overhead model of the same run, and
+against the engine's own limit.
 
 The workload is long-tailed and generation-dominated: the workflow `bench.longtail:LongTail`
 gives every sample a target length from a lognormal (capped) and generates exactly that many
 tokens (EOS ignored), on the tiny model with the torch engine and the torch trainer. All
 services run as their own processes, as `make up` starts them (a temporary var dir, TLS and
 tokens, one replica each, one torch thread each), and the same cluster runs the experiment at
-eta = 0 (synchronous), 1, 2 and 4 on the same prompts in the same order. The supervisor gives
-the rollout a core to itself and the other processes the other (`ASYNCRL_CPU_AFFINITY=1`, the
-benchmark's default; `ASYNCRL_CPU_AFFINITY=0` leaves placement to the kernel).
+eta = 0 (synchronous), 1, 2 and 4 on the same prompts in the same order, `repeats` times; each
+eta reports its fastest run. The supervisor gives the rollout a core to itself and the other
+processes the other (`ASYNCRL_CPU_AFFINITY=1`, the benchmark's default).
 
-Measured in the run:
-- wall time of each experiment: first dispatch to the N-th committed step (the ledger's
-  `dispatched` and `trained` events); speedup(eta) = wall(0) / wall(eta);
-- decode time per step against active streams: the same engine class on the same model and
-  thread count replays the workload's lengths at the fleet's concurrency; a least-squares line
-  t(a) = t0 + c1 a gives t0 and alpha = c1 C / t0;
-- train time per step against tokens, from the eta=0 run's StepMetrics (`step_time_s`) and
-  the groups each step trained (the ledger): the torch backend pads every sample to the
-  batch's longest, so tokens are B n (max L + prompt);
-- weight-update time: from the end of `train_step` (trainer log) to the step's `trained`
-  ledger event, which the trainer writes once CommitWeights has returned (the fleet loaded it).
+Measured in each experiment: its wall time (first `dispatched` to the N-th `trained` ledger
+event), the groups each step trained, the trainer's StepMetrics, the rollout's weight updates
+(its `weights_updated` log), and the engine's counters over exactly the wall (/metrics polled
+with the experiment, interpolated at both ends: `counters_between`).
 
-Those parameters go into `bench.overlap` (the zero-overhead model: analytic bound and a
-discrete-event simulation of sync and async with AReaL's admission, the trainer dropping
-groups staler than eta) with the very lengths the workflow generated, in dispatch order, under
-the scheduler's own rules where they differ from the tool's model: a too-stale running group
-is aborted when the model aborts it unless the rollout is publishing it (`ABORT_LAG` 0, from
-`too_stale`: AbortGroups), and a dropped group's prompt is generated again before new ones
-(`requeue`: no prompt is lost), as its next attempt, with the new lengths the workflow draws
-for that attempt (`resample`): in distribution, the tool's "a dropped group is gone, the next
-admission draws new lengths". One Result per eta: measured speedup against the ideal speedup
-of the tool's zero-overhead model (ratio = measured ÷ ideal: what the workload allows);
-`ideal_speedup_scheduler_rules` and `ratio_scheduler_rules` are the same model under the rules
-above, fed with the very lengths the system generated for each attempt. A PNG plots throughput
-against eta beside the ideal (var/bench/system_throughput.png; the work dir when --quick).
-Each eta runs `repeats` times and reports its fastest run.
+Measured in the same run on the rollout's core (`bench.decode`, the cluster idle, before and
+after the experiments): the decode cost t(a) replaying the workload's lengths, and the engine's
+saturated rate (tokens/s at its best concurrency).
 
-Settings carry what explains the gap: each service's CPU share (a rollout near 1.0 is
-engine-bound), the fleet's tokens/s (finished groups only) against the model's, the train step
-measured against the fitted cost of the same batches (CPU contention), the replayed full-fleet
-step against t(C) (the engine's cost grows with the batch's longest context, which the model's
-t(a) cannot see) and the re-prefill stall after each weight update (interrupted requests
-recompute their KV cache; the model keeps their progress for free) times the steps.
-
-`engine` compares the rollout's own engine counters over the run (its /metrics:
-asyncrl_rollout_engine_*_total) with the model: active streams per decode step against the
-model's (`mean_active`: what the admission rule lets run; the model applies the same rule), the
-decode steps taken against the model's token clock (tokens wasted on groups dropped as too
-stale, the tail), and the seconds per step in the run against t(a) from the replay on an
-otherwise idle engine (the difference is CPU the engine did not get: with `busy` near 1 and
-the rollout's CPU share near 0.5, each step waited for a core half of its time); `prefill_s`
-and `prefill_tokens` are the engine's prefills (new prompts, and interrupted requests
-recomputed after each weight update: the model keeps their progress for free) and
-`decode_step_ms` a step without them. `contention` re-runs the model with the decode cost
-replayed beside a training load on the other core, for the share of the run the trainer
-computes (see `contention`): what this machine's shared caches and memory bandwidth allow,
-beside the headline ratio. `load_avg` is
-the machine's 1-minute load average when the run ended (2 cores here).
+`bench.system_model` turns them into the model's parameters and the results, one pair per eta:
+- `system_efficiency`: trained samples/s measured ÷ the model's at that eta (`bench.overlap`
+  under the scheduler's rules, with the very lengths the workflow generated for every attempt,
+  and the weight update pipelined as the trainer runs it), with both speedups against eta = 0;
+  the run's noise is the largest spread between repeats of one eta (`bench.yardstick.noise`);
+- `fleet_utilisation`: tokens trained per second ÷ the engine's saturated rate, with the gap
+  split into what it was lost to (`bench.yardstick.Losses`).
+A PNG plots throughput against eta (var/bench/system_throughput.png; the work dir when --quick).
 """
 
 from __future__ import annotations
