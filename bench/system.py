@@ -550,7 +550,7 @@ def run(ctx: Context) -> list[Result]:
     m = system_model.measure(records, lengths, plan, task, decode, saturated)
     w = system_model.workload(plan, task.prompt_len, m, ABORT_LAG)
     model = overlap.ideal(w, plan.etas, table, lengths)
-    tool = overlap.ideal(system_model.tool_workload(w), plan.etas, table)
+    variants = system_model.variants(w, plan.etas, table, lengths)
     common = {
         "workload": {"n": plan.n, "batch": plan.batch, "steps": plan.steps,
                      "max_groups": plan.max_groups, "slots": plan.slots,
@@ -559,13 +559,18 @@ def run(ctx: Context) -> list[Result]:
                      "lengths": f"lognormal median {plan.median:g} sigma {plan.sigma:g} "
                                 f"cap {plan.max_len}", "prompt_len": task.prompt_len},
         "measured_parameters": system_model._r(asdict(m), 7),
+        "replays": {  # each replay's own fit: how far the two moved apart
+            when: {"t0": round(d.t0, 7), "c1": round(d.c1, 9)}
+            for when, d in (("before", fit_decode([before[0]], plan.slots)),
+                            ("after", fit_decode([after[0]], plan.slots)))
+        },
         "model": {"alpha": round(w.alpha, 4), "resume_stall_s": round(decode.resume_stall_s, 4),
                   "full_fleet_step_s": round(decode.full_fleet_step_s, 5)},
     }  # fmt: skip
-    out = system_model.results(plan, records, runs, model, tool, lengths, m, common)
+    out = system_model.results(plan, records, runs, model, variants, lengths, m, common)
     effs = [r for r in out if r.metric == "system_efficiency"]
     out_dir = ctx.work_dir if ctx.quick else Path("var/bench")
-    tool_tp = [tool.runs[r.settings["eta"]].throughput for r in effs]
+    tool_tp = [variants["tool"].runs[r.settings["eta"]].throughput for r in effs]
     png = system_model.plot(effs, tool_tp, out_dir / "system_throughput.png")
     for r in effs:
         r.settings["plot"] = str(png)

@@ -170,7 +170,7 @@ def utilisation_result(eta: int, use: yardstick.EngineUse, m: Measured) -> Resul
 
 
 def results(
-    plan, records: dict, runs: dict, model: overlap.Ideal, tool: overlap.Ideal,
+    plan, records: dict, runs: dict, model: overlap.Ideal, variants: dict[str, overlap.Ideal],
     lengths: Lengths, m: Measured, common: dict,
 ) -> list[Result]:  # fmt: skip
     """Per eta: system_efficiency, then fleet_utilisation."""
@@ -186,7 +186,9 @@ def results(
         r = runs[e.eta]
         extra = {
             "walls_s": [round(x.wall_s, 3) for x in records[e.eta]],
-            "tool_model_speedup": round(tool.runs[0].wall_s / tool.runs[e.eta].wall_s, 3),
+            "model_variants": {  # samples/s at this eta: what each difference from the tool adds
+                name: round(v.runs[e.eta].throughput, 4) for name, v in variants.items()
+            },
             **common,
         }
         out.append(efficiency_result(e, r, model.runs[e.eta], extra))
@@ -220,9 +222,13 @@ def plot(effs: list[Result], tool: list[float], path: Path) -> Path:
     return path
 
 
-def tool_workload(w: overlap.Workload) -> overlap.Workload:
-    """The same parameters in overlap_bound's model: no re-queue, abort at once, the whole
-    update on the trainer's and the fleet's path."""
-    return replace(
-        w, abort_lag=0, requeue=False, resample=False, pipelined=False, t_sync=w.step_to_served
-    )
+def variants(w: overlap.Workload, etas, table, lengths: Lengths) -> dict[str, overlap.Ideal]:
+    """The same parameters in overlap_bound's model (`tool`: no re-queue, so other lengths
+    after a drop, abort at once, the whole update on the trainer's and the fleet's path), and
+    under the scheduler's rules with the whole update on the path (`rules_update_on_path`)."""
+    on_path = replace(w, pipelined=False, t_sync=w.step_to_served)
+    tool = replace(on_path, abort_lag=0, requeue=False, resample=False)
+    return {
+        "tool": overlap.ideal(tool, etas, table),
+        "rules_update_on_path": overlap.ideal(on_path, etas, table, lengths),
+    }
