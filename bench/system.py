@@ -122,9 +122,10 @@ def plan_for(ctx: Context) -> Plan:
     if ctx.quick:
         return Plan(n=2, batch=2, steps=3, max_groups=8, median=8, sigma=1.5, max_len=64,
                     timeout_s=60, keep_kv=keep_kv, probe=(4, 16), probe_tokens=16)  # fmt: skip
-    # a loaded machine (8 agents on 2 cores) needs longer than the 600 s default per experiment
+    # a loaded machine (8 agents on 2 cores) may need fewer steps and longer than 600 s each
     timeout = float(os.environ.get("ASYNCRL_BENCH_SYSTEM_TIMEOUT_S", "600"))
-    return Plan(n=4, batch=2, steps=60, max_groups=12, median=32, sigma=1.5, max_len=1024,
+    steps = int(os.environ.get("ASYNCRL_BENCH_SYSTEM_STEPS", "60"))
+    return Plan(n=4, batch=2, steps=steps, max_groups=12, median=32, sigma=1.5, max_len=1024,
                 repeats=2, keep_kv=keep_kv, timeout_s=timeout)  # fmt: skip
 
 
