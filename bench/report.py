@@ -179,4 +179,7 @@ def render_table(report: dict):
         )
     for s in report["skipped"]:
         table.add_row(s["name"], f"skipped: {s['reason']}", "", "", "", "")
+    lines = [r["settings"]["summary"] for r in report["results"] if "summary" in r["settings"]]
+    if lines:  # the system rows' verdicts (efficiency, goal, noise; fleet losses)
+        table.caption, table.caption_justify = "\n".join(lines), "left"
     return table
