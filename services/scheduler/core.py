@@ -20,7 +20,7 @@ import grpc
 
 from asyncrl.errors import BadRequest, NotFound, PermissionDenied
 from asyncrl.ledger import ensure_ledger
-from asyncrl.logging import get_logger
+from asyncrl.logging import get_logger, keep_running
 from asyncrl.rewards import check_reward_function
 from asyncrl.security import Principal
 from asyncrl.spec import (
@@ -291,14 +291,26 @@ class Scheduler:
         self._reconcile()
         return worker
 
-    def heartbeat(self, worker_id: str, load: int = 0, caller: Principal | None = None) -> bool:
+    def heartbeat(
+        self,
+        worker_id: str,
+        load: int = 0,
+        caller: Principal | None = None,
+        leaving: bool = False,
+    ) -> bool:
         """Renew a lease; False for an unknown id. Only the identity that registered the
-        worker may renew it (PermissionDenied otherwise)."""
+        worker may renew it (PermissionDenied otherwise). `leaving`: the worker is stopping,
+        it is gone now (its work handed on as when its lease lapses)."""
         worker = self.registry.get(worker_id)
         if caller is not None and worker is not None and worker.principal != caller.subject:
             raise PermissionDenied(
                 f"worker_id: {worker_id} was registered by {worker.principal}, not {caller.subject}"
             )
+        if leaving:
+            worker = self.registry.remove(worker_id)
+            if worker is not None:
+                self._spawn(self._worker_left(worker))
+            return worker is not None
         return self.registry.heartbeat(worker_id, load)
 
     def workers(self) -> list[Worker]:
@@ -321,7 +333,8 @@ class Scheduler:
 
     async def _sweep_forever(self) -> None:
         interval = min(1.0, max(0.05, self.config.lease_ttl_s / 4))
-        while True:
+
+        async def sweep() -> None:
             await asyncio.sleep(interval)
             gone = self.registry.expire()
             for worker in gone:
@@ -330,9 +343,15 @@ class Scheduler:
             if gone or idle:  # idle includes fenced workers whose cooldown just ended
                 self._reconcile()
 
-    async def _worker_gone(self, worker: Worker) -> None:
+        await keep_running("lease_sweeper", sweep, log, retry_s=interval)
+
+    async def _worker_left(self, worker: Worker) -> None:
+        await self._worker_gone(worker, "left")
+        self._reconcile()
+
+    async def _worker_gone(self, worker: Worker, why: str = "expired") -> None:
         log.warning(
-            "worker_expired",
+            f"worker_{why}",
             worker=worker.worker_id,
             kind=worker.kind.value,
             address=worker.address,

@@ -44,6 +44,11 @@ from services.scheduler.records import (
 from services.scheduler.registry import Worker, WorkerKind
 from services.scheduler.supervisor import TrainerStartFailed, TrainerSupervisor
 
+LEDGER_FLUSH_S = 5.0
+"""A stopping scheduler waits this long at most for each runner's ledger events to be stored."""
+CRASH_END_ATTEMPTS = 5
+CRASH_RETRY_S = 2.0
+
 
 class ExperimentRunner:
     def __init__(
@@ -174,6 +179,12 @@ class ExperimentRunner:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # what the cancelled tasks and the run so far emitted is stored before NATS closes
+        # (a prompt left "in flight" in a finished run's ledger otherwise)
+        try:
+            await asyncio.wait_for(self.dispatcher.ledger.flush(), LEDGER_FLUSH_S)
+        except TimeoutError:
+            self.log.warning("ledger_flush_timeout", seconds=LEDGER_FLUSH_S)
         await self.book.close()
 
     async def _run(self) -> None:
@@ -195,7 +206,18 @@ class ExperimentRunner:
             raise
         except Exception as e:  # noqa: BLE001 - a bug must fail the experiment visibly
             self.log.exception("experiment_runner_crashed")
-            await self._end(Phase.FAILED, f"scheduler error: {type(e).__name__}: {e}")
+            await self._fail_after_crash(f"scheduler error: {type(e).__name__}: {e}")
+
+    async def _fail_after_crash(self, message: str) -> None:
+        """End the run FAILED with `message`, trying again (a broker away, a full disk) until
+        the end is recorded: a crashed runner never leaves its experiment RUNNING in silence."""
+        for attempt in range(1, CRASH_END_ATTEMPTS + 1):
+            try:
+                await self._end(Phase.FAILED, message)
+                return
+            except Exception as e:  # noqa: BLE001 - logged, tried again
+                self.log.exception("experiment_end_failed", attempt=attempt, error=repr(e))
+                await asyncio.sleep(CRASH_RETRY_S)
 
     async def _prepare(self) -> bool:
         """Wait for workers, bind the reward workers, start the trainer: True once RUNNING
@@ -220,6 +242,8 @@ class ExperimentRunner:
             if not missing:
                 return
             message = "waiting for " + ", ".join(missing)
+            if self.supervisor.paused:  # the reason stays visible while the trainer cools down
+                message = f"paused: {self.supervisor.paused}; {message}"
             if message != self.record.message:
                 self.record.message = message
                 self.log.info("experiment_waiting", missing=missing)

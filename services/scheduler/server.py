@@ -103,7 +103,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Heartbeat(self, request, context):
         return scheduler_pb2.HeartbeatResponse(
-            known=self.scheduler.heartbeat(request.worker_id, request.load, caller())
+            known=self.scheduler.heartbeat(
+                request.worker_id, request.load, caller(), leaving=request.leaving
+            )
         )
 
     async def ListWorkers(self, request, context):

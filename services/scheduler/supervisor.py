@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import grpc
 
+from asyncrl.storage import is_storage_full
 from asyncrl.types import TrainerState
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 from services.scheduler.calls import WorkerCalls
@@ -60,6 +61,8 @@ class TrainerSupervisor:
         self.known = asyncio.Event()
         """Set once a trainer was started (a trainer's call waits for it after a restart)."""
         self._start_failures = 0
+        self.paused = ""
+        """Why the run is paused: the trainer's storage is full ("" when it is not)."""
         self._failures = 0
         """Failures the trainer reported since the last commit."""
         self._poll_now = asyncio.Event()
@@ -93,6 +96,9 @@ class TrainerSupervisor:
         if self.bound() is not trainer:
             return None  # its lease lapsed while it was starting
         self._start_failures = 0
+        if self.paused:
+            self.log.info("experiment_resumed", after=self.paused)
+            self.paused = ""
         self.trainer_id, self.started = trainer.worker_id, trainer
         self.known.set()
         self._moved_at = time.monotonic()
@@ -101,7 +107,10 @@ class TrainerSupervisor:
     def _start_failed(self, trainer: Worker, e: grpc.aio.AioRpcError) -> TrainerStartFailed:
         """INVALID_ARGUMENT is fatal; a busy trainer (FAILED_PRECONDITION) is only unbound;
         other errors are fatal after max_start_failures."""
-        if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+        storage = is_storage_full(e.details() or "")
+        if storage:  # not the trainer's fault: the run pauses until space returns
+            self.paused = f"trainer {trainer.worker_id}: {e.details()}"
+        elif e.code() != grpc.StatusCode.FAILED_PRECONDITION:
             self._start_failures += 1
         self.log.warning(
             "trainer_start_failed",
@@ -119,6 +128,8 @@ class TrainerSupervisor:
                 f"trainer could not start the experiment: {e.details()}", True
             )
         self.registry.unbind(trainer, self.config.fence_cooldown_s)
+        if storage:
+            return TrainerStartFailed(f"paused: {self.paused}", False)
         return TrainerStartFailed(
             f"trainer {trainer.worker_id} failed to start: {e.details()}", False
         )
@@ -183,6 +194,9 @@ class TrainerSupervisor:
             return "", ""  # dead or busy: its lease decides
         state = TrainerState.reported(status.state)
         mine = status.experiment_id == self.experiment_id
+        if mine and state == TrainerState.FAILED and is_storage_full(status.message):
+            self.paused = f"trainer {trainer.worker_id}: {status.message}"
+            return f"paused: {self.paused}", ""  # started again, never counted as failing
         if mine and state == TrainerState.FAILED:
             self._failures += 1
             why = f"trainer {trainer.worker_id} failed: {status.message or 'no message'}"

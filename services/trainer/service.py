@@ -41,6 +41,7 @@ from asyncrl.ledger import Ledger, ensure_ledger
 from asyncrl.logging import get_logger
 from asyncrl.runtime import freeze_heap
 from asyncrl.spec import ExperimentSpec, SpecError, spec_from_json
+from asyncrl.storage import storage_error, storage_message
 from asyncrl.types import StepMetrics, TrainerState, TrajectoryGroup
 from services.trainer.backends import make_backend
 from services.trainer.backends.base import check_finite_step
@@ -297,6 +298,8 @@ class TrainerService:
     def _fail(self, exc: BaseException, where: str) -> None:
         self.state = TrainerState.FAILED
         self.message = f"{where}: {describe(exc)}"
+        if storage_error(exc) is not None:  # the scheduler pauses the run on this word
+            self.message = f"{where}: {storage_message(exc, self.var_dir)}"
         self.log.error(
             "trainer_failed",
             where=where,
