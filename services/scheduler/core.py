@@ -23,6 +23,7 @@ from asyncrl.ledger import ensure_ledger
 from asyncrl.logging import get_logger, keep_running
 from asyncrl.rewards import check_reward_function
 from asyncrl.security import Principal
+from asyncrl.settings import settings
 from asyncrl.spec import (
     ExperimentSpec,
     SpecError,
@@ -31,6 +32,7 @@ from asyncrl.spec import (
     spec_from_json,
     validate_spec,
 )
+from asyncrl.storage import STORAGE_FULL, free_bytes
 from asyncrl.types import StepMetrics, TrainerState
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 from asyncrl.workflow import check_workflow
@@ -43,11 +45,15 @@ from services.scheduler.context import (
 from services.scheduler.dataset import Prompt, load_prompts
 from services.scheduler.experiments import ExperimentRunner
 from services.scheduler.history import HistoryLog
-from services.scheduler.records import CommitResult, ExperimentRecord
+from services.scheduler.records import CommitResult, Event, ExperimentRecord
 from services.scheduler.registry import Registry, Worker, WorkerKind
 from services.scheduler.state import StateStore
 
 log = get_logger()
+
+STORAGE_CHECK_S = 2.0
+STORAGE_MIN_FREE = 16 * 2**20
+"""Free bytes under ASYNCRL_VAR below which the scheduler says storage is full."""
 TRAINER_PROBE_TIMEOUT_S = 5.0
 MAX_SPEC_BYTES = 256 * 1024
 """Largest spec_json accepted (the spec is part of the experiment's KV record)."""
@@ -115,6 +121,7 @@ class Scheduler:
         self.store.start()
         self.history.start()
         self._spawn(self._sweep_forever())
+        self._spawn(keep_running("storage_watch", self._check_storage, log, STORAGE_CHECK_S))
         log.info(
             "scheduler_started",
             experiments=len(self.runners),
@@ -344,6 +351,30 @@ class Scheduler:
                 self._reconcile()
 
         await keep_running("lease_sweeper", sweep, log, retry_s=interval)
+
+    async def _check_storage(self) -> None:
+        """Every STORAGE_CHECK_S: with less than STORAGE_MIN_FREE free under ASYNCRL_VAR (in a
+        `make up` deployment nats's store, the weights, checkpoints and logs), every live
+        experiment's message says storage is full and where, until space returns. Its writes
+        fail meanwhile and are retried (nothing is lost); the run goes on by itself after."""
+        await asyncio.sleep(STORAGE_CHECK_S)
+        var = settings().var.resolve()
+        free = free_bytes(var)
+        full = free is not None and free < STORAGE_MIN_FREE
+        reason = f"paused: {STORAGE_FULL}: {free / 2**20:.1f} MiB free at {var}" if full else ""
+        for runner in self.runners.values():
+            record = runner.record
+            if runner.terminal or record.message == reason:
+                continue
+            if full and not record.message.startswith("paused: "):
+                log.warning("storage_full", experiment=runner.id, reason=reason)
+                record.message = reason
+            elif not full and record.message.startswith(f"paused: {STORAGE_FULL}: "):
+                log.info("storage_available", experiment=runner.id, free_bytes=free)
+                record.message = ""
+            else:
+                continue
+            runner.book.emit(Event("state"))
 
     async def _worker_left(self, worker: Worker) -> None:
         await self._worker_gone(worker, "left")

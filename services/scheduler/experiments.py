@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 from asyncrl.ledger import Ledger
 from asyncrl.logging import get_logger
@@ -48,6 +49,27 @@ LEDGER_FLUSH_S = 5.0
 """A stopping scheduler waits this long at most for each runner's ledger events to be stored."""
 CRASH_END_ATTEMPTS = 5
 CRASH_RETRY_S = 2.0
+
+
+async def flush_ledger(ledger: Ledger, log) -> None:
+    """Store what the runner emitted (its cancelled tasks included) before NATS closes: a
+    prompt is left "in flight" in a finished run's ledger otherwise. At most LEDGER_FLUSH_S."""
+    try:
+        await asyncio.wait_for(ledger.flush(), LEDGER_FLUSH_S)
+    except TimeoutError:
+        log.warning("ledger_flush_timeout", seconds=LEDGER_FLUSH_S)
+
+
+async def end_after_crash(end: Callable[[], Awaitable[None]], log) -> None:
+    """`end()` the crashed run (FAILED), again (a broker away, a full disk) until it is
+    recorded: a crashed runner never leaves its experiment RUNNING in silence."""
+    for attempt in range(1, CRASH_END_ATTEMPTS + 1):
+        try:
+            await end()
+            return
+        except Exception as e:  # noqa: BLE001 - logged, tried again
+            log.exception("experiment_end_failed", attempt=attempt, error=repr(e))
+            await asyncio.sleep(CRASH_RETRY_S)
 
 
 class ExperimentRunner:
@@ -179,12 +201,7 @@ class ExperimentRunner:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        # what the cancelled tasks and the run so far emitted is stored before NATS closes
-        # (a prompt left "in flight" in a finished run's ledger otherwise)
-        try:
-            await asyncio.wait_for(self.dispatcher.ledger.flush(), LEDGER_FLUSH_S)
-        except TimeoutError:
-            self.log.warning("ledger_flush_timeout", seconds=LEDGER_FLUSH_S)
+        await flush_ledger(self.dispatcher.ledger, self.log)
         await self.book.close()
 
     async def _run(self) -> None:
@@ -206,18 +223,8 @@ class ExperimentRunner:
             raise
         except Exception as e:  # noqa: BLE001 - a bug must fail the experiment visibly
             self.log.exception("experiment_runner_crashed")
-            await self._fail_after_crash(f"scheduler error: {type(e).__name__}: {e}")
-
-    async def _fail_after_crash(self, message: str) -> None:
-        """End the run FAILED with `message`, trying again (a broker away, a full disk) until
-        the end is recorded: a crashed runner never leaves its experiment RUNNING in silence."""
-        for attempt in range(1, CRASH_END_ATTEMPTS + 1):
-            try:
-                await self._end(Phase.FAILED, message)
-                return
-            except Exception as e:  # noqa: BLE001 - logged, tried again
-                self.log.exception("experiment_end_failed", attempt=attempt, error=repr(e))
-                await asyncio.sleep(CRASH_RETRY_S)
+            message = f"scheduler error: {type(e).__name__}: {e}"
+            await end_after_crash(lambda: self._end(Phase.FAILED, message), self.log)
 
     async def _prepare(self) -> bool:
         """Wait for workers, bind the reward workers, start the trainer: True once RUNNING

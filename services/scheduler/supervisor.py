@@ -96,9 +96,6 @@ class TrainerSupervisor:
         if self.bound() is not trainer:
             return None  # its lease lapsed while it was starting
         self._start_failures = 0
-        if self.paused:
-            self.log.info("experiment_resumed", after=self.paused)
-            self.paused = ""
         self.trainer_id, self.started = trainer.worker_id, trainer
         self.known.set()
         self._moved_at = time.monotonic()
@@ -147,8 +144,12 @@ class TrainerSupervisor:
         self.registry.unbind(trainer)
 
     def committed(self) -> None:
-        """A commit: the trainer works (its failures in a row start again from 0)."""
+        """A commit: the trainer works (its failures in a row start again from 0; a pause for
+        storage is over)."""
         self._failures = 0
+        if self.paused:
+            self.log.info("experiment_resumed", after=self.paused)
+            self.paused = ""
 
     # ---- the watchdog ------------------------------------------------------------------------
 

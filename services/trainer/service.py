@@ -108,8 +108,12 @@ def model_vocab_size(model_dir: str | Path) -> int:
     return int(vocab)
 
 
-def describe(exc: BaseException) -> str:
-    """An exception as one line: its type and message (a gRPC error's code and details)."""
+def describe(exc: BaseException, var_dir: Path | None = None) -> str:
+    """An exception as one line: its type and message (a gRPC error's code and details); a
+    full disk as `storage full: ... at <file, else var_dir>`, the words the scheduler pauses
+    the run on."""
+    if storage_error(exc) is not None:
+        return storage_message(exc, var_dir or "")
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{type(exc).__name__}: {exc.code().name}: {exc.details()}"
     return f"{type(exc).__name__}: {exc}"
@@ -297,9 +301,7 @@ class TrainerService:
 
     def _fail(self, exc: BaseException, where: str) -> None:
         self.state = TrainerState.FAILED
-        self.message = f"{where}: {describe(exc)}"
-        if storage_error(exc) is not None:  # the scheduler pauses the run on this word
-            self.message = f"{where}: {storage_message(exc, self.var_dir)}"
+        self.message = f"{where}: {describe(exc, self.var_dir)}"
         self.log.error(
             "trainer_failed",
             where=where,

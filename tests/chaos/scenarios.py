@@ -153,6 +153,7 @@ class Scenario:
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment of `make up` (e.g. the rollout's bind address)."""
     before_up: Callable[[Run], None] = _no_setup
+    after_down: Callable[[Run], None] = _no_setup
     infrastructure: bool = True
     """An infrastructure fault: no prompt may end `failed` because of it."""
     expect_quarantined: int = 0
@@ -187,7 +188,9 @@ def _scenarios() -> dict[str, Scenario]:
             expect_replayed=1,
         ),
     ]
-    return {s.name: s for s in (*kills, *others)}
+    from tests.chaos import scenarios_df
+
+    return {s.name: s for s in (*kills, *others, *scenarios_df.scenarios(Scenario))}
 
 
 SCENARIOS = _scenarios()
