@@ -377,7 +377,15 @@ class Scheduler:
             runner.book.emit(Event("state"))
 
     async def _worker_left(self, worker: Worker) -> None:
-        await self._worker_gone(worker, "left")
+        """A stopping worker said it leaves: nothing new goes to it, and a rollout's groups in
+        flight are left to finish while it drains (a call that fails then is re-queued as
+        always). A trainer is handled as one whose lease lapsed."""
+        log.info("worker_left", worker=worker.worker_id, kind=worker.kind.value)
+        runner = self.runners.get(worker.experiment_id or "")
+        if runner is not None and worker.kind == WorkerKind.ROLLOUT:
+            runner.fleet.ready.discard(worker.worker_id)
+        elif worker.kind == WorkerKind.TRAINER:
+            await self._worker_gone(worker, "left")
         self._reconcile()
 
     async def _worker_gone(self, worker: Worker, why: str = "expired") -> None:

@@ -6,6 +6,7 @@ supervisor's broker probe tells a broker that refuses writes from one that is aw
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -16,15 +17,20 @@ import structlog
 from asyncrl.ledger import read_events
 from asyncrl.logging import configure_logging
 from asyncrl.natsutil import wait_until
+from asyncrl.settings import settings
 from asyncrl.supervisor.broker import BrokerWatch
+from services.scheduler import core
 from services.scheduler.registry import WorkerKind
 from tests.fakes import scheduler_env
 from tests.fakes.scheduler_env import (
     REWARD,
+    ROLLOUT,
     TRAINER,
     FakeRollout,
     FakeTrainer,
     running_experiment,
+    spec,
+    submit,
 )
 
 cluster = scheduler_env.cluster
@@ -61,6 +67,31 @@ async def test_a_leaving_worker_is_gone_at_once(cluster):
     assert [w.kind for w in cluster.scheduler.workers()] == []
 
 
+async def test_a_leaving_rollout_finishes_its_groups_and_gets_no_new_ones(cluster, files, js):
+    """Drain: its calls in flight are not cancelled (no re-queue, no second attempt); once
+    released they settle as the rollout answers them, and nothing more is sent to it."""
+    await cluster.start_scheduler(lease_ttl_s=30.0)
+    rollout = FakeRollout(hold=True)
+    await cluster.worker(REWARD)
+    await cluster.worker(TRAINER, FakeTrainer())
+    agent, _ = await cluster.worker(ROLLOUT, rollout)
+    exp_id = await submit(cluster, spec(files))
+    await wait_until(lambda: len(rollout.group_ids()) >= 2, 10)
+    await agent.leave()
+    held = rollout.group_ids()
+    rollout.release.set()
+
+    async def settled() -> set[str]:
+        events = await read_events(js, exp_id)
+        return {e["group"] for e in events if e["event"] == "settled"}
+
+    deadline = time.monotonic() + 10
+    while not set(held) <= await settled() and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert set(held) <= await settled()
+    assert rollout.cancelled == [] and rollout.group_ids() == held
+
+
 async def test_a_heartbeat_logging_onto_a_full_disk_keeps_the_worker_registered(cluster):
     """The scheduler forgets the worker (as after its restart): the agent logs
     `worker_unknown_reregistering` onto /dev/full and still registers again."""
@@ -94,6 +125,25 @@ async def test_a_trainer_with_a_full_disk_pauses_the_run_and_it_resumes(cluster,
     await cluster.commit(exp_id, 1)
     assert runner.supervisor.paused == ""
     assert runner.registry.bound(exp_id, WorkerKind.TRAINER)
+
+
+async def test_a_full_var_dir_is_the_experiments_message_until_space_returns(
+    cluster, files, monkeypatch
+):
+    """More free bytes needed than any disk has: the var dir counts as full, and the message
+    says so and where; needing none again, the message is cleared."""
+    monkeypatch.setattr(core, "STORAGE_CHECK_S", 0.05)
+    monkeypatch.setattr(core, "STORAGE_MIN_FREE", 2**62)
+    await cluster.start_scheduler()
+    exp_id = await running_experiment(cluster, files, FakeRollout(hold=True))
+    runner = cluster.scheduler.get(exp_id)
+    await wait_until(lambda: runner.record.message.startswith("paused: storage full: "), 10)
+    message = (await cluster.experiment(exp_id)).message
+    assert message.startswith("paused: storage full: ")
+    assert message.endswith(f" MiB free at {settings().var.resolve()}")
+    monkeypatch.setattr(core, "STORAGE_MIN_FREE", 0)
+    await wait_until(lambda: runner.record.message == "", 10)
+    assert runner.state.value == "RUNNING"
 
 
 def test_the_broker_probe_tells_a_refusing_broker_from_a_full_disk(nats_server, tmp_path):
