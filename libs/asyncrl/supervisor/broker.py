@@ -3,12 +3,14 @@
 nats-server that failed a write on a full disk keeps the error: every later write to that
 stream is refused (the publish times out; its log says `no space left on device`) after space
 has returned, until the server restarts (seen with nats-server 2.x: ledger, KV and trajectory
-writes refused for minutes with 94 MB free). `BrokerWatch` finds that state: a thread
-publishes a tiny message to its own file stream `ASYNCRL_PROBE` (one message kept) every
-`every_s`, so the probe stream fails with the others while the disk is full, and `stuck()`
-answers why the broker must be restarted once `limit` probes in a row failed while connected
-and while the store had room (`min_free_bytes`). A probe made with the disk full does not
-count: that broker is right to refuse.
+writes refused for minutes with 94 MB free). Two ways to see it, either restarts the broker:
+
+- `BrokerWatch`: a thread publishes PROBE_BYTES to its own file stream `ASYNCRL_PROBE` every
+  `every_s` (so the probe stream fails with the others while the disk is full), and `stuck()`
+  says why once `limit` probes in a row failed while connected and while the store had room
+  (`min_free_bytes`). A probe made with the disk full does not count: that broker is right to
+  refuse.
+- `NatsLogWatch`: nats-server's log says `no space left on device` while the store has room.
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ log = get_logger(component="broker_watch")
 
 PROBE_STREAM = "ASYNCRL_PROBE"
 PROBE_SUBJECT = "asyncrl.probe"
+PROBE_BYTES = 8192
+"""A probe's payload: two pages or more, so each probe allocates on the disk (a small one fits
+in a page the stream's block already has, and succeeds on a full tmpfs)."""
+PROBE_STREAM_BYTES = 64 * 1024
+"""The probe stream keeps this much at most (small blocks, rotated often)."""
 MIN_FREE_BYTES = 16 * 2**20
+NO_SPACE = b"no space left on device"
 
 
 class BrokerWatch:
@@ -93,7 +101,7 @@ class BrokerWatch:
                 if not ready:
                     await _ensure_probe_stream(js)
                     ready = True
-                await js.publish(PROBE_SUBJECT, b"1", timeout=self.timeout_s)
+                await js.publish(PROBE_SUBJECT, bytes(PROBE_BYTES), timeout=self.timeout_s)
                 self.reset()
             except Exception as exc:  # noqa: BLE001 - counted; the next probe tries again
                 self._failed(nc.is_connected, f"{type(exc).__name__}: {exc}")
@@ -117,5 +125,60 @@ async def _ensure_probe_stream(js) -> None:
         storage=StorageType.FILE,
         retention=RetentionPolicy.LIMITS,
         max_msgs=1,
+        max_bytes=PROBE_STREAM_BYTES,
     )
     await js.add_stream(cfg)  # the same config again is no error
+
+
+class NatsLogWatch:
+    """nats-server's own word: its log says a write failed for lack of space (`NO_SPACE`)
+    while its store has room (`min_free_bytes`): it kept the error. `stuck()` reads the lines
+    added since the last call; `limit` such lines since the last reset are a reason to restart
+    it. Lines written while the disk was full do not count (they are mostly lost anyway)."""
+
+    def __init__(
+        self, log_path: Path, store_dir: Path, limit: int = 2, min_free_bytes: int = MIN_FREE_BYTES
+    ):
+        self.log_path = Path(log_path)
+        self.store_dir = Path(store_dir)
+        self.limit = limit
+        self.min_free_bytes = min_free_bytes
+        self._offset = self._size()  # what was there before does not count
+        self._seen = 0
+        self._last = ""
+
+    def _size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def stuck(self) -> str:
+        size = self._size()
+        if size < self._offset:  # truncated or replaced
+            self._offset = 0
+        if size == self._offset:
+            return self._why()
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._offset)
+                new = f.read(size - self._offset)
+        except OSError:
+            return self._why()
+        self._offset = size
+        lines = [line for line in new.splitlines() if NO_SPACE in line]
+        if lines:
+            if (free_bytes(self.store_dir) or 0) >= self.min_free_bytes:
+                self._seen += len(lines)
+                self._last = lines[-1].decode(errors="replace")[-300:]
+            else:
+                self._seen = 0
+        return self._why()
+
+    def _why(self) -> str:
+        if self._seen < self.limit:
+            return ""
+        return f"{self._seen} write errors logged with room on {self.store_dir}: {self._last}"
+
+    def reset(self) -> None:
+        self._offset, self._seen, self._last = self._size(), 0, ""

@@ -37,7 +37,7 @@ from asyncrl.net import free_port
 from asyncrl.proc import die_with_parent, kill_tree, pid_alive, signal_group
 from asyncrl.security import WORKER_ROLES, is_bundle, write_token
 from asyncrl.settings import settings
-from asyncrl.supervisor.broker import BrokerWatch
+from asyncrl.supervisor.broker import BrokerWatch, NatsLogWatch
 
 SERVICES = ("scheduler", "reward", "rollout", "trainer")  # start order; stop is the reverse
 SINGLETONS = ("nats", "scheduler")
@@ -226,6 +226,7 @@ class Supervisor:
     started_at: float = field(default_factory=time.time)
     _last_state: str = ""
     broker: BrokerWatch | None = None
+    nats_log: NatsLogWatch | None = None
 
     @property
     def nats_url(self) -> str:
@@ -437,7 +438,9 @@ class Supervisor:
 
     def check_broker(self) -> None:
         """Restart nats-server when it kept a write error after space returned (BrokerWatch)."""
-        why = self.broker.stuck() if self.broker is not None else ""
+        if self.broker is None or self.nats_log is None:
+            return
+        why = self.nats_log.stuck() or self.broker.stuck()
         if not why:
             return
         for r in self.replicas.get("nats", []):
@@ -445,6 +448,7 @@ class Supervisor:
                 log.warning("nats_restart_storage", pid=r.proc.pid, reason=why)
                 signal_group(r.proc.pid, signal.SIGTERM)  # `check` restarts it
         self.broker.reset()
+        self.nats_log.reset()
 
     def shutdown(self) -> None:
         """Stop the services in reverse start order, then nats; each gets `grace_s`."""
@@ -471,6 +475,7 @@ class Supervisor:
             if ClusterNode.from_settings() is None:  # a broker of this host's own
                 self.broker = BrokerWatch(self.nats_url, self.paths.var / "nats")
                 self.broker.start()
+                self.nats_log = NatsLogWatch(self.paths.log("nats", 0), self.paths.var / "nats")
             while not self.stopping:
                 self.reconcile()
                 self.check()
