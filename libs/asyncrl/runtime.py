@@ -193,6 +193,7 @@ class ServiceRuntime:
         capacity: int = 1,
         load: Callable[[], int] = lambda: 0,
         scheduler: str | None = None,
+        on_beat: Callable | None = None,
     ) -> str:
         """Register this worker with the scheduler and heartbeat until close. A rollout or
         reward worker leaves at close (the scheduler forgets it before its server drains); a
@@ -204,6 +205,7 @@ class ServiceRuntime:
             scheduler=scheduler,
             load=load,
             identity=self.name,
+            on_beat=on_beat,
         )
         self._agent = agent
         worker_id = await agent.start()

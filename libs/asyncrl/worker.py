@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 
 import grpc
 
@@ -29,6 +30,7 @@ class WorkerAgent:
         scheduler: str | None = None,
         load=lambda: 0,
         identity: str | None = None,
+        on_beat: Callable[[scheduler_pb2.HeartbeatResponse], None] | None = None,
     ):
         self.kind = kind
         self.address = address
@@ -36,6 +38,8 @@ class WorkerAgent:
         self.capacity = capacity
         self.scheduler = scheduler or settings().scheduler
         self.load = load
+        self.on_beat = on_beat
+        """Called with each heartbeat's answer (a rollout takes the reward addresses)."""
         self.worker_id: str | None = None
         self.interval = 1.0
         self._task: asyncio.Task | None = None
@@ -75,6 +79,8 @@ class WorkerAgent:
                         ),
                         timeout=max(1.0, self.interval),
                     )
+            if self.on_beat is not None:
+                self.on_beat(resp)
             if not resp.known:
                 log.warning("worker_unknown_reregistering", worker=self.worker_id)
                 await self.register()

@@ -68,6 +68,12 @@ class RewardClient:
         """The addresses of the newest call: a retry goes there (a replica that stopped has
         left the scheduler's list, the one restarted in its place is on it)."""
 
+    def known(self, addresses) -> None:
+        """The scheduler's list of reward addresses now (each heartbeat brings it): retries
+        go there. An empty list (the only replica is restarting) keeps the last one."""
+        if addresses:
+            self._latest = tuple(addresses)
+
     def _stub(self, address: str) -> reward_pb2_grpc.RewardStub:
         stub = self._stubs.get(address)
         if stub is None:

@@ -369,6 +369,7 @@ class Scheduler:
             if full and not record.message.startswith("paused: "):
                 log.warning("storage_full", experiment=runner.id, reason=reason)
                 record.message = reason
+                runner.supervisor.paused = runner.supervisor.paused or reason[len("paused: ") :]
             elif not full and record.message.startswith(f"paused: {STORAGE_FULL}: "):
                 log.info("storage_available", experiment=runner.id, free_bytes=free)
                 record.message = ""

@@ -107,6 +107,8 @@ class TrainerSupervisor:
         storage = is_storage_full(e.details() or "")
         if storage:  # not the trainer's fault: the run pauses until space returns
             self.paused = f"trainer {trainer.worker_id}: {e.details()}"
+        elif self.paused and e.code() != grpc.StatusCode.INVALID_ARGUMENT:
+            storage = True  # NATS still recovering from the full disk (nats: timeout)
         elif e.code() != grpc.StatusCode.FAILED_PRECONDITION:
             self._start_failures += 1
         self.log.warning(
@@ -197,6 +199,7 @@ class TrainerSupervisor:
         mine = status.experiment_id == self.experiment_id
         if mine and state == TrainerState.FAILED and is_storage_full(status.message):
             self.paused = f"trainer {trainer.worker_id}: {status.message}"
+        if mine and state == TrainerState.FAILED and self.paused:  # also NATS recovering after
             return f"paused: {self.paused}", ""  # started again, never counted as failing
         if mine and state == TrainerState.FAILED:
             self._failures += 1

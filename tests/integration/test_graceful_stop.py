@@ -120,6 +120,10 @@ async def test_a_trainer_with_a_full_disk_pauses_the_run_and_it_resumes(cluster,
     await wait_until(lambda: len(trainer.started) >= 4, 20)  # started again, again, again
     assert runner.state.value != "FAILED"
     assert runner.supervisor.paused == f"trainer {runner.supervisor.trainer_id}: {STORAGE}"
+    trainer.failure = "load: TimeoutError: nats: timeout"  # space back, NATS recovering
+    started = len(trainer.started)
+    await wait_until(lambda: len(trainer.started) >= started + 3, 20)
+    assert runner.state.value != "FAILED"
     trainer.failure = ""  # space returned: it starts, and commits
     await wait_until(lambda: trainer.state == "waiting" and runner.state.value == "RUNNING", 20)
     await cluster.commit(exp_id, 1)
