@@ -119,6 +119,10 @@ def describe(exc: BaseException, var_dir: Path | None = None) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+RUNNING = (TrainerState.WAITING, TrainerState.TRAINING)
+"""Started and loaded: StartExperiment for its own experiment answers without the lock."""
+
+
 class TrainerService:
     """State and training loop of one trainer; the gRPC servicer is a thin layer over it."""
 
@@ -171,6 +175,8 @@ class TrainerService:
         spec = spec_from_json(spec_json)
         if not (Path(spec.model.path) / "config.json").is_file():
             raise SpecError("model.path", f"no HuggingFace config.json in {spec.model.path}")
+        if self.state in RUNNING and self.experiment_id == experiment_id:  # not behind a step:
+            return self.version, self.resumed  # a restarted scheduler holds our commit till then
         async with self._lock:
             if self.state.active:
                 if self.experiment_id == experiment_id:
@@ -302,14 +308,8 @@ class TrainerService:
     def _fail(self, exc: BaseException, where: str) -> None:
         self.state = TrainerState.FAILED
         self.message = f"{where}: {describe(exc, self.var_dir)}"
-        self.log.error(
-            "trainer_failed",
-            where=where,
-            version=self.version,
-            step=self.step,
-            error=self.message,
-            exc_info=exc,
-        )
+        at = {"where": where, "version": self.version, "step": self.step}
+        self.log.error("trainer_failed", **at, error=self.message, exc_info=exc)
 
     # -- the loop -----------------------------------------------------------------------------
     async def _run(self) -> None:
