@@ -120,7 +120,9 @@ def describe(exc: BaseException, var_dir: Path | None = None) -> str:
 
 
 RUNNING = (TrainerState.WAITING, TrainerState.TRAINING)
-"""Started and loaded: StartExperiment for its own experiment answers without the lock."""
+"""Started and loaded: StartExperiment for its own experiment answers without the lock (a
+restarted scheduler holds the trainer's commit until it answers) with the newest version whose
+weights are written (its fleet loads them; the commits in flight follow)."""
 
 
 class TrainerService:
@@ -175,8 +177,8 @@ class TrainerService:
         spec = spec_from_json(spec_json)
         if not (Path(spec.model.path) / "config.json").is_file():
             raise SpecError("model.path", f"no HuggingFace config.json in {spec.model.path}")
-        if self.state in RUNNING and self.experiment_id == experiment_id:  # not behind a step:
-            return self.version, self.resumed  # a restarted scheduler holds our commit till then
+        if self.state in RUNNING and self.experiment_id == experiment_id:  # not behind a step
+            return max(self._fingerprints, default=0), self.resumed  # the newest one written
         async with self._lock:
             if self.state.active:
                 if self.experiment_id == experiment_id:
