@@ -41,6 +41,8 @@ from asyncrl.natsutil import connect
 from asyncrl.retry import connect_policy
 from asyncrl.security import credentials, server_interceptors
 from asyncrl.settings import settings
+from asyncrl.storage import storage_error, storage_message
+from asyncrl.v1 import common_pb2
 from asyncrl.worker import WorkerAgent
 
 log = get_logger()
@@ -105,6 +107,9 @@ def error_status(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
     """The status `exc` maps to and its message; an INTERNAL one is logged with its traceback
     under an error id the message names."""
     code = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL and storage_error(exc) is not None:
+        log.error("rpc_storage_full", method=method, error=repr(exc))
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, storage_message(exc)
     if code is grpc.StatusCode.INTERNAL:
         error_id = secrets.token_hex(4)
         log.error("rpc_internal_error", method=method, error_id=error_id, exc_info=exc)
@@ -188,8 +193,11 @@ class ServiceRuntime:
         capacity: int = 1,
         load: Callable[[], int] = lambda: 0,
         scheduler: str | None = None,
+        on_beat: Callable | None = None,
     ) -> str:
-        """Register this worker with the scheduler and heartbeat until close."""
+        """Register this worker with the scheduler and heartbeat until close. A rollout or
+        reward worker leaves at close (the scheduler forgets it before its server drains); a
+        trainer's lease lapses (its final checkpoint comes first)."""
         agent = WorkerAgent(
             kind,
             self.address,
@@ -197,10 +205,12 @@ class ServiceRuntime:
             scheduler=scheduler,
             load=load,
             identity=self.name,
+            on_beat=on_beat,
         )
         self._agent = agent
         worker_id = await agent.start()
-        self.on_close(agent.stop)
+        leaves = kind in (common_pb2.WORKER_KIND_ROLLOUT, common_pb2.WORKER_KIND_REWARD)
+        self.on_close(agent.leave if leaves else agent.stop)
         return worker_id
 
     async def serve_metrics(self, port: int | None, *collectors: Collector) -> int | None:

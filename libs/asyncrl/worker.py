@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 
 import grpc
 
 from asyncrl.grpcutil import channel
-from asyncrl.logging import get_logger
+from asyncrl.logging import get_logger, keep_running
 from asyncrl.retry import connect_policy, idempotent_rpc
 from asyncrl.settings import settings
 from asyncrl.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -29,6 +30,7 @@ class WorkerAgent:
         scheduler: str | None = None,
         load=lambda: 0,
         identity: str | None = None,
+        on_beat: Callable[[scheduler_pb2.HeartbeatResponse], None] | None = None,
     ):
         self.kind = kind
         self.address = address
@@ -36,6 +38,8 @@ class WorkerAgent:
         self.capacity = capacity
         self.scheduler = scheduler or settings().scheduler
         self.load = load
+        self.on_beat = on_beat
+        """Called with each heartbeat's answer (a rollout takes the reward addresses)."""
         self.worker_id: str | None = None
         self.interval = 1.0
         self._task: asyncio.Task | None = None
@@ -60,26 +64,32 @@ class WorkerAgent:
         return self.worker_id
 
     async def _beat_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
+        await keep_running("heartbeat", self._beat, log, retry_s=self.interval)
+
+    async def _beat(self) -> None:
+        """One heartbeat after `interval`; registers again when the scheduler forgot this
+        worker or did not answer."""
+        await asyncio.sleep(self.interval)
+        try:
+            async for attempt in idempotent_rpc(attempts=3, max_delay_s=self.interval * 3):
+                with attempt:
+                    resp = await self._stub.Heartbeat(
+                        scheduler_pb2.HeartbeatRequest(
+                            worker_id=self.worker_id, load=int(self.load())
+                        ),
+                        timeout=max(1.0, self.interval),
+                    )
+            if self.on_beat is not None:
+                self.on_beat(resp)
+            if not resp.known:
+                log.warning("worker_unknown_reregistering", worker=self.worker_id)
+                await self.register()
+        except grpc.aio.AioRpcError as e:
+            log.warning("heartbeat_failed", code=str(e.code()), details=e.details())
             try:
-                async for attempt in idempotent_rpc(attempts=3, max_delay_s=self.interval * 3):
-                    with attempt:
-                        resp = await self._stub.Heartbeat(
-                            scheduler_pb2.HeartbeatRequest(
-                                worker_id=self.worker_id, load=int(self.load())
-                            ),
-                            timeout=max(1.0, self.interval),
-                        )
-                if not resp.known:
-                    log.warning("worker_unknown_reregistering", worker=self.worker_id)
-                    await self.register()
-            except grpc.aio.AioRpcError as e:
-                log.warning("heartbeat_failed", code=str(e.code()), details=e.details())
-                try:
-                    await self.register()
-                except grpc.aio.AioRpcError:
-                    pass
+                await self.register()
+            except grpc.aio.AioRpcError:
+                pass
 
     async def start(self) -> str:
         wid = await self.register()
@@ -89,4 +99,19 @@ class WorkerAgent:
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
+        await self._channel.close()
+
+    async def leave(self, timeout_s: float = 1.0) -> None:
+        """Stop heartbeating and tell the scheduler this worker is going (a stopping service,
+        before it drains): it hands out neither new work nor this address from now on. A
+        scheduler that does not answer within `timeout_s` lets the lease lapse instead."""
+        if self._task:
+            self._task.cancel()
+        if self.worker_id:
+            request = scheduler_pb2.HeartbeatRequest(worker_id=self.worker_id, leaving=True)
+            try:
+                await self._stub.Heartbeat(request, timeout=timeout_s)
+                log.info("worker_left", worker=self.worker_id, address=self.address)
+            except grpc.aio.AioRpcError as e:
+                log.warning("worker_leave_failed", worker=self.worker_id, code=e.code().name)
         await self._channel.close()

@@ -67,6 +67,15 @@ class RewardClient:
         self._pending: dict[tuple[RewardBinding, tuple[str, ...]], _Batch] = {}
         """Items asked for in this pass of the event loop, sent together at its end."""
         self._sending: set[asyncio.Task] = set()
+        self._latest: tuple[str, ...] = ()
+        """The addresses of the newest call: a retry goes there (a replica that stopped has
+        left the scheduler's list, the one restarted in its place is on it)."""
+
+    def known(self, addresses) -> None:
+        """The scheduler's list of reward addresses now (each heartbeat brings it): retries
+        go there. An empty list (the only replica is restarting) keeps the last one."""
+        if addresses:
+            self._latest = tuple(addresses)
 
     def _stub(self, address: str) -> reward_pb2_grpc.RewardStub:
         stub = self._stubs.get(address)
@@ -86,6 +95,7 @@ class RewardClient:
         if not addresses:
             raise RewardUnavailable("no reward service address")
         key = (binding, tuple(addresses))
+        self._latest = key[1]
         loop = asyncio.get_running_loop()
         batch = self._pending.get(key)
         if batch is None:
@@ -113,7 +123,7 @@ class RewardClient:
             add(id=i.id, prompt=i.prompt, completion=i.completion, answer=i.answer)
         start = next(self._rr)
         order = [addresses[(start + k) % len(addresses)] for k in range(len(addresses))]
-        tried = itertools.cycle(order)
+        tried = self._retry_order(order)
         deadline = score_deadline(binding.timeout_s, len(items))
         address = next(tried)
         try:
@@ -136,6 +146,16 @@ class RewardClient:
             return [Score(reward=0.0, status=RewardStatus.FAILED, reason=reason) for _ in items]
         by_id = {r.id: r for r in resp.results}
         return [_score(by_id.get(i.id)) for i in items]
+
+    def _retry_order(self, order: list[str]):
+        """`order`'s first address, then round-robin over the newest call's addresses (this
+        call's own while no newer call came)."""
+        yield order[0]
+        own, k = tuple(order), 1
+        while True:
+            pool = self._latest if self._latest and self._latest != own else order
+            yield pool[k % len(pool)]
+            k += 1
 
     async def _score_once(
         self, address: str, binding: RewardBinding, req: reward_pb2.ScoreRequest, deadline: float

@@ -272,6 +272,7 @@ async def create_rollout(
                 capacity=capacity,
                 scheduler=scheduler,
                 load=lambda: service.running_groups,
+                on_beat=lambda beat: service.rewards.known(beat.reward_addresses),
             )
         await runtime.serve_metrics(metrics_port, RolloutCollector(service))
     except BaseException:

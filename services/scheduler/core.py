@@ -20,9 +20,10 @@ import grpc
 
 from asyncrl.errors import BadRequest, NotFound, PermissionDenied
 from asyncrl.ledger import ensure_ledger
-from asyncrl.logging import get_logger
+from asyncrl.logging import get_logger, keep_running
 from asyncrl.rewards import check_reward_function
 from asyncrl.security import Principal
+from asyncrl.settings import settings
 from asyncrl.spec import (
     ExperimentSpec,
     SpecError,
@@ -32,6 +33,7 @@ from asyncrl.spec import (
     spec_from_json,
     validate_spec,
 )
+from asyncrl.storage import STORAGE_FULL, free_bytes
 from asyncrl.types import StepMetrics, TrainerState
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 from asyncrl.workflow import check_workflow
@@ -44,11 +46,15 @@ from services.scheduler.context import (
 from services.scheduler.dataset import Prompt, load_prompts
 from services.scheduler.experiments import ExperimentRunner
 from services.scheduler.history import HistoryLog
-from services.scheduler.records import CommitResult, ExperimentRecord
+from services.scheduler.records import CommitResult, Event, ExperimentRecord
 from services.scheduler.registry import Registry, Worker, WorkerKind
 from services.scheduler.state import StateStore
 
 log = get_logger()
+
+STORAGE_CHECK_S = 2.0
+STORAGE_MIN_FREE = 16 * 2**20
+"""Free bytes under ASYNCRL_VAR below which the scheduler says storage is full."""
 TRAINER_PROBE_TIMEOUT_S = 5.0
 MAX_SPEC_BYTES = 256 * 1024
 """Largest spec_json accepted (the spec is part of the experiment's KV record)."""
@@ -119,6 +125,7 @@ class Scheduler:
         self.store.start()
         self.history.start()
         self._spawn(self._sweep_forever())
+        self._spawn(keep_running("storage_watch", self._check_storage, log, STORAGE_CHECK_S))
         log.info(
             "scheduler_started",
             experiments=len(self.runners),
@@ -298,14 +305,26 @@ class Scheduler:
         self._reconcile()
         return worker
 
-    def heartbeat(self, worker_id: str, load: int = 0, caller: Principal | None = None) -> bool:
+    def heartbeat(
+        self,
+        worker_id: str,
+        load: int = 0,
+        caller: Principal | None = None,
+        leaving: bool = False,
+    ) -> bool:
         """Renew a lease; False for an unknown id. Only the identity that registered the
-        worker may renew it (PermissionDenied otherwise)."""
+        worker may renew it (PermissionDenied otherwise). `leaving`: the worker is stopping,
+        it is gone now (its work handed on as when its lease lapses)."""
         worker = self.registry.get(worker_id)
         if caller is not None and worker is not None and worker.principal != caller.subject:
             raise PermissionDenied(
                 f"worker_id: {worker_id} was registered by {worker.principal}, not {caller.subject}"
             )
+        if leaving:
+            worker = self.registry.remove(worker_id)
+            if worker is not None:
+                self._spawn(self._worker_left(worker))
+            return worker is not None
         return self.registry.heartbeat(worker_id, load)
 
     def workers(self) -> list[Worker]:
@@ -328,7 +347,8 @@ class Scheduler:
 
     async def _sweep_forever(self) -> None:
         interval = min(1.0, max(0.05, self.config.lease_ttl_s / 4))
-        while True:
+
+        async def sweep() -> None:
             await asyncio.sleep(interval)
             gone = self.registry.expire()
             for worker in gone:
@@ -337,9 +357,48 @@ class Scheduler:
             if gone or idle:  # idle includes fenced workers whose cooldown just ended
                 self._reconcile()
 
-    async def _worker_gone(self, worker: Worker) -> None:
+        await keep_running("lease_sweeper", sweep, log, retry_s=interval)
+
+    async def _check_storage(self) -> None:
+        """Every STORAGE_CHECK_S: with less than STORAGE_MIN_FREE free under ASYNCRL_VAR (in a
+        `make up` deployment nats's store, the weights, checkpoints and logs), every live
+        experiment's message says storage is full and where, until space returns. Its writes
+        fail meanwhile and are retried (nothing is lost); the run goes on by itself after."""
+        await asyncio.sleep(STORAGE_CHECK_S)
+        var = settings().var.resolve()
+        free = free_bytes(var)
+        full = free is not None and free < STORAGE_MIN_FREE
+        reason = f"paused: {STORAGE_FULL}: {free / 2**20:.1f} MiB free at {var}" if full else ""
+        for runner in self.runners.values():
+            record = runner.record
+            if runner.terminal or record.message == reason:
+                continue
+            if full and not record.message.startswith("paused: "):
+                log.warning("storage_full", experiment=runner.id, reason=reason)
+                record.message = reason
+                runner.supervisor.paused = runner.supervisor.paused or reason[len("paused: ") :]
+            elif not full and record.message.startswith(f"paused: {STORAGE_FULL}: "):
+                log.info("storage_available", experiment=runner.id, free_bytes=free)
+                record.message = ""
+            else:
+                continue
+            runner.book.emit(Event("state"))
+
+    async def _worker_left(self, worker: Worker) -> None:
+        """A stopping worker said it leaves: nothing new goes to it, and a rollout's groups in
+        flight are left to finish while it drains (a call that fails then is re-queued as
+        always). A trainer is handled as one whose lease lapsed."""
+        log.info("worker_left", worker=worker.worker_id, kind=worker.kind.value)
+        runner = self.runners.get(worker.experiment_id or "")
+        if runner is not None and worker.kind == WorkerKind.ROLLOUT:
+            runner.fleet.ready.discard(worker.worker_id)
+        elif worker.kind == WorkerKind.TRAINER:
+            await self._worker_gone(worker, "left")
+        self._reconcile()
+
+    async def _worker_gone(self, worker: Worker, why: str = "expired") -> None:
         log.warning(
-            "worker_expired",
+            f"worker_{why}",
             worker=worker.worker_id,
             kind=worker.kind.value,
             address=worker.address,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 from asyncrl.ledger import Ledger
 from asyncrl.logging import get_logger
@@ -43,6 +44,32 @@ from services.scheduler.records import (
 )
 from services.scheduler.registry import Worker, WorkerKind
 from services.scheduler.supervisor import TrainerStartFailed, TrainerSupervisor
+
+LEDGER_FLUSH_S = 5.0
+"""A stopping scheduler waits this long at most for each runner's ledger events to be stored."""
+CRASH_END_ATTEMPTS = 5
+CRASH_RETRY_S = 2.0
+
+
+async def flush_ledger(ledger: Ledger, log) -> None:
+    """Store what the runner emitted (its cancelled tasks included) before NATS closes: a
+    prompt is left "in flight" in a finished run's ledger otherwise. At most LEDGER_FLUSH_S."""
+    try:
+        await asyncio.wait_for(ledger.flush(), LEDGER_FLUSH_S)
+    except TimeoutError:
+        log.warning("ledger_flush_timeout", seconds=LEDGER_FLUSH_S)
+
+
+async def end_after_crash(end: Callable[[], Awaitable[None]], log) -> None:
+    """`end()` the crashed run (FAILED), again (a broker away, a full disk) until it is
+    recorded: a crashed runner never leaves its experiment RUNNING in silence."""
+    for attempt in range(1, CRASH_END_ATTEMPTS + 1):
+        try:
+            await end()
+            return
+        except Exception as e:  # noqa: BLE001 - logged, tried again
+            log.exception("experiment_end_failed", attempt=attempt, error=repr(e))
+            await asyncio.sleep(CRASH_RETRY_S)
 
 
 class ExperimentRunner:
@@ -175,6 +202,7 @@ class ExperimentRunner:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await flush_ledger(self.dispatcher.ledger, self.log)
         await self.book.close()
 
     async def _run(self) -> None:
@@ -196,7 +224,8 @@ class ExperimentRunner:
             raise
         except Exception as e:  # noqa: BLE001 - a bug must fail the experiment visibly
             self.log.exception("experiment_runner_crashed")
-            await self._end(Phase.FAILED, f"scheduler error: {type(e).__name__}: {e}")
+            message = f"scheduler error: {type(e).__name__}: {e}"
+            await end_after_crash(lambda: self._end(Phase.FAILED, message), self.log)
 
     async def _prepare(self) -> bool:
         """Wait for workers, bind the reward workers, start the trainer: True once RUNNING
@@ -221,6 +250,8 @@ class ExperimentRunner:
             if not missing:
                 return
             message = "waiting for " + ", ".join(missing)
+            if self.supervisor.paused:  # the reason stays visible while the trainer cools down
+                message = f"paused: {self.supervisor.paused}; {message}"
             if message != self.record.message:
                 self.record.message = message
                 self.log.info("experiment_waiting", missing=missing)

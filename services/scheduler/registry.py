@@ -105,6 +105,13 @@ class Registry:
         self._touch(w)
         return True
 
+    def remove(self, worker_id: str) -> Worker | None:
+        """Forget a worker that said it is leaving; the worker, None for an unknown id."""
+        w = self._workers.pop(worker_id, None)
+        if w is not None:
+            self._sorted.clear()
+        return w
+
     def expire(self) -> list[Worker]:
         """Remove and return the workers whose lease lapsed."""
         deadline = self.clock() - self.lease_ttl_s

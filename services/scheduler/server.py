@@ -122,8 +122,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         )
 
     async def Heartbeat(self, request, context):
+        known = self.scheduler.heartbeat(
+            request.worker_id, request.load, caller(), leaving=request.leaving
+        )
         return scheduler_pb2.HeartbeatResponse(
-            known=self.scheduler.heartbeat(request.worker_id, request.load, caller())
+            known=known, reward_addresses=self.scheduler.registry.reward_addresses()
         )
 
     async def ListWorkers(self, request, context):

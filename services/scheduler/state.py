@@ -13,7 +13,7 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import KeyValueConfig, StorageType
 
-from asyncrl.logging import get_logger
+from asyncrl.logging import get_logger, keep_running
 from asyncrl.natsutil import KV_BUCKET
 from asyncrl.settings import settings
 from services.scheduler.records import ExperimentRecord
@@ -106,10 +106,12 @@ class StateStore:
         await self.flush()
 
     async def _flush_forever(self) -> None:
-        while True:
+        async def flush_once() -> None:
             await self._event.wait()
             self._event.clear()
             await self.flush()
             if self._dirty:
                 self._event.set()
             await asyncio.sleep(self.min_interval_s)
+
+        await keep_running("state_flusher", flush_once, log, retry_s=self.min_interval_s)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import grpc
 
+from asyncrl.storage import is_storage_full
 from asyncrl.types import TrainerState
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 from services.scheduler.calls import WorkerCalls
@@ -60,6 +61,8 @@ class TrainerSupervisor:
         self.known = asyncio.Event()
         """Set once a trainer was started (a trainer's call waits for it after a restart)."""
         self._start_failures = 0
+        self.paused = ""
+        """Why the run is paused: the trainer's storage is full ("" when it is not)."""
         self._failures = 0
         """Failures the trainer reported since the last commit."""
         self._poll_now = asyncio.Event()
@@ -101,7 +104,12 @@ class TrainerSupervisor:
     def _start_failed(self, trainer: Worker, e: grpc.aio.AioRpcError) -> TrainerStartFailed:
         """INVALID_ARGUMENT is fatal; a busy trainer (FAILED_PRECONDITION) is only unbound;
         other errors are fatal after max_start_failures."""
-        if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+        storage = is_storage_full(e.details() or "")
+        if storage:  # not the trainer's fault: the run pauses until space returns
+            self.paused = f"trainer {trainer.worker_id}: {e.details()}"
+        elif self.paused and e.code() != grpc.StatusCode.INVALID_ARGUMENT:
+            storage = True  # NATS still recovering from the full disk (nats: timeout)
+        elif e.code() != grpc.StatusCode.FAILED_PRECONDITION:
             self._start_failures += 1
         self.log.warning(
             "trainer_start_failed",
@@ -119,6 +127,8 @@ class TrainerSupervisor:
                 f"trainer could not start the experiment: {e.details()}", True
             )
         self.registry.unbind(trainer, self.config.fence_cooldown_s)
+        if storage:
+            return TrainerStartFailed(f"paused: {self.paused}", False)
         return TrainerStartFailed(
             f"trainer {trainer.worker_id} failed to start: {e.details()}", False
         )
@@ -136,8 +146,12 @@ class TrainerSupervisor:
         self.registry.unbind(trainer)
 
     def committed(self) -> None:
-        """A commit: the trainer works (its failures in a row start again from 0)."""
+        """A commit: the trainer works (its failures in a row start again from 0; a pause for
+        storage is over)."""
         self._failures = 0
+        if self.paused:
+            self.log.info("experiment_resumed", after=self.paused)
+            self.paused = ""
 
     # ---- the watchdog ------------------------------------------------------------------------
 
@@ -183,6 +197,10 @@ class TrainerSupervisor:
             return "", ""  # dead or busy: its lease decides
         state = TrainerState.reported(status.state)
         mine = status.experiment_id == self.experiment_id
+        if mine and state == TrainerState.FAILED and is_storage_full(status.message):
+            self.paused = f"trainer {trainer.worker_id}: {status.message}"
+        if mine and state == TrainerState.FAILED and self.paused:  # also NATS recovering after
+            return f"paused: {self.paused}", ""  # started again, never counted as failing
         if mine and state == TrainerState.FAILED:
             self._failures += 1
             why = f"trainer {trainer.worker_id} failed: {status.message or 'no message'}"

@@ -41,6 +41,7 @@ from asyncrl.ledger import Ledger, ensure_ledger, sample_fingerprints
 from asyncrl.logging import get_logger
 from asyncrl.runtime import freeze_heap
 from asyncrl.spec import ExperimentSpec, SpecError, spec_from_json
+from asyncrl.storage import storage_error, storage_message
 from asyncrl.types import StepMetrics, TrainerState, TrajectoryGroup
 from services.trainer.backends import make_backend
 from services.trainer.backends.base import check_finite_step
@@ -107,11 +108,21 @@ def model_vocab_size(model_dir: str | Path) -> int:
     return int(vocab)
 
 
-def describe(exc: BaseException) -> str:
-    """An exception as one line: its type and message (a gRPC error's code and details)."""
+def describe(exc: BaseException, var_dir: Path | None = None) -> str:
+    """An exception as one line: its type and message (a gRPC error's code and details); a
+    full disk as `storage full: ... at <file, else var_dir>`, the words the scheduler pauses
+    the run on."""
+    if storage_error(exc) is not None:
+        return storage_message(exc, var_dir or "")
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{type(exc).__name__}: {exc.code().name}: {exc.details()}"
     return f"{type(exc).__name__}: {exc}"
+
+
+RUNNING = (TrainerState.WAITING, TrainerState.TRAINING)
+"""Started and loaded: StartExperiment for its own experiment answers without the lock (a
+restarted scheduler holds the trainer's commit until it answers) with the newest version whose
+weights are written (its fleet loads them; the commits in flight follow)."""
 
 
 class TrainerService:
@@ -166,6 +177,8 @@ class TrainerService:
         spec = spec_from_json(spec_json)
         if not (Path(spec.model.path) / "config.json").is_file():
             raise SpecError("model.path", f"no HuggingFace config.json in {spec.model.path}")
+        if self.state in RUNNING and self.experiment_id == experiment_id:  # not behind a step
+            return max(self._fingerprints, default=0), self.resumed  # the newest one written
         async with self._lock:
             if self.state.active:
                 if self.experiment_id == experiment_id:
@@ -296,15 +309,9 @@ class TrainerService:
 
     def _fail(self, exc: BaseException, where: str) -> None:
         self.state = TrainerState.FAILED
-        self.message = f"{where}: {describe(exc)}"
-        self.log.error(
-            "trainer_failed",
-            where=where,
-            version=self.version,
-            step=self.step,
-            error=self.message,
-            exc_info=exc,
-        )
+        self.message = f"{where}: {describe(exc, self.var_dir)}"
+        at = {"where": where, "version": self.version, "step": self.step}
+        self.log.error("trainer_failed", **at, error=self.message, exc_info=exc)
 
     # -- the loop -----------------------------------------------------------------------------
     async def _run(self) -> None:

@@ -220,6 +220,7 @@ def execute(cfg: RunConfig) -> dict:
     finally:
         result |= {"faults": run.faults, "timeline": run.timeline, "skipped": run.skipped}
         run.down()
+        scenario.after_down(run)
     if run.errors:
         result["error"] = "; ".join(run.errors)
     result["total_s"] = round(time.time() - started, 1)

@@ -153,6 +153,7 @@ class Scenario:
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment of `make up` (e.g. the rollout's bind address)."""
     before_up: Callable[[Run], None] = _no_setup
+    after_down: Callable[[Run], None] = _no_setup
     infrastructure: bool = True
     """An infrastructure fault: no prompt may end `failed` because of it."""
     expect_quarantined: int = 0
@@ -192,9 +193,13 @@ def _scenarios() -> dict[str, Scenario]:
             expect_replayed=1,
         ),
     ]
-    from tests.chaos import scenarios_ck, scenarios_rw  # noqa: PLC0415 - they import this module
+    from tests.chaos import scenarios_ck, scenarios_df, scenarios_rw  # noqa: PLC0415
 
-    extra = (*scenarios_rw.scenarios(), *scenarios_ck.scenarios())
+    extra = (
+        *scenarios_rw.scenarios(),
+        *scenarios_ck.scenarios(),
+        *scenarios_df.scenarios(Scenario),
+    )
     return {s.name: s for s in (*kills, *others, *extra)}
 
 

@@ -112,6 +112,7 @@ def test_scenarios_every_fault_of_the_suite_present():
         *("stop-rollout", "stop-trainer", "lost-reply", "poison"),
         "hung-reward",
         *("corrupt-checkpoint", "deep-rewind"),
+        *("disk-full", "sigterm-reward", "sigterm-rollout", "sigterm-scheduler"),
     }
 
 

@@ -113,3 +113,22 @@ async def test_hung_reward_function_fails_the_items_not_the_service(reward_addre
     cut = [r for r in reasons if r.startswith("not scored before the call's deadline: ")]
     assert len(reasons) == 24 and cut  # 24 x 0.5 s > the last call's 12 s - 2 s margin
     assert set(reasons) - set(cut) <= {"timed out after 0.5s"}
+
+
+async def test_a_retry_goes_to_the_address_the_scheduler_names_now(reward_address):
+    """The only replica stopped (its port is dead) and came back on another port: once a
+    heartbeat names the new one (`known`), the call's retries go there and it succeeds long
+    before `max_wait_s` -- not after the 10 s of retrying the dead port."""
+    client = RewardClient(max_wait_s=10.0)
+    dead = f"127.0.0.1:{free_port()}"
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    call = asyncio.ensure_future(client.score([dead], BINDING, items("g", ["42"])))
+    await asyncio.sleep(0.3)
+    assert not call.done()
+    client.known([])  # the scheduler has no reward worker yet: the last list stays
+    client.known([reward_address])
+    scores = await call
+    assert [s.reward for s in scores] == [1.0]
+    assert loop.time() - started < 5.0
+    await client.close()

@@ -37,6 +37,7 @@ from asyncrl.net import free_port
 from asyncrl.proc import die_with_parent, kill_tree, pid_alive, signal_group
 from asyncrl.security import WORKER_ROLES, is_bundle, write_token
 from asyncrl.settings import settings
+from asyncrl.supervisor.broker import BrokerWatch, NatsLogWatch
 
 SERVICES = ("scheduler", "reward", "rollout", "trainer")  # start order; stop is the reverse
 SINGLETONS = ("nats", "scheduler")
@@ -224,6 +225,8 @@ class Supervisor:
     stopping: bool = False
     started_at: float = field(default_factory=time.time)
     _last_state: str = ""
+    broker: BrokerWatch | None = None
+    nats_log: NatsLogWatch | None = None
 
     @property
     def nats_url(self) -> str:
@@ -426,8 +429,26 @@ class Supervisor:
         }
         text = json.dumps(state, sort_keys=True)
         if text != self._last_state:
-            write_json(self.paths.state, state)
+            try:
+                write_json(self.paths.state, state)
+            except OSError as exc:  # a full disk: `ps` shows older news, the processes run on
+                log.warning("state_write_failed", error=repr(exc))
+                return
             self._last_state = text
+
+    def check_broker(self) -> None:
+        """Restart nats-server when it kept a write error after space returned (BrokerWatch)."""
+        if self.broker is None or self.nats_log is None:
+            return
+        why = self.nats_log.stuck() or self.broker.stuck()
+        if not why:
+            return
+        for r in self.replicas.get("nats", []):
+            if r.proc is not None and r.proc.poll() is None and r.stop_deadline is None:
+                log.warning("nats_restart_storage", pid=r.proc.pid, reason=why)
+                signal_group(r.proc.pid, signal.SIGTERM)  # `check` restarts it
+        self.broker.reset()
+        self.nats_log.reset()
 
     def shutdown(self) -> None:
         """Stop the services in reverse start order, then nats; each gets `grace_s`."""
@@ -451,10 +472,17 @@ class Supervisor:
         signal.signal(signal.SIGINT, request_stop)
         try:
             self.start_nats()
+            if ClusterNode.from_settings() is None:  # a broker of this host's own
+                self.broker = BrokerWatch(self.nats_url, self.paths.var / "nats")
+                self.broker.start()
+                self.nats_log = NatsLogWatch(self.paths.log("nats", 0), self.paths.var / "nats")
             while not self.stopping:
                 self.reconcile()
                 self.check()
+                self.check_broker()
                 self.write_state()
                 time.sleep(POLL_S)
         finally:
+            if self.broker is not None:
+                self.broker.stop()
             self.shutdown()
