@@ -72,6 +72,13 @@ async def end_after_crash(end: Callable[[], Awaitable[None]], log) -> None:
             await asyncio.sleep(CRASH_RETRY_S)
 
 
+def waiting_message(missing: list[str], paused: str) -> str:
+    """What a PENDING experiment waits for; a pause's reason (a full disk) stays visible while
+    the trainer cools down."""
+    message = "waiting for " + ", ".join(missing)
+    return f"paused: {paused}; {message}" if paused else message
+
+
 class ExperimentRunner:
     def __init__(
         self,
@@ -249,9 +256,7 @@ class ExperimentRunner:
             missing = self.registry.missing(self.id)
             if not missing:
                 return
-            message = "waiting for " + ", ".join(missing)
-            if self.supervisor.paused:  # the reason stays visible while the trainer cools down
-                message = f"paused: {self.supervisor.paused}; {message}"
+            message = waiting_message(missing, self.supervisor.paused)
             if message != self.record.message:
                 self.record.message = message
                 self.log.info("experiment_waiting", missing=missing)
@@ -283,9 +288,8 @@ class ExperimentRunner:
             self._enter(Phase.RUNNING, message="")
         else:
             self.record.message = ""
-        self.log.info(
-            "experiment_started", version=k, resumed=resp.resumed, worker=trainer.worker_id
-        )
+        worker = trainer.worker_id
+        self.log.info("experiment_started", version=k, resumed=resp.resumed, worker=worker)
         for w in self.rollouts():
             if w.worker_id not in self.fleet.ready:
                 self._spawn(self.fleet.join(w, self.config.bind_timeout_s))
@@ -401,10 +405,8 @@ class ExperimentRunner:
             return
         self.registry.unbind(worker, cooldown_s)
         self.fleet.ready.discard(worker.worker_id)
-        requeued = self.dispatcher.requeue_worker(worker)
-        self.log.warning(
-            "rollout_fenced", worker=worker.worker_id, reason=reason, requeued=requeued
-        )
+        n = self.dispatcher.requeue_worker(worker)
+        self.log.warning("rollout_fenced", worker=worker.worker_id, reason=reason, requeued=n)
         self._wake.set()
         self._persist()
         self.ctx.workers_changed()
