@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -107,6 +108,7 @@ def refit(models: list[Path], repeats: int) -> list[dict]:
 
 
 def demo(steps: int) -> dict:
+    from asyncrl.security import ensure_secrets
     from tests.e2e.experiment import (
         arith_demo_spec,
         build_arith_demo,
@@ -117,6 +119,8 @@ def demo(steps: int) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="asyncrl-lora-demo-") as tmp:
         root = Path(tmp)
+        os.environ.setdefault("ASYNCRL_SECRETS", str(root / "secrets"))  # as tests/conftest.py
+        ensure_secrets()
         build_arith_demo(root)
         spec = arith_demo_spec(root, total_steps=steps)
         spec["trainer"].update(lora=DEMO_LORA, lr=DEMO_LR)
@@ -126,6 +130,7 @@ def demo(steps: int) -> dict:
             t0 = time.perf_counter()
             exp = asyncio.run(run_experiment(cluster.scheduler, spec, timeout=3600))
             wall = time.perf_counter() - t0
+            time.sleep(5)  # the trainer records what was left over as it stops
             report = ledger_report(cluster, exp)
             warm = json.loads((root / "model" / "warmstart.json").read_text())
         finally:
