@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -107,7 +108,7 @@ def refit(models: list[Path], repeats: int) -> list[dict]:
     return rows
 
 
-def demo(steps: int) -> dict:
+def demo(steps: int, built: Path | None = None) -> dict:
     from asyncrl.security import ensure_secrets
     from tests.e2e.experiment import (
         arith_demo_spec,
@@ -121,7 +122,12 @@ def demo(steps: int) -> dict:
         root = Path(tmp)
         os.environ.setdefault("ASYNCRL_SECRETS", str(root / "secrets"))  # as tests/conftest.py
         ensure_secrets()
-        build_arith_demo(root)
+        if built is None:
+            build_arith_demo(root)
+        else:  # what `make demo` built already (it skips the build too when it is there)
+            for name in ("model", "train.jsonl", "eval.jsonl"):
+                copy = shutil.copytree if (built / name).is_dir() else shutil.copy2
+                copy(built / name, root / name)
         spec = arith_demo_spec(root, total_steps=steps)
         spec["trainer"].update(lora=DEMO_LORA, lr=DEMO_LR)
         cluster_gen = start_cluster(root / "var", engine="torch")
@@ -156,11 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--repeats", type=int, default=5)
     d = sub.add_parser("demo")
     d.add_argument("--steps", type=int, default=250)
+    d.add_argument("--built", type=Path, help="a directory `make demo` built (var/demo)")
     args = ap.parse_args(argv)
     if args.what == "refit":
         out = refit(args.model, args.repeats)
     else:
-        out = demo(args.steps)
+        out = demo(args.steps, args.built)
     print(json.dumps(out, indent=2))
     return 0
 
