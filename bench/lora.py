@@ -8,6 +8,9 @@ request in flight). Reported per kind: the version's bytes (its *.safetensors; c
 tokenizer aside), the trainer's serialise + write seconds and the engine's update seconds
 (medians). One process, one thread each side: the same base, the same run.
 
+`python -m bench.lora eval --base DIR [--adapter DIR] --data JSONL`: the demo's eval (greedy,
+6 tokens, exact match) of one stored version, offline, on the torch engine.
+
 `python -m bench.lora demo [--steps N]`: the arith demo (examples/arith/experiment.yaml, the
 torch backend, eta 2) as a LoRA experiment through all four services under the supervisor, as
 tests/e2e run them; prints the evals and the ledger totals.
@@ -154,6 +157,38 @@ def demo(steps: int, built: Path | None = None) -> dict:
     }
 
 
+async def _greedy_accuracy(base: Path, adapter: Path | None, data: Path, max_new: int) -> float:
+    """The run's eval, offline: greedy, `max_new` tokens, EOS stops, exact_match on the text
+    the rollout would decode; the engine serving `base` with `adapter` on top."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.rewards import exact_match
+    from asyncrl.spec import SamplingParams
+    from services.rollout.engine import GenRequest
+    from services.rollout.torch_engine import TorchEngine
+
+    tok = AutoTokenizer.from_pretrained(str(base))
+    rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+    engine = TorchEngine(seed=0)
+    await engine.start()
+    try:
+        await engine.load(str(base), 0)
+        if adapter is not None:
+            await engine.update_weights(str(adapter), 1)
+        params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
+        reqs = [
+            GenRequest(f"e{i}", tok.encode(r["prompt"], add_special_tokens=False), params)
+            for i, r in enumerate(rows)
+        ]
+        for req in reqs:
+            req.stop_token_ids = [tok.eos_token_id]
+        outs = await engine.generate_many(reqs)
+    finally:
+        await engine.stop()
+    texts = [tok.decode(o.output_ids, skip_special_tokens=True) for o in outs]
+    return sum(exact_match(t, r["answer"]) for t, r in zip(texts, rows, strict=True)) / len(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.lora", description=__doc__)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -163,9 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo")
     d.add_argument("--steps", type=int, default=250)
     d.add_argument("--built", type=Path, help="a directory `make demo` built (var/demo)")
+    e = sub.add_parser("eval", help="greedy exact-match accuracy of a stored adapter version")
+    e.add_argument("--base", type=Path, required=True)
+    e.add_argument("--adapter", type=Path)
+    e.add_argument("--data", type=Path, required=True)
+    e.add_argument("--max-new-tokens", type=int, default=6)
     args = ap.parse_args(argv)
     if args.what == "refit":
         out = refit(args.model, args.repeats)
+    elif args.what == "eval":
+        acc = _greedy_accuracy(args.base, args.adapter, args.data, args.max_new_tokens)
+        out = {"adapter": str(args.adapter), "accuracy": asyncio.run(acc)}
     else:
         out = demo(args.steps, args.built)
     print(json.dumps(out, indent=2))
