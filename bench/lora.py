@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.logging import configure_logging
+
 LORA = {"rank": 16, "alpha": 32.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 DEMO_LORA = {
     "rank": 16,
@@ -204,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--data", type=Path, required=True)
     e.add_argument("--max-new-tokens", type=int, default=6)
     args = ap.parse_args(argv)
+    configure_logging("bench", json=False, level="WARNING")
     if args.what == "refit":
         out = refit(args.model, args.repeats)
     elif args.what == "eval":

@@ -31,10 +31,10 @@ def base(tmp_path_factory):
     return d
 
 
-def peft_model(base, seed: int, std: float = 0.5):
+def peft_model(base, seed: int, std: float = 0.5, spec: LoraSpec = LORA):
     """The base with a LoRA adapter whose B is random (peft starts B at zero: no change)."""
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    model = lora.wrap(model, LORA)
+    model = lora.wrap(model, spec)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -85,6 +85,37 @@ def test_bank_mixed_batch_equals_each_adapter_alone(tmp_path, base):
     assert not torch.allclose(expected[1], expected[0], atol=1e-2)  # the adapters matter
     # capacity 2: a third adapter unloads the oldest
     assert bank.add(3, read_adapter(d1)) == [1] and bank.slot(1) == 0 and bank.slot(3) == 2
+
+
+@torch.no_grad()
+def test_bank_pads_adapters_of_other_ranks_and_modules(tmp_path, base):
+    """Rank 4 on q/v/down beside rank 2 on k/o/up in one forward: each row is its own adapter
+    (a zero-padded rank adds nothing; a module one adapter lacks gets no delta from it)."""
+    other = LoraSpec(rank=2, alpha=3.0, target_modules=["k_proj", "o_proj", "up_proj"])
+    one, two = peft_model(base, seed=4), peft_model(base, seed=5, spec=other)
+    d1, _ = publish(tmp_path, base, 1, one)
+    d2, _ = publish(tmp_path, base, 2, two)
+    engine_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    bank = AdapterBank(engine_model, capacity=2)
+    bank.add(1, read_adapter(d1))
+    bank.add(2, read_adapter(d2))
+    ids = torch.tensor([[3, 8, 13, 21]] * 2)
+    with bank.rows([bank.slot(2), bank.slot(1)]):
+        mixed = engine_model(input_ids=ids).logits
+    torch.testing.assert_close(mixed[:1], two(input_ids=ids[:1]).logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mixed[1:], one(input_ids=ids[:1]).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_read_adapter_refuses_what_the_bank_cannot_apply(tmp_path, base):
+    import json
+
+    d, _ = publish(tmp_path, base, 1, peft_model(base, seed=1))
+    config = json.loads((tmp_path / EXP / "v000001" / "adapter_config.json").read_text())
+    (tmp_path / EXP / "v000001" / "adapter_config.json").write_text(
+        json.dumps(config | {"use_dora": True})
+    )
+    with pytest.raises(ValueError, match="use_dora=True is not supported"):
+        read_adapter(d)
 
 
 def greedy(rid: str, prompt: list[int], n: int = 8) -> GenRequest:
