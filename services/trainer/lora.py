@@ -112,7 +112,8 @@ def adapter_config_json(model: torch.nn.Module) -> str:
 @contextlib.contextmanager
 def dropout_on(model: torch.nn.Module) -> Iterator[None]:
     """The adapter's dropout active for the forward inside (the backend keeps the model in
-    eval mode otherwise: proximal logprobs and the base's own dropout stay off)."""
+    eval mode otherwise: proximal logprobs and the base's own dropout stay off); a no-op for
+    a model without an adapter."""
     drops = [m for name, m in model.named_modules() if name.endswith("lora_dropout.default")]
     for m in drops:
         m.train()

@@ -14,7 +14,6 @@ and the KL reference is the base with the adapter disabled (no copy kept).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 from pathlib import Path
@@ -127,7 +126,7 @@ class TorchBackend(TrainerBackend):
         """One optimizer update on one minibatch; its loss parts and grad norm."""
         cfg = self.loss_cfg
         share = aggregation_weights(corr.norm, cfg.agg, cfg.agg_constant)
-        with lora.dropout_on(self.model) if self.spec.trainer.lora else contextlib.nullcontext():
+        with lora.dropout_on(self.model):  # LoRA's dropout; nothing for a full model
             logits = _forward_logits(self.model, mb)
         logp = token_logprobs(logits, mb.targets)
         entropy = token_entropy(logits if cfg.entropy_coef > 0 else logits.detach())
