@@ -14,14 +14,23 @@ import torch
 
 from asyncrl.logging import configure_logging
 from bench import BENCHMARKS
-from bench.report import Context, Result, Skip, build_report, render_table, write_report
+from bench.report import (
+    Context,
+    Result,
+    Skip,
+    build_report,
+    machine_info,
+    render_table,
+    write_report,
+)
 
 
 def run_benchmarks(
-    names: list[str], quick: bool, work_dir: Path, progress=None
+    names: list[str], quick: bool, work_dir: Path, progress=None, only: list[str] | None = None
 ) -> tuple[list[Result], list[dict]]:
-    """Run the named benchmarks in order in one context; (results, skipped)."""
-    ctx = Context(work_dir=work_dir, quick=quick)
+    """Run the named benchmarks in order in one context (`only`: those named with --only);
+    (results, skipped)."""
+    ctx = Context(work_dir=work_dir, quick=quick, only=list(only or []))
     results, skipped = [], []
     for name in names:
         module = importlib.import_module(BENCHMARKS[name])
@@ -63,11 +72,18 @@ def main(argv: list[str] | None = None) -> int:
         console = Console(width=150)
     err = Console(stderr=True, markup=False, highlight=False)
     names = args.only or list(BENCHMARKS)
+    machine = machine_info()  # before the run: its load is what else the machine is doing
+    err.print(f"[bench] machine: {machine['line']}", style="dim")
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-") as tmp:
         results, skipped = run_benchmarks(
-            names, args.quick, Path(tmp), progress=lambda m: err.print(m, style="dim")
+            names,
+            args.quick,
+            Path(tmp),
+            progress=lambda m: err.print(m, style="dim"),
+            only=args.only,
         )
-    report = build_report(results, skipped, args.quick, ["python", "-m", "bench", *sys.argv[1:]])
+    command = ["python", "-m", "bench", *sys.argv[1:]]
+    report = build_report(results, skipped, args.quick, command, machine)
     write_report(report, args.out)
     console.print(render_table(report))
     console.print(f"report: {args.out}")

@@ -18,6 +18,13 @@ tests/unit/test_overlap_model.py.
 - Weight update: after each step, `t_sync` seconds in which the trainer is busy and no token
   is generated and no group admitted; in-flight samples keep their progress. The version v
   rises by one at its end; a run of N steps ends with the N-th update.
+- `pipelined` (not in the tool's model): the update as asyncrl's trainer runs it
+  (services/trainer/publish.py). After a step the trainer is busy only `t_handover` seconds
+  (serialising the version), then may train the next step while the version is written,
+  committed and loaded by the fleet in the background; the version is served (v rises, admission
+  opens) `t_handover + t_sync` seconds after the step's end, and generation pauses only for the
+  last `t_pause` of them (the engine copying the weights in). Without it the trainer and the
+  fleet both wait the whole `t_sync` (the tool's model), i.e. `t_handover = t_pause = t_sync`.
 - Sync: generate B groups, wait for all, train, update; repeat.
 - Async (AReaL's admission): a group is admitted at version v while
   `running < max_groups and accepted + running < (eta + v + 1) * B`; the trainer starts a
@@ -77,6 +84,12 @@ class Workload:
     padded: bool = False
     """Training cost counts every sample at the batch's longest length."""
     t_sync: float = 0.0
+    pipelined: bool = False
+    """The update runs beside the next step (see the module docstring); not in the tool's model."""
+    t_handover: float = 0.0
+    """With `pipelined`: the trainer's seconds after a step before it may train the next."""
+    t_pause: float = 0.0
+    """With `pipelined`: the seconds of each update during which generation stops."""
     steps: int = 20
     seed: int = 0
     abort_lag: int = 0
@@ -101,6 +114,21 @@ class Workload:
 
     def t_tok(self, active: int) -> float:
         return self.t0 * (1.0 + self.alpha * active / self.slots)
+
+    @property
+    def trainer_after_step(self) -> float:
+        """Seconds the trainer is busy after each step before it may start the next."""
+        return self.t_handover if self.pipelined else self.t_sync
+
+    @property
+    def step_to_served(self) -> float:
+        """Seconds from a step's end until the fleet serves its version."""
+        return self.t_handover + self.t_sync if self.pipelined else self.t_sync
+
+    @property
+    def pause(self) -> float:
+        """Seconds of each update in which no token is generated and no group admitted."""
+        return min(self.t_pause, self.step_to_served) if self.pipelined else self.t_sync
 
     def train_time(self, lengths: Sequence[int]) -> float:
         """Duration of a step that trains samples of these output lengths."""
@@ -359,7 +387,7 @@ def simulate_sync(w: Workload, lengths: GroupLengths | None = None) -> SimResult
             fleet.fill()
         train = w.train_time(batch)
         busy += train
-        t += train + w.t_sync
+        t += train + w.step_to_served
         step_end.append(t)
     return SimResult(
         mode="sync",
@@ -389,7 +417,8 @@ class _AsyncRun:
         self.left: list[int] = []  # samples of each group still generating
         self.live: set[int] = set()  # admitted, not finished, not aborted
         self.buffer: list[int] = []  # finished, untrained (heap: oldest first)
-        self.trainer_until, self.training, self.paused = INF, False, False
+        self.trainer_until, self.training = INF, False
+        self.updates: deque[tuple[float, float]] = deque()  # (pause starts, served) per version
         self.step_end: list[float] = []
         self.staleness: Counter = Counter()
         self.busy = 0.0
@@ -402,17 +431,18 @@ class _AsyncRun:
                 self._admit()
             self._start_step()
             gen = INF if self.paused else self.t + self.fleet.time_to_next_end()
-            if gen == INF and self.trainer_until == INF:
+            event = self._next_event()
+            if gen == INF and event == INF:
                 raise RuntimeError(f"deadlock at t={self.t}: v={self.version}")
-            if gen <= self.trainer_until:  # ties: the sample ends first
+            if gen <= event:  # ties: the sample ends first
                 dt, ended = self.fleet.run_to_next_end()
                 self.t += dt
                 self._ended(ended)
                 continue
             if not self.paused:
-                self.fleet.run_for(self.trainer_until - self.t)
-            self.t = self.trainer_until
-            self._trainer_event()
+                self.fleet.run_for(event - self.t)
+            self.t = event
+            self._events()
         return SimResult(
             mode="async",
             eta=w.eta,
@@ -467,15 +497,35 @@ class _AsyncRun:
                 heapq.heappush(self.buffer, g)
         self.fleet.fill()
 
-    def _trainer_event(self) -> None:
-        if self.training:  # the step ends: the weight update starts, generation pauses
-            self.training, self.paused = False, True
-            self.trainer_until = self.t + self.w.t_sync
-            return
-        self.trainer_until, self.paused = INF, False
-        self.version += 1
-        self.step_end.append(self.t)
-        self._drop_stale()
+    @property
+    def paused(self) -> bool:
+        """Generation stops while an update's pause is under way."""
+        return any(start <= self.t < end for start, end in self.updates)
+
+    def _next_event(self) -> float:
+        """The trainer's next event, or an update's pause starting or its version served."""
+        later = [x for start, end in self.updates for x in (start, end) if x > self.t]
+        return min([self.trainer_until, *later])
+
+    def _events(self) -> None:
+        """What is due at `t`, in this order: a step ends (its update is scheduled: served
+        `step_to_served` later, no earlier than the previous version), versions are served,
+        the trainer is free again."""
+        w = self.w
+        if self.training and self.trainer_until <= self.t:
+            self.training = False
+            served = self.t + w.step_to_served
+            if self.updates:
+                served = max(served, self.updates[-1][1])
+            self.updates.append((served - w.pause, served))
+            self.trainer_until = self.t + w.trainer_after_step
+        while self.updates and self.updates[0][1] <= self.t:
+            self.updates.popleft()
+            self.version += 1
+            self.step_end.append(self.t)
+            self._drop_stale()
+        if not self.training and self.trainer_until <= self.t:
+            self.trainer_until = INF
 
     def _drop_stale(self) -> None:
         oldest_ok = self.version - self.w.eta  # admitted before it: can never be trained

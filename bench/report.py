@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.machine import machine_info as host_info
+from asyncrl.machine import machine_line
 from asyncrl.tiny import build_tiny_model
 
 
@@ -49,6 +51,9 @@ class Context:
     work_dir: Path
     quick: bool = False
     shared: dict = field(default_factory=dict)
+    only: list[str] = field(default_factory=list)
+    """The benchmarks named with `--only` (empty: all of them): one named may run its full
+    size, which would make the whole `make bench` too long (bench.scale)."""
 
     def size(self, full, quick):
         return quick if self.quick else full
@@ -91,9 +96,14 @@ def best_of(fn: Callable[[], object], repeats: int) -> float:
 
 
 def machine_info() -> dict:
+    """The host (`asyncrl.machine`: CPU model, cores, load, GPU; `line` is it in one line, as
+    the table's caption prints it) and the versions that matter."""
     import transformers
 
+    host = host_info()
     return {
+        **host,
+        "line": machine_line(host),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -105,13 +115,19 @@ def machine_info() -> dict:
 
 
 def build_report(
-    results: list[Result], skipped: list[dict], quick: bool, command: list[str]
+    results: list[Result],
+    skipped: list[dict],
+    quick: bool,
+    command: list[str],
+    machine: dict | None = None,
 ) -> dict:
+    """`machine`: `machine_info()` taken before the run (its load average is then what else the
+    machine was doing); now when None."""
     return {
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": command,
         "quick": quick,
-        "machine": machine_info(),
+        "machine": machine or machine_info(),
         "results": [r.to_json() for r in results],
         "skipped": skipped,
     }
@@ -140,7 +156,8 @@ def render_table(report: dict):
     table = Table(
         title=f"asyncrl benchmarks ({m['cpu_count']} CPUs, torch {m['torch']}, "
         f"{m['torch_threads']} thread{'s' if m['torch_threads'] != 1 else ''}"
-        f"{', quick' if report['quick'] else ''})"
+        f"{', quick' if report['quick'] else ''})",
+        caption=f"machine (load before the run): {m.get('line', 'unknown')} · command: {' '.join(report['command'])}",
     )
     for col, justify in (
         ("bench", "left"),
@@ -162,4 +179,7 @@ def render_table(report: dict):
         )
     for s in report["skipped"]:
         table.add_row(s["name"], f"skipped: {s['reason']}", "", "", "", "")
+    lines = [r["settings"]["summary"] for r in report["results"] if "summary" in r["settings"]]
+    if lines:  # the system rows' verdicts (efficiency, goal, noise; fleet losses)
+        table.caption, table.caption_justify = "\n".join(lines), "left"
     return table

@@ -1,68 +1,37 @@
-"""Async against sync on the whole system, and against the ideal for the same workload.
+"""Async against sync on the whole system, against a zero-overhead model of the same run, and
+against the engine's own limit.
 
 The workload is long-tailed and generation-dominated: the workflow `bench.longtail:LongTail`
 gives every sample a target length from a lognormal (capped) and generates exactly that many
 tokens (EOS ignored), on the tiny model with the torch engine and the torch trainer. All
 services run as their own processes, as `make up` starts them (a temporary var dir, TLS and
 tokens, one replica each, one torch thread each), and the same cluster runs the experiment at
-eta = 0 (synchronous), 1, 2 and 4 on the same prompts in the same order. The supervisor gives
-the rollout a core to itself and the other processes the other (`ASYNCRL_CPU_AFFINITY=1`, the
-benchmark's default; `ASYNCRL_CPU_AFFINITY=0` leaves placement to the kernel).
+eta = 0 (synchronous), 1, 2 and 4 on the same prompts in the same order, `repeats` times; each
+eta reports its fastest run. The supervisor gives the rollout a core to itself and the other
+processes the other (`ASYNCRL_CPU_AFFINITY=1`, the benchmark's default).
 
-Measured in the run:
-- wall time of each experiment: first dispatch to the N-th committed step (the ledger's
-  `dispatched` and `trained` events); speedup(eta) = wall(0) / wall(eta);
-- decode time per step against active streams: the same engine class on the same model and
-  thread count replays the workload's lengths at the fleet's concurrency; a least-squares line
-  t(a) = t0 + c1 a gives t0 and alpha = c1 C / t0;
-- train time per step against tokens, from the eta=0 run's StepMetrics (`step_time_s`) and
-  the groups each step trained (the ledger): the torch backend pads every sample to the
-  batch's longest, so tokens are B n (max L + prompt);
-- weight-update time: from the end of `train_step` (trainer log) to the step's `trained`
-  ledger event, which the trainer writes once CommitWeights has returned (the fleet loaded it).
+Measured in each experiment: its wall time (first `dispatched` to the N-th `trained` ledger
+event), the groups each step trained, the trainer's StepMetrics, the rollout's weight updates
+(its `weights_updated` log), and the engine's counters over exactly the wall (/metrics polled
+with the experiment, interpolated at both ends: `counters_between`).
 
-Those parameters go into `bench.overlap` (the zero-overhead model: analytic bound and a
-discrete-event simulation of sync and async with AReaL's admission, the trainer dropping
-groups staler than eta) with the very lengths the workflow generated, in dispatch order, under
-the scheduler's own rules where they differ from the tool's model: a too-stale running group
-is aborted when the model aborts it unless the rollout is publishing it (`ABORT_LAG` 0, from
-`too_stale`: AbortGroups), and a dropped group's prompt is generated again before new ones
-(`requeue`: no prompt is lost), as its next attempt, with the new lengths the workflow draws
-for that attempt (`resample`): in distribution, the tool's "a dropped group is gone, the next
-admission draws new lengths". One Result per eta: measured speedup against the ideal speedup
-of the tool's zero-overhead model (ratio = measured ÷ ideal: what the workload allows);
-`ideal_speedup_scheduler_rules` and `ratio_scheduler_rules` are the same model under the rules
-above, fed with the very lengths the system generated for each attempt. A PNG plots throughput
-against eta beside the ideal (var/bench/system_throughput.png; the work dir when --quick).
-Each eta runs `repeats` times and reports its fastest run.
+Measured in the same run on the rollout's core (`bench.decode`, the cluster idle, before and
+after the experiments): the decode cost t(a) replaying the workload's lengths, and the engine's
+saturated rate (tokens/s at its best concurrency).
 
-Settings carry what explains the gap: each service's CPU share (a rollout near 1.0 is
-engine-bound), the fleet's tokens/s (finished groups only) against the model's, the train step
-measured against the fitted cost of the same batches (CPU contention), the replayed full-fleet
-step against t(C) (the engine's cost grows with the batch's longest context, which the model's
-t(a) cannot see) and the re-prefill stall after each weight update (interrupted requests
-recompute their KV cache; the model keeps their progress for free) times the steps.
-
-`engine` compares the rollout's own engine counters over the run (its /metrics:
-asyncrl_rollout_engine_*_total) with the model: active streams per decode step against the
-model's (`mean_active`: what the admission rule lets run; the model applies the same rule), the
-decode steps taken against the model's token clock (tokens wasted on groups dropped as too
-stale, the tail), and the seconds per step in the run against t(a) from the replay on an
-otherwise idle engine (the difference is CPU the engine did not get: with `busy` near 1 and
-the rollout's CPU share near 0.5, each step waited for a core half of its time); `prefill_s`
-and `prefill_tokens` are the engine's prefills (new prompts, and interrupted requests
-recomputed after each weight update: the model keeps their progress for free) and
-`decode_step_ms` a step without them. `contention` re-runs the model with the decode cost
-replayed beside a training load on the other core, for the share of the run the trainer
-computes (see `contention`): what this machine's shared caches and memory bandwidth allow,
-beside the headline ratio. `load_avg` is
-the machine's 1-minute load average when the run ended (2 cores here).
+`bench.system_model` turns them into the model's parameters and the results, one pair per eta:
+- `system_efficiency`: trained samples/s measured ÷ the model's at that eta (`bench.overlap`
+  under the scheduler's rules, with the very lengths the workflow generated for every attempt,
+  and the weight update pipelined as the trainer runs it), with both speedups against eta = 0;
+  the run's noise is the largest spread between repeats of one eta (`bench.yardstick.noise`);
+- `fleet_utilisation`: tokens trained per second ÷ the engine's saturated rate, with the gap
+  split into what it was lost to (`bench.yardstick.Losses`).
+A PNG plots throughput against eta (var/bench/system_throughput.png; the work dir when --quick).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import os
@@ -72,13 +41,12 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 import psutil
-import torch
 
 from asyncrl.client import AsyncrlClient, is_terminal, state_name
 from asyncrl.ledger import read_events, summarize
@@ -87,14 +55,18 @@ from asyncrl.net import free_port
 from asyncrl.proc import kill_tree, pid_alive
 from asyncrl.security import Credentials
 from asyncrl.settings import settings
-from asyncrl.spec import SamplingParams
 from asyncrl.tiny import build_tiny_model
 from asyncrl.types import GroupId
-from bench import overlap
+from bench import overlap, system_model
+from bench.decode import (
+    PROBE_CONCURRENCY,
+    PROBE_TOKENS,
+    fit_decode,
+    replay_log,
+    saturation,
+)
 from bench.longtail import target_lengths
 from bench.report import Context, Result, cpu_affinity
-from services.rollout.engine import GenRequest
-from services.rollout.torch_engine import TorchEngine
 from services.scheduler.policy import too_stale
 
 NAME = "system"
@@ -131,6 +103,9 @@ class Plan:
     """Runs of every eta; each eta reports its fastest (the least disturbed)."""
     seed: int = 0
     timeout_s: float = 600.0
+    probe: tuple[int, ...] = PROBE_CONCURRENCY
+    """Concurrencies the saturation probe tries (`bench.decode.saturation`)."""
+    probe_tokens: int = PROBE_TOKENS
 
     @property
     def slots(self) -> int:
@@ -146,9 +121,12 @@ def plan_for(ctx: Context) -> Plan:
     keep_kv = os.environ.get("ASYNCRL_BENCH_KEEP_KV", "") not in ("", "0")
     if ctx.quick:
         return Plan(n=2, batch=2, steps=3, max_groups=8, median=8, sigma=1.5, max_len=64,
-                    timeout_s=60, keep_kv=keep_kv)  # fmt: skip
-    return Plan(n=4, batch=2, steps=60, max_groups=12, median=32, sigma=1.5, max_len=1024,
-                repeats=2, keep_kv=keep_kv)  # fmt: skip
+                    timeout_s=60, keep_kv=keep_kv, probe=(4, 16), probe_tokens=16)  # fmt: skip
+    # a loaded machine (8 agents on 2 cores) may need fewer steps and longer than 600 s each
+    timeout = float(os.environ.get("ASYNCRL_BENCH_SYSTEM_TIMEOUT_S", "600"))
+    steps = int(os.environ.get("ASYNCRL_BENCH_SYSTEM_STEPS", "60"))
+    return Plan(n=4, batch=2, steps=steps, max_groups=12, median=32, sigma=1.5, max_len=1024,
+                repeats=2, keep_kv=keep_kv, timeout_s=timeout)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- the task
@@ -374,6 +352,8 @@ class RunRecord:
     train_end_t: dict[int, float]
     """Version -> end of its train_step (trainer log)."""
     step_time_s: dict[int, float]
+    serialize_s: list[float]
+    """Each step's version gathered as bytes (the trainer's critical path after the step)."""
     step_prompts: dict[int, list[tuple[int, int]]]
     """Version -> (dataset index, attempt) of the groups it trained."""
     staleness_max: int
@@ -382,10 +362,15 @@ class RunRecord:
     """CPU seconds of each service over the experiment's duration (1.0 = one core busy)."""
     finished_prompts: list[tuple[int, int]] = field(default_factory=list)
     """(dataset index, attempt) of the groups that finished generating before the N-th commit."""
+    rejected_prompts: list[tuple[int, int]] = field(default_factory=list)
+    """Those the filter rejected."""
     engine: dict[str, float] = field(default_factory=dict)
-    """The rollout engine's counters over the experiment (see LocalCluster.engine_counters)."""
+    """The rollout engine's counters over the wall (see LocalCluster.engine_counters)."""
+    pause_s: list[float] = field(default_factory=list)
+    """Seconds each weight update within the wall stopped generation (the engine's load and
+    resume phases, the rollout's `weights_updated` log)."""
     duration_s: float = 0.0
-    """Submit to end, the window of `cpu_share` and `engine`."""
+    """Submit to end, the window of `cpu_share`."""
     load_avg: float = 0.0
     """The machine's 1-minute load average at the end."""
     fates: dict[str, int] = field(default_factory=dict)
@@ -408,13 +393,21 @@ def _iso(ts: str) -> float:
     return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
 
 
-async def run_to_end(scheduler: str, spec: dict, timeout_s: float, poll_s: float = 0.25):
+async def run_to_end(
+    scheduler: str,
+    spec: dict,
+    timeout_s: float,
+    poll_s: float = 0.25,
+    on_poll: Callable[[], None] = lambda: None,
+):
     """Submit `spec`, wait for its end and return the experiment with its history (COMPLETED,
-    else a RuntimeError with the message; cancelled and a TimeoutError after `timeout_s`)."""
+    else a RuntimeError with the message; cancelled and a TimeoutError after `timeout_s`);
+    `on_poll` runs at every poll."""
     async with AsyncrlClient(scheduler) as client:
         exp = await client.submit(spec)
         deadline = time.monotonic() + timeout_s
         while not is_terminal(exp):
+            on_poll()
             if time.monotonic() > deadline:
                 await client.cancel(exp.id)
                 raise TimeoutError(f"{spec['name']} did not finish in {timeout_s:.0f}s")
@@ -434,31 +427,63 @@ async def _ledger(nats_url: str, experiment: str) -> list[dict]:
 
 
 def run_experiment(cluster: LocalCluster, spec: dict, eta: int, timeout_s: float) -> RunRecord:
-    cpu0, engine0, t0 = cluster.cpu_seconds(), cluster.engine_counters(), time.monotonic()
-    exp = asyncio.run(run_to_end(cluster.scheduler, spec, timeout_s))
+    polls: list[tuple[float, dict[str, float]]] = []
+
+    def poll() -> None:
+        polls.append((time.time(), cluster.engine_counters()))
+
+    cpu0, t0 = cluster.cpu_seconds(), time.monotonic()
+    poll()
+    exp = asyncio.run(run_to_end(cluster.scheduler, spec, timeout_s, on_poll=poll))
+    poll()
     duration, cpu1 = time.monotonic() - t0, cluster.cpu_seconds()
-    engine1 = cluster.engine_counters()
     cpu_share = {k: round((cpu1[k] - cpu0[k]) / duration, 3) for k in cpu1 if k in cpu0}
     events = asyncio.run(_ledger(cluster.nats_url, exp.id))
     trained = [e for e in events if e["event"] == "trained"]
+    start_t, end_t = min(e["t"] for e in events if e["event"] == "dispatched"), trained[-1]["t"]
     steps = cluster.log_events("trainer", "train_step", exp.id)
+    updates = cluster.log_events("rollout", "weights_updated", exp.id)
     return RunRecord(
         eta=eta,
         experiment=exp.id,
-        start_t=min(e["t"] for e in events if e["event"] == "dispatched"),
+        start_t=start_t,
         trained_t={e["version"]: e["t"] for e in trained},
         train_end_t={r["version"]: _iso(r["timestamp"]) for r in steps},
         step_time_s={h.version: h.step_time_s for h in exp.history},
+        serialize_s=[h.serialize_s for h in exp.history],
         step_prompts={e["version"]: [dispatch_of(g) for g in e["groups"]] for e in trained},
         staleness_max=max(h.staleness_max for h in exp.history),
         dropped=exp.progress.stale_dropped,
         cpu_share=cpu_share,
-        finished_prompts=_finished(events, max(e["t"] for e in trained)),
-        engine={k: engine1[k] - engine0[k] for k in engine1 if k in engine0},
+        finished_prompts=_settled(events, "accepted", end_t),
+        rejected_prompts=_settled(events, "rejected", end_t),
+        engine=counters_between(polls, start_t, end_t),
+        pause_s=[
+            u.get("load_s", 0.0) + u.get("resume_s", 0.0)
+            for u in updates
+            if u.get("version", 0) > 0 and start_t <= _iso(u["timestamp"]) <= end_t
+        ],
         duration_s=duration,
         load_avg=os.getloadavg()[0],
         fates={k: v for k, v in summarize(events).totals.items() if v},
     )
+
+
+def counters_between(
+    polls: Sequence[tuple[float, dict[str, float]]], start: float, end: float
+) -> dict[str, float]:
+    """The engine's counters' increase from `start` to `end`, each end interpolated linearly
+    between the polls around it (the polls' times in order)."""
+    polls = [(t, c) for t, c in polls if c]
+    if len(polls) < 2:
+        return {}
+    times = [t for t, _ in polls]
+    keys = set.intersection(*(set(c) for _, c in polls))
+    return {
+        k: float(np.interp(end, times, [c[k] for _, c in polls]))
+        - float(np.interp(start, times, [c[k] for _, c in polls]))
+        for k in sorted(keys)
+    }
 
 
 def dispatch_of(group_id: str) -> tuple[int, int]:
@@ -467,383 +492,40 @@ def dispatch_of(group_id: str) -> tuple[int, int]:
     return gid.index, gid.attempt
 
 
-def _finished(events: list[dict], until: float) -> list[tuple[int, int]]:
-    """(dataset index, attempt) of the groups accepted (fully generated) up to `until`."""
+def _settled(events: list[dict], status: str, until: float) -> list[tuple[int, int]]:
+    """(dataset index, attempt) of the groups settled with `status` (accepted: fully generated
+    and kept; rejected: by the filter) up to `until`."""
     return [
         dispatch_of(e["group"])
         for e in events
-        if e["event"] == "settled" and e["status"] == "accepted" and e["t"] <= until
+        if e["event"] == "settled" and e["status"] == status and e["t"] <= until
     ]
 
 
-# ---------------------------------------------------------------------------- the parameters
+# ---------------------------------------------------------------------------- the run
 
 
-class _TimedEngine(TorchEngine):
-    """The torch engine, recording every step: (active streams, seconds, whether it is the
-    first step after a weight update, i.e. re-prefills every interrupted request)."""
-
-    def __init__(self, keep_kv: bool = False):
-        super().__init__(seed=0, keep_kv_on_update=keep_kv)
-        self.step_log: list[tuple[int, float, bool]] = []
-        self._resumed = False
-
-    async def _apply(self, op) -> None:
-        await super()._apply(op)
-        self._resumed = op.kind == "update"
-
-    def _step(self, batch):
-        resumed, self._resumed = self._resumed, False
-        t0 = time.perf_counter()
-        finished = super()._step(batch)
-        self.step_log.append((len(batch), time.perf_counter() - t0, resumed))
-        return finished
+def rollout_cores(cluster: LocalCluster) -> set[int] | None:
+    """The cores the supervisor gave the rollout service (None: unknown)."""
+    for proc in cluster._state().get("processes", []):
+        if proc.get("service") == "rollout" and proc.get("pid"):
+            try:
+                return set(psutil.Process(proc["pid"]).cpu_affinity())
+            except psutil.Error:
+                return None
+    return None
 
 
-async def _replay(
-    model: Path,
-    prompt_ids: list[int],
-    lengths: list[int],
-    slots: int,
-    updates: int,
-    keep_kv: bool = False,
-):
-    """Generate `lengths` with at most `slots` in flight; `updates` weight updates (the same
-    weights, a new version) at even shares of the tokens, as the fleet gets them mid-run."""
-    engine = _TimedEngine(keep_kv)
-    await engine.start()
-    try:
-        await engine.load(str(model), 0)
-        gate = asyncio.Semaphore(slots)
-
-        async def one(i: int, length: int):
-            async with gate:
-                params = SamplingParams(max_new_tokens=length)
-                await engine.generate(GenRequest(f"cal-{i}", prompt_ids, params))
-
-        job = asyncio.gather(*(one(i, L) for i, L in enumerate(lengths)))
-        for v in range(1, updates + 1):
-            share = sum(lengths) * v // (updates + 1)
-            while engine.tokens_generated < share and not job.done():
-                await asyncio.sleep(0.005)
-            if not job.done():
-                await engine.update_weights(str(model), v)
-        await job
-    finally:
-        await engine.stop()
-    return engine.step_log
-
-
-@dataclass(frozen=True)
-class Decode:
-    """The engine's decode cost, t(a) = t0 + c1 a seconds per step at a active streams, and
-    what re-prefilling interrupted requests after a weight update adds (not in the model)."""
-
-    t0: float
-    c1: float
-    steps: int
-    resume_stall_s: float
-    """Mean extra seconds of the first step after an update, over t(a)."""
-    resume_streams: float
-    """Mean requests in flight at those updates."""
-    full_fleet_step_s: float
-    """Mean step with at least 90 % of the slots active, as replayed (model: t(C))."""
-
-
-TRAINING_LOAD = """
-import sys, torch
-from transformers import AutoModelForCausalLM
-torch.set_num_threads(1)
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-ids = torch.randint(0, model.config.vocab_size, (8, 256))
-def step():
-    opt.zero_grad()
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-step()
-print("ready", flush=True)
-while True:
-    step()
-"""
-"""What the trainer does beside the engine in an asynchronous run: the workload's model trained
-on one thread (forward, backward, AdamW), without end."""
-
-
-@contextlib.contextmanager
-def training_load(model: Path):
-    """TRAINING_LOAD running in its own process (the other core) while the block runs."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", TRAINING_LOAD, str(model)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    try:
-        if proc.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"the training load did not start ({proc.poll()})")
-        yield
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def measure_decode(
-    task: Task, plan: Plan, table: list[list[int]], updates: int, loaded: bool = False
-) -> Decode:
-    """Fit t(a) on the engine replaying 4 C of the workload's lengths at the fleet's
-    concurrency C (full fleet, then the drain down to one stream); `loaded`: with a training
-    load on the other core (`training_load`), as in an asynchronous run while the trainer
-    computes."""
+def engine_costs(task: Task, plan: Plan, table, cores, updates: int):
+    """One replay of the workload's lengths and one saturation probe, on `cores`."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(task.tokenizer))
-    prompt_ids = tok(task.prompts[0], add_special_tokens=False).input_ids
+    prompt_ids = AutoTokenizer.from_pretrained(str(task.tokenizer))(
+        task.prompts[0], add_special_tokens=False
+    ).input_ids
     lengths = [L for row in table for L in row][: 4 * plan.slots]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the rollout service runs here (OMP_NUM_THREADS=1)
-    try:
-        with training_load(task.model) if loaded else contextlib.nullcontext():
-            log = asyncio.run(
-                _replay(task.model, prompt_ids, lengths, plan.slots, updates, plan.keep_kv)
-            )
-    finally:
-        torch.set_num_threads(threads)
-    plain = [(a, dt) for a, dt, resumed in log if not resumed]
-    t0, c1 = fit_line(*per_level_medians(plain))
-    t0 = max(t0, 1e-6)  # the model needs t0 > 0 (alpha = c1 C / t0)
-    resumed = [(a, dt) for a, dt, r in log if r]
-    stall = float(np.mean([dt - (t0 + c1 * a) for a, dt in resumed])) if resumed else 0.0
-    streams = float(np.mean([a for a, _ in resumed])) if resumed else 0.0
-    full = [dt for a, dt in plain if a >= 0.9 * plan.slots] or [t0 + c1 * plan.slots]
-    return Decode(t0, c1, len(plain), stall, streams, float(np.mean(full)))
-
-
-def fit_line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
-    """Theil-Sen (intercept, slope): the median of the pairwise slopes, robust to the outliers
-    a shared machine adds (a preempted step). Both kept >= 0: a negative intercept gives the
-    median of y/x through the origin instead."""
-    xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    i, j = np.triu_indices(len(xs), 1)
-    dx = xs[j] - xs[i]
-    if not np.any(dx != 0):
-        return float(np.median(ys)), 0.0
-    slope = max(0.0, float(np.median((ys[j] - ys[i])[dx != 0] / dx[dx != 0])))
-    intercept = float(np.median(ys - slope * xs))
-    if intercept < 0:
-        return 0.0, float(np.median(ys[xs > 0] / xs[xs > 0]))
-    return intercept, slope
-
-
-def per_level_medians(points: Sequence[tuple[int, float]]) -> tuple[list[int], list[float]]:
-    """The median y at each distinct x (each occupancy level counts once in the fit)."""
-    levels: dict[int, list[float]] = {}
-    for a, dt in points:
-        levels.setdefault(a, []).append(dt)
-    xs = sorted(levels)
-    return xs, [float(np.median(levels[a])) for a in xs]
-
-
-@dataclass(frozen=True)
-class Measured:
-    decode: Decode
-    train_a: float
-    train_b: float
-    t_sync: float
-
-
-def measure_train(syncs: list[RunRecord], lengths: Lengths, task: Task, plan: Plan):
-    """(train_a, train_b) over padded tokens, from the synchronous runs' steps."""
-    padded, seconds = [], []
-    for sync in syncs:
-        for v, prompts in sorted(sync.step_prompts.items()):
-            longest = max(L for i, a in prompts for L in lengths(i, a))
-            padded.append(len(prompts) * plan.n * (longest + task.prompt_len))
-            seconds.append(sync.step_time_s[v])
-    return fit_line(padded, seconds)
-
-
-def workload(plan: Plan, task: Task, m: Measured) -> overlap.Workload:
-    return overlap.Workload(
-        slots=plan.slots,
-        n=plan.n,
-        batch=plan.batch,
-        max_groups=plan.max_groups,
-        len_median=plan.median,
-        len_sigma=plan.sigma,
-        max_len=plan.max_len,
-        prompt_len=task.prompt_len,
-        t0=m.decode.t0,
-        alpha=m.decode.c1 * plan.slots / m.decode.t0 if m.decode.t0 > 0 else 0.0,
-        train_a=m.train_a,
-        train_b=m.train_b,
-        padded=True,
-        t_sync=m.t_sync,
-        steps=plan.steps,
-        seed=plan.seed,
-        abort_lag=ABORT_LAG,
-        requeue=True,
-        resample=True,
-    )
-
-
-# ---------------------------------------------------------------------------- report
-
-
-@dataclass
-class EtaFigures:
-    eta: int
-    measured_speedup: float
-    ideal_speedup: float
-    measured_throughput: float
-    ideal_throughput: float
-    settings: dict = field(default_factory=dict)
-
-
-def predicted_train_s(w: overlap.Workload, r: RunRecord, lengths: Lengths) -> float:
-    """Mean train step the fitted cost predicts for the batches this run actually trained."""
-    return float(
-        np.mean(
-            [
-                w.train_time([L for i, a in ps for L in lengths(i, a)])
-                for ps in r.step_prompts.values()
-            ]
-        )
-    )
-
-
-def engine_figures(r: RunRecord, sim: overlap.SimResult, decode: Decode) -> dict:
-    """The engine's counters over the run beside the model's (see the module docstring)."""
-    e = r.engine
-    if not e.get("steps"):
-        return {}
-    active = e["stream_steps"] / e["steps"]
-    return {
-        "mean_active": round(active, 2),
-        "ideal_mean_active": round(sim.mean_active, 2),
-        "steps": int(e["steps"]),
-        "ideal_steps": round(sim.token_steps),
-        "tokens": int(e["stream_steps"]),
-        "ideal_tokens": round(sim.gen_tokens),
-        "step_ms": round(1000 * e["step_seconds"] / e["steps"], 3),
-        "model_step_ms": round(1000 * (decode.t0 + decode.c1 * active), 3),
-        "busy": round(e["step_seconds"] / r.duration_s, 3),
-        "prefill_s": round(e.get("prefill_seconds", 0.0), 3),
-        "prefill_tokens": int(e.get("prefill_tokens", 0)),
-        "decode_step_ms": round(
-            1000 * (e["step_seconds"] - e.get("prefill_seconds", 0.0)) / e["steps"], 3
-        ),
-    }
-
-
-def figures(
-    plan: Plan,
-    runs: dict[int, RunRecord],
-    ideal: overlap.Ideal,
-    lengths: Lengths,
-    decode: Decode,
-) -> list[EtaFigures]:
-    m = plan.steps * plan.batch * plan.n
-    w = ideal.sync_workload
-    out = []
-    for eta, r in runs.items():
-        sim = ideal.runs[eta]
-        out.append(
-            EtaFigures(
-                eta=eta,
-                measured_speedup=runs[0].wall_s / r.wall_s,
-                ideal_speedup=ideal.speedup(eta),
-                measured_throughput=m / r.wall_s,
-                ideal_throughput=sim.throughput,
-                settings={
-                    "wall_s": round(r.wall_s, 3),
-                    "ideal_wall_s": round(sim.wall_s, 3),
-                    "sync_wall_s": round(runs[0].wall_s, 3),
-                    "ideal_sync_wall_s": round(ideal.sync.wall_s, 3),
-                    "staleness_max": r.staleness_max,
-                    "ideal_staleness_max": sim.max_staleness,
-                    "dropped": r.dropped,
-                    "ideal_dropped": sim.dropped,
-                    "train_step_s_mean": round(float(np.mean(list(r.step_time_s.values()))), 4),
-                    "train_step_s_predicted": round(predicted_train_s(w, r, lengths), 4),
-                    "ideal_train_step_s_mean": round(sim.train_busy_s / plan.steps, 4),
-                    "update_s_median": round(float(np.median(r.update_s())), 4),
-                    "cpu_share": r.cpu_share,
-                    "fleet_tokens_per_s_finished": round(
-                        sum(L for i, a in r.finished_prompts for L in lengths(i, a)) / r.wall_s,
-                        1,
-                    ),
-                    "ideal_fleet_tokens_per_s": round(sim.gen_tokens / sim.wall_s, 1),
-                    "engine": engine_figures(r, sim, decode),
-                    "load_avg": round(r.load_avg, 2),
-                    "ledger": r.fates,
-                },
-            )
-        )
-    return out
-
-
-def contention(
-    w: overlap.Workload,
-    tool: overlap.Ideal,
-    idle: Decode,
-    loaded: Decode,
-    f: EtaFigures,
-    table: list[list[int]],
-) -> dict:
-    """What sharing the machine's memory system with the trainer costs the engine, in the
-    model: the decode cost replayed beside a training load (`measure_decode(loaded=True)`),
-    applied for the share of the asynchronous run the model's trainer computes (t0 and c1
-    interpolated by that share; none in sync, where they never overlap). The model's premise is
-    separate hardware for generation and training; here they share two cores' caches and
-    memory bandwidth. An explanation of the gap beside the ratio, not a replacement for it."""
-    if f.eta == 0:
-        return {}
-    sim = tool.runs[f.eta]
-    share = min(1.0, sim.train_busy_s / sim.wall_s)
-    t0 = max(1e-6, idle.t0 + share * (loaded.t0 - idle.t0))
-    c1 = max(0.0, idle.c1 + share * (loaded.c1 - idle.c1))
-    wc = replace(w, t0=t0, alpha=c1 * w.slots / t0, eta=f.eta)
-    speedup = tool.sync.wall_s / overlap.simulate_async(wc, overlap.GroupLengths(wc, table)).wall_s
-    return {
-        "loaded_decode": {"t0": round(loaded.t0, 7), "c1": round(loaded.c1, 8)},
-        "full_fleet_step_s": {"idle": round(idle.full_fleet_step_s, 5),
-                              "loaded": round(loaded.full_fleet_step_s, 5)},
-        "trainer_share": round(share, 3),
-        "ideal_speedup": round(speedup, 3),
-        "ratio": round(f.measured_speedup / speedup, 3),
-    }  # fmt: skip
-
-
-def plot(figs: list[EtaFigures], tool: list[float], bound_throughput: float, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    etas = [f.eta for f in figs]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(etas, [f.measured_throughput for f in figs], "o-", label="measured (asyncrl)")
-    ax.plot(etas, [f.ideal_throughput for f in figs], "s--", label="ideal, the scheduler's rules")
-    ax.plot(etas, tool, "^:", label="ideal, overlap_bound's model")
-    ax.axhline(bound_throughput, color="grey", linestyle=":", label="analytic ceiling")
-    ax.set_xlabel("eta (max staleness; 0 = synchronous)")
-    ax.set_ylabel("trained samples / s")
-    ax.set_xticks(etas)
-    ax.set_ylim(bottom=0)
-    ax.legend()
-    ax.set_title("long-tail workload: throughput against eta")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def _rounded(d: dict) -> dict:
-    return {k: _rounded(v) if isinstance(v, dict) else round(v, 6) if isinstance(v, float) else v
-            for k, v in d.items()}  # fmt: skip
+    log = replay_log(task.model, prompt_ids, lengths, plan.slots, updates, plan.keep_kv, cores)
+    return log, saturation(task.model, prompt_ids, cores, plan.probe, plan.probe_tokens)
 
 
 def run(ctx: Context) -> list[Result]:
@@ -855,58 +537,47 @@ def run(ctx: Context) -> list[Result]:
     def lengths(index: int, attempt: int) -> tuple[int, ...]:
         return tuple(task.attempt_lengths(plan, index, attempt))
 
-    decode = measure_decode(task, plan, table, updates=ctx.size(6, 1))
-    loaded = measure_decode(task, plan, table, updates=0, loaded=True)
     records: dict[int, list[RunRecord]] = {eta: [] for eta in plan.etas}
     with LocalCluster(ctx.work_dir / "system" / "var", plan.keep_kv) as cluster:
+        cores = rollout_cores(cluster)
+        updates = ctx.size(6, 1)
+        before = engine_costs(task, plan, table, cores, updates)
         for _ in range(plan.repeats):
             for eta in plan.etas:
                 spec = experiment_spec(task, plan, eta)
                 records[eta].append(run_experiment(cluster, spec, eta, plan.timeout_s))
+        after = engine_costs(task, plan, table, cores, updates)
     runs = {eta: min(rs, key=lambda r: r.wall_s) for eta, rs in records.items()}  # best of
-    train_a, train_b = measure_train(records[0], lengths, task, plan)
-    t_sync = float(np.median([u for r in records[0] for u in r.update_s()]))
-    measured = Measured(decode, train_a, train_b, t_sync)
-    w = workload(plan, task, measured)
-    ideal = overlap.ideal(w, plan.etas, table, lengths)
-    tool_w = replace(w, abort_lag=0, requeue=False)
-    tool = overlap.ideal(tool_w, plan.etas, table)
-    figs = figures(plan, runs, ideal, lengths, decode)
-    bound = ideal.bound
-    ceiling = w.m / (bound.t_sync + max(bound.t_gen_throughput, bound.t_train))
-    out_dir = ctx.work_dir if ctx.quick else Path("var/bench")
-    tool_throughput = [tool.runs[f.eta].throughput for f in figs]
-    png = plot(figs, tool_throughput, ceiling, out_dir / "system_throughput.png")
+    decode = fit_decode([before[0], after[0]], plan.slots)
+    saturated = {a: max(before[1][a], after[1][a]) for a in before[1]}
+    m = system_model.measure(records, lengths, plan, task, decode, saturated)
+    w = system_model.workload(plan, task.prompt_len, m, ABORT_LAG)
+    model = overlap.ideal(w, plan.etas, table, lengths)
+    variants = system_model.variants(w, plan.etas, table, lengths)
     common = {
         "workload": {"n": plan.n, "batch": plan.batch, "steps": plan.steps,
                      "max_groups": plan.max_groups, "slots": plan.slots,
-                     "keep_kv_on_update": plan.keep_kv,
-                     "cpu_affinity": cpu_affinity(),
+                     "keep_kv_on_update": plan.keep_kv, "cpu_affinity": cpu_affinity(),
+                     "rollout_cores": sorted(cores) if cores else None,
                      "lengths": f"lognormal median {plan.median:g} sigma {plan.sigma:g} "
                                 f"cap {plan.max_len}", "prompt_len": task.prompt_len},
-        "measured_parameters": _rounded(asdict(measured)),
-        "model": {"alpha": round(w.alpha, 4), "E_len": round(bound.e_len, 2),
-                  "E_max_len": round(bound.e_max, 2), "T_gen_sync": round(bound.t_gen_sync, 4),
-                  "T_gen_throughput": round(bound.t_gen_throughput, 4),
-                  "T_train": round(bound.t_train, 4), "T_sync": round(bound.t_sync, 4),
-                  "speedup_bound": round(bound.speedup, 3)},
-        "plot": str(png),
+        "measured_parameters": system_model._r(asdict(m), 7),
+        "replays": {  # each replay's own fit: how far the two moved apart
+            when: {"t0": round(d.t0, 7), "c1": round(d.c1, 9)}
+            for when, d in (("before", fit_decode([before[0]], plan.slots)),
+                            ("after", fit_decode([after[0]], plan.slots)))
+        },
+        "model": {"alpha": round(w.alpha, 4), "resume_stall_s": round(decode.resume_stall_s, 4),
+                  "full_fleet_step_s": round(decode.full_fleet_step_s, 5)},
     }  # fmt: skip
-    peer = "ideal speedup (overlap_bound's zero-overhead model, measured parameters)"
-    return [
-        Result(NAME, "system_speedup", f.measured_speedup, "x", peer, tool.speedup(f.eta),
-               {"eta": f.eta, "measured_throughput": round(f.measured_throughput, 3),
-                "ideal_throughput": round(tool.runs[f.eta].throughput, 3),
-                "walls_s": [round(r.wall_s, 3) for r in records[f.eta]],
-                "ideal_speedup_scheduler_rules": round(f.ideal_speedup, 3),
-                "ideal_throughput_scheduler_rules": round(f.ideal_throughput, 3),
-                "ratio_scheduler_rules": round(f.measured_speedup / f.ideal_speedup, 3),
-                # every update interrupts the requests in flight (none in sync): re-prefill
-                "resume_stall_s_est": round(plan.steps * decode.resume_stall_s, 3) if f.eta else 0,
-                "contention": contention(tool_w, tool, decode, loaded, f, table),
-                **f.settings, **common})
-        for f in figs
-    ]  # fmt: skip
+    out = system_model.results(plan, records, runs, model, variants, lengths, m, common)
+    effs = [r for r in out if r.metric == "system_efficiency"]
+    out_dir = ctx.work_dir if ctx.quick else Path("var/bench")
+    tool_tp = [variants["tool"].runs[r.settings["eta"]].throughput for r in effs]
+    png = system_model.plot(effs, tool_tp, out_dir / "system_throughput.png")
+    for r in effs:
+        r.settings["plot"] = str(png)
+    return out
 
 
 if __name__ == "__main__":  # python -m bench.system [--quick]: this benchmark alone, as JSON

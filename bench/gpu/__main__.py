@@ -21,6 +21,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from asyncrl.machine import machine_line
 from bench.gpu.report import markdown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,6 +72,7 @@ def machine(dry_run: bool) -> dict:
         got = subprocess.run([smi, q, "--format=csv,noheader"], capture_output=True, text=True)
         info["gpu"] = got.stdout.strip() or got.stderr.strip()
     info["cpus"] = os.cpu_count()
+    info["line"] = machine_line()  # CPU model, cores, load before the run, GPU (asyncrl.machine)
     return info
 
 

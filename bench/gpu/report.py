@@ -74,6 +74,8 @@ def markdown(report: dict) -> str:
         f"megatron-core {m.get('megatron-core')} · transformers {m.get('transformers')} · "
         f"total {report.get('total_s')} s",
         "",
+        f"machine: {m.get('line', 'unknown')}",
+        "",
         "`" + report["command"] + "`",
     ]
     parts = report["parts"]

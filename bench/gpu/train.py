@@ -3,7 +3,8 @@
 `MegatronBackend` exactly as the trainer service runs it in-process (TP=1, DP=1: NCCL, bf16,
 Megatron DDP + distributed optimizer on CUDA; gloo, fp32, AdamW on CPU), on synthetic groups
 (`bench.trainer.make_groups`: rewards alternate, so every step has a gradient). One warm-up
-step, then `steps` timed steps, then a checkpoint saved and loaded back; tokens/s counts every token of the packed rows (prompt and
+step, then `steps` timed steps, then a checkpoint saved, a step, the checkpoint loaded back and the step replayed
+(the weights must come back exactly, the replay match the step); tokens/s counts every token of the packed rows (prompt and
 output: the forward and backward work), loss tokens/s only the trained output tokens.
 """
 
@@ -62,7 +63,7 @@ def run(shape: str, work: Path, sizes: dict) -> dict:
         times.append(seconds)
         losses.append(metrics["loss"])
     step_s = statistics.median(times)
-    checkpoint = _checkpoint_round_trip(backend, work / "checkpoints" / shape)
+    checkpoint = _checkpoint_round_trip(backend, work / "checkpoints" / shape, groups)
     return {
         "shape": shape,
         "params_m": round(n_params(shape) / 1e6, 1),
@@ -86,21 +87,44 @@ def run(shape: str, work: Path, sizes: dict) -> dict:
     }
 
 
-def _checkpoint_round_trip(backend, ckpt_dir: Path) -> dict:
-    """`save_checkpoint` then `load_checkpoint` into the same backend (on CUDA: megatron's
-    dist_checkpointing with the distributed optimizer's state), as the trainer service does."""
+def _checkpoint_round_trip(backend, ckpt_dir: Path, groups) -> dict:
+    """`save_checkpoint`, a step, `load_checkpoint`, the same step again, as a trainer that
+    resumes does: the load must give back the saved weights exactly, and the replayed step the
+    same weights as the first (the optimizer's moments and step count came back too)."""
     t0 = time.perf_counter()
     try:
+        saved_params = _params(backend)
         backend.save_checkpoint(ckpt_dir)
         saved = time.perf_counter()
+        backend.train_step(groups)
+        stepped = _params(backend)
+        t1 = time.perf_counter()
         backend.load_checkpoint(ckpt_dir)
+        loaded = time.perf_counter()
+        restored = _max_abs_diff(_params(backend), saved_params)
+        backend.train_step(groups)
+        replayed = _max_abs_diff(_params(backend), stepped)
     except Exception as exc:  # noqa: BLE001 - reported as a problem, the figures stand
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    moved = _max_abs_diff(stepped, saved_params)
+    ok = restored == 0.0 and moved > 0.0 and replayed <= 0.01 * moved
     return {
-        "ok": True,
+        "ok": ok,
+        "error": "" if ok else f"restored {restored}, replayed {replayed}, step moved {moved}",
         "save_s": round(saved - t0, 2),
-        "load_s": round(time.perf_counter() - saved, 2),
+        "load_s": round(loaded - t1, 2),
+        "restored_max_abs": restored,
+        "replayed_max_abs": replayed,
+        "step_max_abs": moved,
     }
+
+
+def _params(backend) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().cpu().clone() for n, p in backend.built.model.named_parameters()}
+
+
+def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
 def _timed_step(backend, groups) -> tuple[float, dict]:

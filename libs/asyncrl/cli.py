@@ -245,7 +245,7 @@ def status(
 def list_(
     ctx: typer.Context, as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False
 ) -> None:
-    """All experiments the scheduler knows."""
+    """All experiments the scheduler knows (a tenant's token: its tenant's only)."""
 
     async def go():
         async with AsyncrlClient(_address(ctx)) as client:
@@ -256,12 +256,13 @@ def list_(
         out.print_json(json.dumps([_to_dict(e) for e in exps]))
         return
     table = Table(title="experiments")
-    for col in ("id", "name", "state", "version", "trained", "created"):
+    for col in ("id", "tenant", "name", "state", "version", "trained", "created"):
         table.add_column(col, overflow="fold")
     for e in exps:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.created_unix_ms / 1000))
         table.add_row(
             e.id,
+            e.tenant or "-",
             escape(e.name),
             state_name(e.state),
             str(e.progress.version),
@@ -376,11 +377,20 @@ def report_(
     out.print(f"wrote {out_dir / 'summary.json'} and {out_dir / 'reward.png'}")
 
 
+def _weights(version: str, fingerprint: str) -> str:
+    """A sample's version and its fingerprint, shortened as git shortens a hash (the JSON has
+    it whole)."""
+    return f"v{version} {fingerprint[:19] if fingerprint else 'unverified'}"
+
+
 @app.command()
 def ledger(
     experiment_id: str,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON (totals and rows).")] = False,
-    rows: Annotated[bool, typer.Option("--rows", help="Also print one row per prompt.")] = False,
+    rows: Annotated[
+        bool,
+        typer.Option("--rows", help="Also print one row per prompt, and its samples' weights."),
+    ] = False,
     nats_server: Annotated[
         str | None, typer.Option("--nats", help="NATS URL (default: env NATS_URL).")
     ] = None,
@@ -401,6 +411,10 @@ def ledger(
         for p in got.prompts:
             at = ", ".join(f"step {s} v{v}" for s, v in p.trained)
             out.print(f"e{p.epoch} p{p.index} {p.prompt!r}: {p.fate} {at or p.reason}")
+            for i, weights in enumerate(p.samples):
+                out.print(
+                    f"  sample {i}: " + ", ".join(_weights(v, fp) for v, fp in weights.items())
+                )
 
 
 if __name__ == "__main__":

@@ -179,7 +179,8 @@ async def read_groups(
     """The experiment's trajectory groups from JetStream, oldest first, until caught up.
 
     Reads message by message (one STREAM.MSG.GET each, no consumer: readers may not create
-    consumers, see natsutil.NATS_PERMISSIONS). Eval groups are skipped unless `include_eval`;
+    consumers, see natsutil.NATS_PERMISSIONS); a tenant's user through its own consumer, its
+    own experiments only (asyncrl.nats_tenants). Eval groups are skipped unless `include_eval`;
     `limit` caps how many groups are yielded.
     """
 

@@ -12,7 +12,10 @@ order they were made; an event whose write was acked survives any crash:
     scheduler  dropped     {"group", "reason"}        too stale: the prompt gets a new attempt
     scheduler  left_over   {"groups"|"prompts": [...]} in flight or re-queued when the run ended
     trainer    left_over   {"groups": [...]}          published, taken by no step when it ended
-    trainer    trained     {"step", "version", "groups": [...], "run"}
+    trainer    trained     {"step", "version", "groups": [...], "run", "fingerprint",
+                            "samples": {group: [{v: k} per sample]},
+                            "fingerprints": [...]}    the weights of each sample's versions:
+                                                      fingerprints[k] ("" unverified)
     trainer    rewound     {"to_step", "run"}         a restarted trainer resumed at step k:
                                                       steps > k recorded before are discarded
     trainer    quarantined {"group", "reason"}        a bad message, set aside
@@ -157,6 +160,9 @@ class PromptFate:
     left_over: bool = False
     open: bool = False
     """A group dispatched and never settled, retried or dropped since."""
+    samples: list[dict[str, str]] = field(default_factory=list)
+    """Each sample of its trained group: {version: fingerprint} of every version that
+    generated its tokens ("" where the engine could not say: unverified)."""
 
     @property
     def fate(self) -> str:
@@ -190,6 +196,35 @@ class LedgerReport:
         out = asdict(self)
         out["prompts"] = [asdict(p) | {"fate": p.fate} for p in self.prompts]
         return out
+
+
+def sample_fingerprints(groups: Iterable) -> dict:
+    """The `trained` event's fields naming `groups` (TrajectoryGroups) and the weights of each
+    of their samples: per sample, each version that generated its tokens and that version's
+    fingerprint as the sample carries it ("": unverified), each distinct fingerprint written
+    once (a step's samples share a few: ~10 bytes a sample, not ~80)."""
+    ids, samples, index = [], {}, {}
+    for g in groups:
+        ids.append(g.group_id)
+        samples[g.group_id] = [
+            {str(v): index.setdefault(s.fingerprints.get(v, ""), len(index)) for v in _ordered(s)}
+            for s in g.samples
+        ]
+    return {"groups": ids, "samples": samples, "fingerprints": list(index)}
+
+
+def _ordered(sample) -> list[int]:
+    """The distinct versions of a sample's tokens, in order."""
+    return sorted(set(sample.versions))
+
+
+def _sample_weights(step: dict, group: str) -> list[dict[str, str]]:
+    """`PromptFate.samples` of `group` trained in `step` (a `trained` event)."""
+    fingerprints = step.get("fingerprints", [])
+    return [
+        {v: fingerprints[k] for v, k in sample.items()}
+        for sample in step.get("samples", {}).get(group, [])
+    ]
 
 
 def counted_steps(events: Iterable[dict]) -> list[dict]:
@@ -245,14 +280,7 @@ def summarize(events: list[dict]) -> LedgerReport:
         if key in prompts:
             prompts[key].left_over = True
     steps = counted_steps(events)
-    trained_times: dict[str, list[tuple[int, int]]] = defaultdict(list)
-    for s in steps:
-        for g in s["groups"]:
-            trained_times[g].append((s["step"], s["version"]))
-    for g, times in trained_times.items():
-        p = by_group.get(g) or _undispatched(prompts, by_group, g)
-        if p is not None:
-            p.trained.extend(times)
+    _apply_trained(steps, prompts, by_group)
     totals = Counter(p.fate for p in prompts.values())
     return LedgerReport(
         totals={f: totals.get(f, 0) for f in FATES},
@@ -263,6 +291,23 @@ def summarize(events: list[dict]) -> LedgerReport:
         duplicates=counts["duplicates"],
         dataset=next((e for e in events if e["event"] == "started"), {}),
     )
+
+
+def _apply_trained(
+    steps: list[dict], prompts: dict[tuple[int, int], PromptFate], by_group: dict[str, PromptFate]
+) -> None:
+    """Each counted step's groups: when their prompts were trained, and on which weights."""
+    trained_times: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    trained_in: dict[str, dict] = {}
+    for s in steps:
+        for g in s["groups"]:
+            trained_times[g].append((s["step"], s["version"]))
+            trained_in[g] = s
+    for g, times in trained_times.items():
+        p = by_group.get(g) or _undispatched(prompts, by_group, g)
+        if p is not None:
+            p.trained.extend(times)
+            p.samples = _sample_weights(trained_in[g], g)
 
 
 def _undispatched(

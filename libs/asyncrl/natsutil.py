@@ -162,7 +162,8 @@ delete a stream. Rollouts publish trajectories (and create the trajectory stream
 there yet) and read the weights bucket; the trainer consumes and acks them, manages its
 consumers, dead-letters, appends ledger events, and creates, fills and prunes the weights
 bucket (ASYNCRL_WEIGHTS_TRANSPORT=nats); admin and viewer (the CLI's `dump` and `ledger`) only
-read the trajectory and ledger streams. Everyone subscribes only to its own inboxes (`connect` sets the prefix)."""
+read the trajectory and ledger streams. Everyone subscribes only to its own inboxes (`connect` sets the prefix).
+A tenant's user (`tenant-<name>`) reads only its own experiments: asyncrl.nats_tenants."""
 
 
 CLUSTER_NAME = "asyncrl"
@@ -205,6 +206,15 @@ def _password_hash(secrets: Path, user: str) -> str:
     raise FileNotFoundError(f"no password for NATS user {user!r} in {secrets / 'nats'}")
 
 
+def _all_permissions(secrets: Path) -> dict[str, dict[str, list[str]]]:
+    """NATS_PERMISSIONS and a user per tenant in `secrets` (asyncrl.nats_tenants)."""
+    from asyncrl.nats_tenants import tenant_permissions
+    from asyncrl.security import tenant_nats_user, tenants
+
+    found = {tenant_nats_user(t): tenant_permissions(t) for t in tenants(secrets)}
+    return {**NATS_PERMISSIONS, **found}
+
+
 def nats_config(
     port: int,
     store_dir: Path,
@@ -213,7 +223,8 @@ def nats_config(
     cluster: ClusterNode | None = None,
 ) -> str:
     """nats-server configuration: JetStream, TLS with this host's certificate, and one user
-    per NATS_PERMISSIONS entry whose password is stored as a bcrypt hash. A `cluster` node also
+    per NATS_PERMISSIONS entry and per tenant (`tenant-<name>`, asyncrl.nats_tenants) whose
+    password is stored as a bcrypt hash. A `cluster` node also
     routes to the other nodes: mutual TLS with the same CA plus the route user's password, so
     only a node holding both joins (JetStream is then clustered: streams can be replicated).
     `secrets` None: plain text and anonymous (ASYNCRL_INSECURE, the benchmark's peer)."""
@@ -231,7 +242,7 @@ def nats_config(
     if secrets is None:
         return json.dumps(config, indent=2)
     users = []
-    for user, allowed in NATS_PERMISSIONS.items():
+    for user, allowed in _all_permissions(secrets).items():
         permissions = {verb: {"allow": subjects} for verb, subjects in allowed.items()}
         users.append(
             {"user": user, "password": _password_hash(secrets, user), "permissions": permissions}
@@ -426,7 +437,16 @@ async def iter_stored(
 ) -> AsyncIterator[RawStreamMsg]:
     """The messages stored on `subject` (wildcards allowed) from stream sequence `start_seq`,
     oldest first, until the last one stored: one STREAM.MSG.GET request each, so reading needs
-    no consumer (the read-only users may create none; see NATS_PERMISSIONS)."""
+    no consumer (the read-only users may create none; see NATS_PERMISSIONS). A tenant's user
+    reads through its own consumer instead, only its own experiments' subjects
+    (asyncrl.nats_tenants)."""
+    from asyncrl.nats_tenants import iter_tenant_stored, tenant_of
+
+    tenant = tenant_of(js._nc)
+    if tenant:
+        async for msg in iter_tenant_stored(js._nc, stream, subject, tenant, start_seq):
+            yield msg
+        return
     seq = start_seq
     while True:
         try:

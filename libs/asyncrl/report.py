@@ -1,7 +1,8 @@
 """Run summaries and curves from an Experiment (its step history and evals).
 
 `summarize` is pure arithmetic over the proto; `plot_experiment` draws the curves with
-matplotlib's Agg backend; `write_summary` writes both to a directory and prints a table.
+matplotlib's Agg backend; `write_summary` writes both to a directory and prints a table, with
+the machine it ran on (`asyncrl.machine`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from asyncrl.client import experiment_spec
+from asyncrl.machine import machine_line
 from asyncrl.v1 import scheduler_pb2
 
 COUNTERS = ("accepted", "rejected", "failed", "stale_dropped", "trained_groups")
@@ -131,6 +133,9 @@ def write_summary(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(exp, wall_seconds)
+    # wall_seconds means little without the machine (issue 24): the host writing the report
+    # (where `make demo` ran it), its load average at the end of the run
+    summary["machine"] = machine_line()
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_experiment(exp, out_dir / "reward.png")
     (console or Console()).print(summary_table(summary))

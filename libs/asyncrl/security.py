@@ -13,7 +13,9 @@ creates it once with `ensure_secrets` and reuses it; every file 0600):
 
 A token's claims are `sub` (the identity, e.g. `rollout-1`) and `role`: `admin` (submit,
 cancel), `viewer` (read), `scheduler` (the scheduler's own calls to rollouts and trainers), or
-a worker kind `trainer` | `rollout` | `reward`. Verifying needs only `token.pub`, so a host that
+a worker kind `trainer` | `rollout` | `reward`. An `admin` or `viewer` token may also carry a
+`tenant`: it then sees only the experiments its tenant submitted (docs/tenants.md); a token
+without one (every token minted before tenants existed) is the operator's and sees everything. Verifying needs only `token.pub`, so a host that
 runs rollouts holds its own tokens and cannot mint others. `ASYNCRL_INSECURE=1` turns all of it
 off (plain gRPC, no tokens, anonymous NATS): for the benchmark's same-run comparison only.
 """
@@ -24,6 +26,7 @@ import contextvars
 import datetime as dt
 import ipaddress
 import os
+import re
 import secrets as pysecrets
 import ssl
 from collections.abc import Iterable, Mapping
@@ -39,19 +42,27 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from asyncrl.logging import get_logger
+from asyncrl.rpc_policy import POLICY, ROLES, TENANT_METHODS, WORKER_ROLES  # noqa: F401 (re-exported)
 from asyncrl.settings import settings
 
 log = get_logger()
 
 ISSUER = "asyncrl"
-WORKER_ROLES = ("trainer", "rollout", "reward")
-ROLES = ("admin", "viewer", "scheduler", *WORKER_ROLES)
 IDENTITIES = {name: name for name in ROLES}
 """The identities `ensure_secrets` makes a token for, each with the role of the same name."""
 NATS_USERS = ("scheduler", "trainer", "rollout", "admin", "viewer")
 """NATS users (the reward service does not use NATS)."""
+TENANT_NATS_PREFIX = "tenant-"
+"""A tenant's NATS user is `tenant-<tenant>` (one per tenant, shared by its admins and viewers;
+its password is nats/tenant-<tenant>.password, its permissions asyncrl.natsutil's)."""
 NATS_ROUTE_USER = "route"
 """What the nodes of a NATS cluster authenticate their routes with (asyncrl.natsutil)."""
+TENANT_ROLES = ("admin", "viewer")
+"""The roles a token with a tenant may have (workers and the scheduler serve every tenant)."""
+TENANT_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,31}")
+"""A tenant's name: it is a NATS subject token and the prefix of its experiments' ids
+(`<tenant>.<slug>-<hex>`); no `-`, so that no tenant is named like an operator's experiment id
+(those always hold one) and no `.`, `*` or `>` (NATS subject syntax)."""
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 CERT_DAYS = 3650
 
@@ -171,10 +182,25 @@ def issue_cert(
     return cert_path, key_path
 
 
-def mint_token(directory: Path, subject: str, role: str) -> str:
-    """A bearer token for identity `subject` with `role`, signed with `directory`/token.key."""
+def check_tenant(tenant: str, role: str) -> None:
+    """ValueError naming the field unless `tenant` ("" for the operator) may go with `role`."""
+    if not tenant:
+        return
+    if not TENANT_PATTERN.fullmatch(tenant):
+        raise ValueError(
+            f"tenant: {tenant!r} must match {TENANT_PATTERN.pattern} (a lower-case letter, then "
+            "at most 31 lower-case letters, digits or '_')"
+        )
+    if role not in TENANT_ROLES:
+        raise ValueError(f"tenant: only {' and '.join(TENANT_ROLES)} tokens have one, not {role}")
+
+
+def mint_token(directory: Path, subject: str, role: str, tenant: str = "") -> str:
+    """A bearer token for identity `subject` with `role` (and `tenant`, "" for the operator),
+    signed with `directory`/token.key."""
     if role not in ROLES:
         raise ValueError(f"role: {role!r} is not one of {', '.join(ROLES)}")
+    check_tenant(tenant, role)
     key = serialization.load_pem_private_key((directory / "token.key").read_bytes(), None)
     claims = {
         "sub": subject,
@@ -182,6 +208,8 @@ def mint_token(directory: Path, subject: str, role: str) -> str:
         "iss": ISSUER,
         "iat": int(dt.datetime.now().timestamp()),
     }
+    if tenant:
+        claims["tenant"] = tenant
     return jwt.encode(claims, key, algorithm="EdDSA")
 
 
@@ -191,6 +219,29 @@ def write_token(directory: Path, subject: str, role: str) -> Path:
     if not path.exists():
         write_private(path, mint_token(directory, subject, role).encode())
     return path
+
+
+def tenant_nats_user(tenant: str) -> str:
+    return f"{TENANT_NATS_PREFIX}{tenant}"
+
+
+def ensure_tenant(directory: Path, tenant: str) -> Path:
+    """Make tenant `tenant`'s NATS password (kept if it exists); returns its path. nats-server
+    learns of a new tenant when its configuration is written again (a restart: `make up`)."""
+    check_tenant(tenant, "admin")
+    path = directory / "nats" / f"{tenant_nats_user(tenant)}.password"
+    if not path.exists():
+        write_private(path, pysecrets.token_urlsafe(24).encode())
+    return path
+
+
+def tenants(directory: Path) -> list[str]:
+    """The tenants with a NATS user in `directory` (a password, or a NATS node's bcrypt hash)."""
+    found = set()
+    for path in (directory / "nats").glob(f"{TENANT_NATS_PREFIX}*"):
+        if path.suffix in (".password", ".bcrypt"):
+            found.add(path.stem.removeprefix(TENANT_NATS_PREFIX))
+    return sorted(t for t in found if TENANT_PATTERN.fullmatch(t))
 
 
 def is_bundle(directory: Path) -> bool:
@@ -282,8 +333,22 @@ class Credentials:
         return self._read(settings().tls_key, self.directory / "server.key", "private key")
 
     @cached_property
+    def tenant(self) -> str:
+        """The tenant this identity's token carries ("": the operator's, or no token). Read
+        without verifying: it only picks this process's own NATS user."""
+        try:
+            claims = jwt.decode(self.token, options={"verify_signature": False})
+        except (AuthError, jwt.PyJWTError):
+            return ""
+        tenant = claims.get("tenant", "")
+        return tenant if isinstance(tenant, str) else ""
+
+    @cached_property
     def nats_user(self) -> str:
-        return settings().nats_user or self.identity.split("-")[0]
+        """ASYNCRL_NATS_USER, else the token's tenant's user, else the identity's kind."""
+        if settings().nats_user:
+            return settings().nats_user
+        return tenant_nats_user(self.tenant) if self.tenant else self.identity.split("-")[0]
 
     @cached_property
     def nats_password(self) -> str:
@@ -354,10 +419,16 @@ def credentials(identity: str) -> Credentials | None:
 
 @dataclass(frozen=True)
 class Principal:
-    """Who made the call being served: the token's subject and role."""
+    """Who made the call being served: the token's subject, role and tenant ("": the
+    operator, who sees every tenant's experiments)."""
 
     subject: str
     role: str
+    tenant: str = ""
+
+    def sees(self, tenant: str) -> bool:
+        """Whether this caller may see an experiment of `tenant` (the operator sees all)."""
+        return not self.tenant or self.tenant == tenant
 
 
 _caller: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
@@ -403,7 +474,12 @@ class TokenVerifier:
         role = claims.get("role")
         if role not in ROLES:
             raise AuthError(f"invalid token: unknown role {role!r}")
-        principal = Principal(str(claims["sub"]), role)
+        tenant = claims.get("tenant", "")
+        try:
+            check_tenant(tenant if isinstance(tenant, str) else repr(tenant), role)
+        except ValueError as e:
+            raise AuthError(f"invalid token: {e}") from None
+        principal = Principal(subject=str(claims["sub"]), role=role, tenant=tenant)
         if len(self._cache) >= self._cache_size:
             self._cache.clear()
         self._cache[token] = principal
@@ -434,6 +510,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         except AuthError as e:
             return _denied(handler, grpc.StatusCode.UNAUTHENTICATED, str(e))
         allowed = self.policy.get(details.method, ANY_ROLE)
+        if principal.tenant and details.method not in TENANT_METHODS:
+            message = (
+                f"{principal.subject} (tenant {principal.tenant}) may not call {details.method}: "
+                "a tenant's token calls only the scheduler's experiment methods, ListWorkers "
+                "and ListRewardFunctions"
+            )
+            return _denied(handler, grpc.StatusCode.PERMISSION_DENIED, message)
         if principal.role not in allowed:
             log.warning(
                 "rpc_permission_denied",
@@ -504,66 +587,6 @@ def _as(principal: Principal, handler):
             stream, handler.request_deserializer, handler.response_serializer
         )
     return handler
-
-
-# ---- the policy: which role may call which method ---------------------------------------------
-
-_VIEW = ("admin", "viewer")
-_WORKERS = WORKER_ROLES
-
-
-def _methods(service: str, table: Mapping[str, Iterable[str]]) -> dict[str, frozenset[str]]:
-    return {f"/asyncrl.v1.{service}/{m}": frozenset(roles) for m, roles in table.items()}
-
-
-POLICY: dict[str, frozenset[str]] = {
-    **_methods(
-        "Scheduler",
-        {
-            "SubmitExperiment": ["admin"],
-            "CancelExperiment": ["admin"],
-            "GetExperiment": _VIEW,
-            "ListExperiments": _VIEW,
-            "WatchExperiment": _VIEW,
-            "ListWorkers": _VIEW,
-            "RegisterWorker": _WORKERS,
-            "Heartbeat": _WORKERS,
-            "CommitWeights": ["trainer"],
-            "ReportDropped": ["trainer"],
-        },
-    ),
-    **_methods(
-        "Rollout",
-        {
-            "BindExperiment": ["scheduler"],
-            "GenerateGroup": ["scheduler"],
-            "GenerateGroups": ["scheduler"],
-            "AbortGroups": ["scheduler"],
-            "UpdateWeights": ["scheduler"],
-            "GetStatus": ["scheduler", *_VIEW],
-        },
-    ),
-    **_methods(
-        "Reward",
-        {
-            "BindExperiment": ["rollout", "scheduler"],
-            "Score": ["rollout"],
-            "ListRewardFunctions": ["rollout", "scheduler", *_VIEW],
-        },
-    ),
-    **_methods(
-        "Trainer",
-        {
-            "StartExperiment": ["scheduler"],
-            "StopExperiment": ["scheduler"],
-            "CheckpointNow": ["scheduler", "admin"],
-            "GetStatus": ["scheduler", *_VIEW],
-        },
-    ),
-}
-"""Every asyncrl RPC and the roles that may call it. Beyond roles, the scheduler checks that a
-worker's calls come from the identity that registered it, and that `CommitWeights` /
-`ReportDropped` come from the trainer bound to that experiment."""
 
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:

@@ -3,6 +3,7 @@
     asyncrl secrets init                          # what `make up` does: var/secrets, once
     asyncrl secrets bundle 10.0.0.7 --services rollout,reward --out host-b/
     asyncrl secrets token alice --role viewer --out alice.jwt
+    asyncrl secrets token bob --role admin --tenant acme --out bob.jwt
 
 A bundle is a secrets directory for another machine: the CA certificate, the token verification
 key, a certificate for that host, a token and the NATS password of each service it runs. It
@@ -25,10 +26,14 @@ from asyncrl.security import (
     NATS_ROUTE_USER,
     NATS_USERS,
     ROLES,
+    check_tenant,
     ensure_secrets,
+    ensure_tenant,
     issue_cert,
     mint_token,
     secrets_dir,
+    tenant_nats_user,
+    tenants,
     write_private,
 )
 
@@ -99,7 +104,7 @@ def bundle(
             out_dir / "nats" / f"{NATS_ROUTE_USER}.password",
             (source / "nats" / f"{NATS_ROUTE_USER}.password").read_bytes(),
         )
-        for user in NATS_USERS:
+        for user in (*NATS_USERS, *(tenant_nats_user(t) for t in tenants(source))):
             password = (source / "nats" / f"{user}.password").read_bytes().strip()
             hashed = bcrypt.hashpw(password, bcrypt.gensalt(10, prefix=b"2a"))
             write_private(out_dir / "nats" / f"{user}.bcrypt", hashed)
@@ -113,9 +118,31 @@ def token(
     role: Annotated[str, typer.Option(help=f"One of {', '.join(ROLES)}.")],
     out_file: Annotated[Path, typer.Option("--out", help="File to write (0600).")],
     directory: DirOpt = None,
+    tenant: Annotated[
+        str,
+        typer.Option(
+            help="The tenant it acts for (admin, viewer): it sees only that tenant's "
+            "experiments. Without one the token is the operator's and sees all."
+        ),
+    ] = "",
 ) -> None:
-    """Mint a token for `name` with `role` into a file (hand it over as ASYNCRL_TOKEN_FILE)."""
+    """Mint a token for `name` with `role` into a file (hand it over as ASYNCRL_TOKEN_FILE).
+    With `--tenant` also make the tenant's NATS user (password in nats/tenant-<T>.password:
+    hand it over as ASYNCRL_NATS_PASSWORD; restart nats-server for a new tenant)."""
     if role not in ROLES:
         raise typer.BadParameter(f"role: {role!r} is not one of {', '.join(ROLES)}")
-    write_private(out_file, mint_token(_source(directory), name, role).encode())
-    out.print(f"wrote a {role} token for {name} to {out_file}")
+    try:
+        check_tenant(tenant, role)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    source = _source(directory)
+    write_private(out_file, mint_token(source, name, role, tenant).encode())
+    if not tenant:
+        out.print(f"wrote a {role} token for {name} (operator: no tenant) to {out_file}")
+        return
+    password = ensure_tenant(source, tenant)
+    out.print(
+        f"wrote a {role} token for {name} of tenant {tenant} to {out_file}; its NATS user "
+        f"{tenant_nats_user(tenant)} has its password in {password} (restart nats-server, "
+        "e.g. `make up`, if the tenant is new)"
+    )

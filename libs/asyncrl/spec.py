@@ -38,6 +38,10 @@ MAX_NAME = 200
 """Longest name or key (experiment name, dataset keys)."""
 MAX_PATH = 4096
 """Longest file or directory path."""
+MAX_TEXT = 16 * 1024
+"""Longest string anywhere else in a spec (a reward kwarg, a stop string, a workflow argument)."""
+MAX_ITEMS = 1024
+"""Most entries of any list or mapping in a spec."""
 
 
 class _Section(BaseModel):
@@ -391,13 +395,43 @@ def validate_spec(data: dict) -> ExperimentSpec:
 
 
 def spec_from_json(text: str | bytes) -> ExperimentSpec:
-    """The wire form (a JSON object) to a validated spec; SpecError names the first bad field."""
+    """The wire form (a JSON object) to a validated spec; SpecError names the first bad field,
+    also one too long (`check_sizes`)."""
     try:
         spec = ExperimentSpec.model_validate_json(text)
     except ValidationError as e:
         raise _spec_error(e) from None
+    check_sizes(spec.model_dump())
     check_lora(spec)
     return spec
+
+
+def check_sizes(data: Any, path: str = "") -> None:
+    """SpecError naming the first string longer than MAX_TEXT, key longer than MAX_NAME, or
+    list or mapping of more than MAX_ITEMS entries in `data` (a spec as a dict)."""
+    if isinstance(data, str) and len(data) > MAX_TEXT:
+        raise SpecError(path, f"{len(data)} characters, at most {MAX_TEXT}")
+    if not isinstance(data, (list, dict)):
+        return
+    if len(data) > MAX_ITEMS:
+        raise SpecError(path, f"{len(data)} entries, at most {MAX_ITEMS}")
+    for key, value in data.items() if isinstance(data, dict) else enumerate(data):
+        if isinstance(key, str) and len(key) > MAX_NAME:
+            raise SpecError(path, f"a key of {len(key)} characters, at most {MAX_NAME}")
+        check_sizes(value, f"{path}.{key}" if path else str(key))
+
+
+def largest_field(data: Any, path: str = "") -> str:
+    """The field that makes `data` (a spec as a dict) large: from the top, into the part that
+    holds at least half of its parent's JSON, as deep as that goes (a spec over the size limit
+    with every field within its own is named by it)."""
+    size = len(json.dumps(data))
+    parts = data.items() if isinstance(data, dict) else enumerate(data)
+    if isinstance(data, (list, dict)) and data:
+        key, value = max(parts, key=lambda kv: len(json.dumps(kv[1])))
+        if 2 * len(json.dumps(value)) >= size:
+            return largest_field(value, f"{path}.{key}" if path else str(key))
+    return path or "spec_json"
 
 
 def spec_to_json(spec: ExperimentSpec) -> str:

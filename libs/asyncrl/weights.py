@@ -76,13 +76,30 @@ def publish_version(tmp_dir: Path, final_dir: Path) -> str:
     return path_to_uri(final_dir)
 
 
-def prune(root: Path, experiment_id: str, keep: int = 3, protect: Path | None = None) -> None:
+def prune(
+    root: Path,
+    experiment_id: str,
+    keep: int = 3,
+    protect: Path | None = None,
+    newest: int | None = None,
+) -> None:
     """Remove all but the newest `keep` versions of an experiment, and never `protect` (the
-    version just put there for a reader: after a rewind it is older than the ones kept)."""
+    version just put there for a reader: after a rewind it is older than the ones kept).
+
+    `newest`: the version the trainer just wrote. It writes its versions in order, so one
+    above it is of an abandoned lineage (trained after the checkpoint it resumed from, lost with
+    that process, to be trained again): removed, and the newest `keep` counted from `newest`
+    down. By name alone, after a deep rewind (v37 -> v30) the abandoned v35..v37 would be the
+    newest and the v30, v31 just written for the fleet would go."""
     d = Path(root) / experiment_id
     if not d.exists():
         return
     versions = sorted(p for p in d.iterdir() if p.is_dir() and p.name.startswith("v"))
+    if newest is not None:
+        abandoned = [p for p in versions if p.name[1:].isdigit() and int(p.name[1:]) > newest]
+        for p in abandoned:
+            shutil.rmtree(p, ignore_errors=True)
+        versions = [p for p in versions if p not in abandoned]
     for p in versions[:-keep]:
         if protect is None or p != Path(protect):
             shutil.rmtree(p, ignore_errors=True)

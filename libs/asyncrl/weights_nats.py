@@ -141,9 +141,12 @@ async def list_objects(js, bucket: str = WEIGHTS_BUCKET) -> list[ObjectInfo]:
     return [i for i in infos if not i.deleted]
 
 
-async def prune_versions(js, experiment_id: str, keep: int, bucket: str = WEIGHTS_BUCKET) -> None:
+async def prune_versions(
+    js, experiment_id: str, keep: int, bucket: str = WEIGHTS_BUCKET, newest: int | None = None
+) -> None:
     """Delete all but the newest `keep` versions of an experiment from the bucket, each one's
-    manifest first (a reader then finds it gone rather than partial)."""
+    manifest first (a reader then finds it gone rather than partial). `newest`: the version
+    just uploaded; those above it are an abandoned lineage, deleted (`asyncrl.weights.prune`)."""
     obs = await weights_bucket(js, bucket)
     by_version: dict[str, list[str]] = {}
     for info in await list_objects(js, bucket):
@@ -151,7 +154,10 @@ async def prune_versions(js, experiment_id: str, keep: int, bucket: str = WEIGHT
         version, _, _ = rest.partition("/")
         if experiment == experiment_id and _VERSION.match(version):
             by_version.setdefault(version, []).append(info.name)
-    for version in sorted(by_version)[:-keep]:
+    ordered = sorted(by_version)
+    abandoned = [v for v in ordered if newest is not None and int(v[1:]) > newest]
+    ordered = [v for v in ordered if v not in abandoned]
+    for version in abandoned + ordered[:-keep]:
         names = sorted(by_version[version], key=lambda n: not n.endswith(f"/{MANIFEST}"))
         for name in names:
             await obs.delete(name)

@@ -18,6 +18,12 @@ Where an item is scored:
   (until its items are cheap again).
 - **One pool task per item** for a slow function (its items run in parallel across the
   workers, and pebble kills each at its own `timeout_s`).
+
+A pool task starts only once it holds one of the processes, shared fairly between the
+experiments (`services.reward.fair`): one experiment's hung items hold at most its share. The
+Score call answers before its deadline: a task that could not start by then, or was still
+running then, is stopped, its items FAILED saying so. A caller's deadline is thus never the
+sign of a slow reward function, only of a service that does not answer.
 """
 
 from __future__ import annotations
@@ -28,12 +34,14 @@ import multiprocessing
 import numbers
 import os
 import time
+from dataclasses import dataclass
 
 import pebble
 from pebble.common import ProcessExpired
 
 from asyncrl import rewards
 from asyncrl.types import RewardStatus, Score, ScoreItem
+from services.reward.fair import FairSlots, NotStarted
 
 # Workers fork from a forkserver that has these imported: a fresh worker (also the one that
 # replaces a worker killed at a timeout) starts in milliseconds and does not spend an item's
@@ -47,6 +55,9 @@ COST_WEIGHT = 0.1
 """Weight of the newest item in a function's moving average of seconds per item."""
 TASK_SLACK_S = 0.5
 """Added to a batch task's deadline: the worker's own overhead (unpickling, the hand-off)."""
+ANSWER_MARGIN_S = 2.0
+"""The Score call answers this long before its deadline (the answer's way back to the
+caller): no task starts later, and a task still running then is stopped."""
 
 Outcome = tuple[bool, float | str, float]
 """(True, reward, seconds) or (False, reason, seconds), as a worker reports an item."""
@@ -119,6 +130,31 @@ def _score(ok: bool, value: float | str) -> Score:
     return Score(reward=0.0, status=RewardStatus.FAILED, reason=value)
 
 
+def _failed(reason: str) -> Score:
+    return Score(reward=0.0, status=RewardStatus.FAILED, reason=reason)
+
+
+class PastDeadline(Exception):
+    """An item not scored by the Score call's deadline (less ANSWER_MARGIN_S): its experiment's
+    share of the processes stayed busy (with its own earlier items) until then, or its task
+    was still running then."""
+
+
+def past_deadline(e: PastDeadline) -> str:
+    return f"not scored before the call's deadline: {e}"
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One Score call's reward function, per-item timeout, experiment and deadline."""
+
+    function: str
+    kwargs: dict[str, str]
+    timeout_s: float
+    key: str
+    deadline: float | None
+
+
 class ScoringPool:
     """A pebble ProcessPool plus the asyncio glue. Create it inside a running event loop."""
 
@@ -127,15 +163,28 @@ class ScoringPool:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
         self._pool = pebble.ProcessPool(max_workers=self.workers, initializer=_warm_up, context=ctx)
+        self.slots = FairSlots(self.workers)
+        """Who may start a pool task now: at most `workers` tasks are in the pool at once, so
+        pebble's own queue stays empty and each task's timeout runs from when it was sent."""
         self.in_flight = 0
         """Items in the pool now (scheduled, not yet answered)."""
         self._cost: dict[str, float] = {}
         """Moving average of seconds per item, per function scored in the pool."""
 
     async def score(
-        self, function: str, kwargs: dict[str, str], items: list[ScoreItem], timeout_s: float
+        self,
+        function: str,
+        kwargs: dict[str, str],
+        items: list[ScoreItem],
+        timeout_s: float,
+        key: str = "",
+        deadline: float | None = None,
     ) -> list[Score]:
-        """Score `items` with the reward function called `function`; results in item order."""
+        """Score `items` with the reward function called `function`; results in item order.
+        `key` (the experiment) is whose share of the processes the items use; `deadline`
+        (time.monotonic) is when the answer is due: no task is started that could not end by
+        then."""
+        call = _Call(function, kwargs, timeout_s, key, deadline)
         results: list[Score | None] = [None] * len(items)
         pooled = []
         inline = function in rewards.INLINE
@@ -145,77 +194,73 @@ class ScoringPool:
             else:
                 pooled.append(i)
         if pooled:
-            scores = await self._pooled(function, kwargs, [items[i] for i in pooled], timeout_s)
+            scores = await self._pooled(call, [items[i] for i in pooled])
             for i, s in zip(pooled, scores, strict=True):
                 results[i] = s
         return results
 
-    async def _pooled(
-        self, function: str, kwargs: dict[str, str], items: list[ScoreItem], timeout_s: float
-    ) -> list[Score]:
-        cost = self._cost.get(function)  # None: never seen, so it may hang: not batched
+    async def _pooled(self, call: _Call, items: list[ScoreItem]) -> list[Score]:
+        cost = self._cost.get(call.function)  # None: never seen, so it may hang: not batched
         if len(items) == 1 or cost is None or cost > BATCH_MAX_ITEM_S:
-            return await self._one_by_one(function, kwargs, items, timeout_s)
+            return await self._one_by_one(call, items)
         scores: list[Score] = []
         while len(scores) < len(items):
             rest = items[len(scores) :]
             try:
-                outcomes = await self._run(
-                    function, kwargs, rest, timeout_s, 2 * timeout_s + TASK_SLACK_S
-                )
+                outcomes = await self._run(call, rest, 2 * call.timeout_s + TASK_SLACK_S)
+            except PastDeadline as e:
+                return scores + [_failed(past_deadline(e)) for _ in rest]
             except Exception:  # noqa: BLE001 - an item hung or killed its worker: each alone
                 # and from now on: a hung item then holds a pool slot for its timeout, once
-                self._cost[function] = max(self._cost.get(function, 0.0), timeout_s)
-                return scores + await self._one_by_one(function, kwargs, rest, timeout_s)
+                self._cost[call.function] = max(self._cost.get(call.function, 0.0), call.timeout_s)
+                return scores + await self._one_by_one(call, rest)
             scores += [_score(ok, value) for ok, value, _ in outcomes]
         return scores
 
-    async def _one_by_one(
-        self, function: str, kwargs: dict[str, str], items: list[ScoreItem], timeout_s: float
-    ) -> list[Score]:
-        return list(
-            await asyncio.gather(
-                *(self._score_item(function, kwargs, item, timeout_s) for item in items)
-            )
-        )
+    async def _one_by_one(self, call: _Call, items: list[ScoreItem]) -> list[Score]:
+        return list(await asyncio.gather(*(self._score_item(call, item) for item in items)))
 
-    async def _score_item(
-        self, function: str, kwargs: dict[str, str], item: ScoreItem, timeout_s: float
-    ) -> Score:
+    async def _score_item(self, call: _Call, item: ScoreItem) -> Score:
         try:
-            [(ok, value, _)] = await self._run(function, kwargs, [item], timeout_s, timeout_s)
+            [(ok, value, _)] = await self._run(call, [item], call.timeout_s)
+        except PastDeadline as e:
+            return _failed(past_deadline(e))
         except TimeoutError:
-            self._observe(function, timeout_s)
-            return Score(reward=0.0, status=RewardStatus.FAILED, reason=timed_out(timeout_s))
+            self._observe(call.function, call.timeout_s)
+            return _failed(timed_out(call.timeout_s))
         except ProcessExpired as e:
-            return Score(
-                reward=0.0,
-                status=RewardStatus.FAILED,
-                reason=f"worker died (exit code {e.exitcode})",
-            )
+            return _failed(f"worker died (exit code {e.exitcode})")
         except Exception as e:  # noqa: BLE001 - e.g. unpicklable arguments; still a result
-            return Score(reward=0.0, status=RewardStatus.FAILED, reason=f"{type(e).__name__}: {e}")
+            return _failed(f"{type(e).__name__}: {e}")
         return _score(ok, value)
 
-    async def _run(
-        self,
-        function: str,
-        kwargs: dict[str, str],
-        items: list[ScoreItem],
-        timeout_s: float,
-        deadline_s: float,
-    ) -> list[Outcome]:
-        """One pool task scoring `items` (`score_items`), killed after `deadline_s`."""
-        future = self._pool.schedule(
-            score_items, args=(function, kwargs, items, timeout_s), timeout=deadline_s
-        )
-        self.in_flight += len(items)
+    async def _run(self, call: _Call, items: list[ScoreItem], deadline_s: float) -> list[Outcome]:
+        """One pool task scoring `items` (`score_items`), once a slot of `call.key`'s share is
+        free, killed after `deadline_s` or at the call's deadline, whichever comes first
+        (PastDeadline then, as when no slot came free before it)."""
+        answer_by = None if call.deadline is None else call.deadline - ANSWER_MARGIN_S
         try:
+            await self.slots.acquire(call.key, answer_by)
+        except NotStarted as e:
+            raise PastDeadline(str(e)) from None
+        self.in_flight += len(items)
+        limit = deadline_s if answer_by is None else min(deadline_s, answer_by - time.monotonic())
+        try:
+            future = self._pool.schedule(
+                score_items,
+                args=(call.function, call.kwargs, items, call.timeout_s),
+                timeout=max(limit, 0.01),
+            )
             outcomes = await asyncio.wrap_future(future)
+        except TimeoutError:
+            if limit < deadline_s:
+                raise PastDeadline(f"stopped after {limit:.1f}s, at its deadline") from None
+            raise
         finally:
             self.in_flight -= len(items)
+            self.slots.release(call.key)
         for _, _, seconds in outcomes:
-            self._observe(function, seconds)
+            self._observe(call.function, seconds)
         return outcomes
 
     def _observe(self, function: str, seconds: float) -> None:

@@ -77,6 +77,7 @@ class RewardService(reward_pb2_grpc.RewardServicer):
         rewards.validate_reward_function(reward.function, reward.kwargs)  # imports a plugin
         self._bound[request.experiment_id] = reward
         self._bound.move_to_end(request.experiment_id)
+        self.pool.slots.touch(request.experiment_id)  # its share of the processes is kept
         while len(self._bound) > self.MAX_BOUND:
             self._bound.popitem(last=False)
         log.info("experiment_bound", experiment=request.experiment_id, function=reward.function)
@@ -92,7 +93,15 @@ class RewardService(reward_pb2_grpc.RewardServicer):
             return reward_pb2.ScoreResponse()
         start = time.perf_counter()
         items = items_from_proto(request)
-        results = await self.pool.score(reward.function, reward.kwargs, items, reward.timeout_s)
+        remaining = context.time_remaining()
+        results = await self.pool.score(
+            reward.function,
+            reward.kwargs,
+            items,
+            reward.timeout_s,
+            key=request.experiment_id,
+            deadline=None if remaining is None else time.monotonic() + remaining,
+        )
         failed = [r for r in results if r.status is RewardStatus.FAILED]
         if failed:
             log.info(

@@ -9,6 +9,7 @@ from typing import Any
 from asyncrl.spec import SamplingParams
 from asyncrl.throughput import Throughput
 from asyncrl.types import Completion, Sample
+from services.rollout.codec import Codec
 from services.rollout.engine import Engine, GenRequest
 
 
@@ -18,10 +19,12 @@ class Generation:
     started with)."""
 
     engine: Engine
-    tokenizer: Any
-    eos_token_id: int | None
-    """The tokenizer's EOS (a transformers property costs ~5 µs a read: read once)."""
+    codec: Codec
     throughput: Throughput
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.codec.tokenizer
 
     async def generate(self, rid: str, input_ids: list[int], params: SamplingParams) -> Completion:
         """One completion, its text decoded (a workflow's `ctx.generate`)."""
@@ -50,11 +53,11 @@ class Generation:
         return completion
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.codec.decode(token_ids)
 
     def stops(self, params: SamplingParams) -> list[int]:
         """The token ids that end a sample: the spec's, and EOS unless `ignore_eos`."""
-        eos = self.eos_token_id
+        eos = self.codec.eos_token_id
         if eos is None or params.ignore_eos:
             return list(params.stop_token_ids)
         return [*params.stop_token_ids, eos]

@@ -5,7 +5,10 @@ Score is idempotent, so a transient failure (UNAVAILABLE, DEADLINE_EXCEEDED) is 
 address: a dead replica costs one fast failure, not the group, and a restarted one is found
 again. A reward service that stays unreachable is an infrastructure fault, not the sample's
 fate: `RewardUnavailable`, which the rollout turns into an UNAVAILABLE GenerateGroup so the
-scheduler retries the group under the same id. Any other error status is the reward service's
+scheduler retries the group under the same id. A slow or hung reward function is not: the
+service answers every call before its deadline (`score_deadline`), an item it could not score
+by then FAILED with the reason, so a DEADLINE_EXCEEDED here means a service that does not
+answer at all. Any other error status is the reward service's
 answer about these items: FAILED scores with the reason. Addresses are picked round-robin across
 calls so the load spreads over the replicas.
 """

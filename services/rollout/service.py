@@ -33,6 +33,7 @@ from asyncrl.types import RewardStatus, Sample, Score, ScoreItem, TrajectoryGrou
 from asyncrl.weights_nats import NatsReceiver, is_nats_uri
 from asyncrl.workflow import Workflow, WorkflowContext, make_workflow, resolve_workflow
 from services.rollout.adapters import is_adapter_dir
+from services.rollout.codec import Codec
 from services.rollout.engine import Engine, UpdatePhases
 from services.rollout.filters import GroupStatus, decide, failed_samples
 from services.rollout.generation import Generation
@@ -165,7 +166,7 @@ class RolloutService:
         self.experiment_id = ""
         """The experiment whose model is loaded (set once UpdateWeights loaded it)."""
         self.tokenizer = None
-        self.eos_token_id: int | None = None
+        self.codec: Codec | None = None
         """The tokenizer's EOS (a transformers property costs ~5 µs a read: read once)."""
         self.rewards = RewardClient()
         self.throughput = Throughput()
@@ -289,7 +290,7 @@ class RolloutService:
         if binding.spec.trainer.lora is not None:  # eta + 1 adapter versions stay loaded
             self.engine.adapter_keep = binding.spec.rollout.max_head_offpolicyness + 1
         await self.engine.load(str(path), version)
-        self.tokenizer, self.eos_token_id = tokenizer, tokenizer.eos_token_id
+        self.tokenizer, self.codec = tokenizer, Codec(tokenizer)
         self.experiment_id = binding.experiment_id
         freeze_heap()  # the model and tokenizer: never scanned by the collector again
         log.info("experiment_loaded", experiment=binding.experiment_id, version=version)
@@ -382,9 +383,7 @@ class RolloutService:
                 add_generation_prompt=True,
                 tokenize=False,
             )
-        return self.tokenizer.encode(
-            chat_prompt or job.prompt, add_special_tokens=False
-        ), chat_prompt
+        return self.codec.encode(chat_prompt or job.prompt), chat_prompt
 
     async def _samples(
         self, job: GroupJob, binding: Binding, prompt_ids: list[int], chat_prompt: str | None
@@ -437,8 +436,7 @@ class RolloutService:
     def _generation(self) -> Generation:
         return Generation(
             engine=self.engine,
-            tokenizer=self.tokenizer,
-            eos_token_id=self.eos_token_id,
+            codec=self.codec,
             throughput=self.throughput,
         )
 

@@ -1,6 +1,6 @@
 """What the trainer's calls do to a run, and how it finishes.
 
-A commit is answered as soon as it is recorded: abort the groups that can no longer be trained
+A commit is answered as soon as it is recorded (in the stored record too): abort the groups that can no longer be trained
 within eta, record the step, finish at total_steps; the fleet loads the version in the
 background (`Fleet.update`) and the answer waits only until the fleet is at most `fleet_lag`
 versions behind. Evals run on the fleet once it serves their version: at the start, every
@@ -11,7 +11,7 @@ cancels the training groups in flight; the runner ends the run once the evals ar
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 
 from asyncrl.spec import ExperimentSpec
@@ -34,6 +34,8 @@ class RunnerHooks:
     """Something changed: wake the dispatch loop, persist."""
     spawn: Callable[[Coroutine], object]
     """Run a task the run's end cancels."""
+    persist: Callable[[], Awaitable[None]]
+    """Write the record now (`ExperimentRunner.persist_now`)."""
 
 
 class CommitHandler:
@@ -91,6 +93,9 @@ class CommitHandler:
         elif self.dispatcher.dataset_done(fleet.committed_version):
             self.begin_finish("dataset exhausted")
         self.hooks.changed()
+        # the step is in the stored record before the trainer hears back and writes it to the
+        # ledger: after a power cut the record never counts a step fewer than the ledger
+        await self.hooks.persist()
         fleet.commit_took(time.perf_counter() - t0)
         await fleet.reaches(version - fleet_lag(self.spec.rollout), version)
         return CommitResult(fleet_version=fleet.version, stop=self.lifecycle.stopping)

@@ -72,6 +72,7 @@ def experiment_to_proto(
         message=r.message,
         created_unix_ms=r.created_unix_ms,
         updated_unix_ms=r.updated_unix_ms,
+        tenant=r.tenant,
     )
     if with_history:
         msg.history.extend(m.to_proto() for m in r.history)

@@ -28,6 +28,7 @@ from asyncrl.spec import (
     SpecError,
     check_files,
     check_reward_plugin,
+    largest_field,
     spec_from_json,
     validate_spec,
 )
@@ -53,10 +54,13 @@ MAX_SPEC_BYTES = 256 * 1024
 """Largest spec_json accepted (the spec is part of the experiment's KV record)."""
 
 
-def new_experiment_id(name: str) -> str:
-    """slug(name)-<6 hex>, only [a-z0-9-] (the id is a NATS subject token)."""
+def new_experiment_id(name: str, tenant: str = "") -> str:
+    """slug(name)-<6 hex>, only [a-z0-9-] (the id is a NATS subject token); a tenant's is
+    `<tenant>.<slug>-<6 hex>`, so that its subjects sit under the tenant's own prefix
+    (asyncrl.nats_tenants)."""
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40].strip("-") or "experiment"
-    return f"{slug}-{secrets.token_hex(3)}"
+    own = f"{slug}-{secrets.token_hex(3)}"
+    return f"{tenant}.{own}" if tenant else own
 
 
 def load_datasets(spec: ExperimentSpec) -> tuple[list[Prompt], list[Prompt]]:
@@ -157,14 +161,16 @@ class Scheduler:
 
     # ---- experiments -------------------------------------------------------------------------
 
-    async def submit(self, spec_json: str) -> ExperimentRunner:
-        """Validate (SpecError names the field), persist, and start waiting for workers.
+    async def submit(self, spec_json: str, tenant: str = "") -> ExperimentRunner:
+        """Validate (SpecError names the field), persist, and start waiting for workers; the
+        experiment belongs to `tenant` ("": the operator).
 
         No user code runs here: a plugin (workflow, reward function) is checked by name only;
         the workers that run it load it when the experiment binds, and a refusal fails it."""
         spec = spec_from_json(spec_json)  # first: a too long field is named
         if len(spec_json) > MAX_SPEC_BYTES:
-            raise BadRequest("spec_json", f"{len(spec_json)} bytes, at most {MAX_SPEC_BYTES}")
+            why = f"the spec is {len(spec_json)} bytes, at most {MAX_SPEC_BYTES}"
+            raise BadRequest(largest_field(spec.model_dump()), why)
         check_files(spec)
         check_reward_function(spec.reward.function, spec.reward.kwargs)
         check_reward_plugin(spec)  # docs/rewards.md: a missing module fails the submit
@@ -175,8 +181,9 @@ class Scheduler:
         prompts, eval_prompts = await asyncio.to_thread(load_datasets, spec)
         now_ms = int(time.time() * 1000)
         record = ExperimentRecord(
-            id=new_experiment_id(spec.name),
+            id=new_experiment_id(spec.name, tenant),
             name=spec.name,
+            tenant=tenant,
             spec=spec.model_dump(),
             created_unix_ms=now_ms,
             updated_unix_ms=now_ms,

@@ -73,6 +73,8 @@ class Dispatcher:
     ):
         self.record = record
         self.ledger = ledger
+        self._left_over = 0
+        """Groups and prompts this run wrote to the ledger as left over (`cancel`)."""
         """Where every training group's fate is recorded (asyncrl.ledger)."""
         self.spec = spec
         self.prompts = prompts
@@ -317,6 +319,7 @@ class Dispatcher:
         cancelled = [i.group_id for i in items if how == "cancel" and i.ticket is not None]
         if cancelled:
             self.ledger.emit("left_over", groups=cancelled, reason="in flight when the run ended")
+            self._left_over += len(cancelled)
         return len(items)
 
     def _stale(self, item: InFlight) -> None:
@@ -361,7 +364,13 @@ class Dispatcher:
         waiting = [[t.epoch, t.index] for t in self.cursor.requeued]
         if waiting:
             self.ledger.emit("left_over", prompts=waiting, reason="re-queued when the run ended")
+            self._left_over += len(waiting)
         return self._end(lambda i: i.ticket is not None or not training_only, "cancel")
+
+    def left_over_at_end(self, trained_groups: int) -> int:
+        """The prompts the ledger counts left over once the run ended: what `cancel` wrote as
+        left over, and the accepted groups never trained (the trainer writes those)."""
+        return self._left_over + max(0, self.staleness.counts.accepted - trained_groups)
 
     def report_dropped(self, group_ids: list[str]) -> int:
         """The trainer dropped accepted groups as too stale: free capacity, re-queue prompts.

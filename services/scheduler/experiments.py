@@ -90,7 +90,8 @@ class ExperimentRunner:
             record.id, ctx.registry, self.calls, ctx.channels, ctx.config, life, self.log
         )
         self.authority = TrainerAuthority(record.id, ctx.registry, self.supervisor, life, self.log)
-        runner = RunnerHooks(enter=self._enter, changed=self._changed, spawn=self._spawn)
+        hooks = {"enter": self._enter, "changed": self._changed, "spawn": self._spawn}
+        runner = RunnerHooks(**hooks, persist=self.persist_now)
         self.commits = CommitHandler(
             spec, life, self.book, self.fleet, self.dispatcher, self.supervisor, runner, self.log
         )
@@ -408,6 +409,7 @@ class ExperimentRunner:
         for w in self.rollouts():  # bound while the trainer stopped (still live, finishing):
             self.registry.unbind(w)  # a terminal experiment must hold no worker
         await self.book.close_logs()  # complete when a client sees the end
+        self.book.left_over = self.dispatcher.left_over_at_end(self.book.trained_groups)
         self._enter(phase, message=message)
         self.log.info(
             "experiment_ended", state=self.state.value, message=message, version=self.version
@@ -426,6 +428,10 @@ class ExperimentRunner:
     def _persist(self) -> None:
         self.record.updated_unix_ms = int(time.time() * 1000)
         self.ctx.store.mark_dirty(self.id, self.snapshot)
+
+    async def persist_now(self) -> None:
+        self._persist()  # and return once the record is stored
+        await self.ctx.store.flush()
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)

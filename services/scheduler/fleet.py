@@ -58,6 +58,15 @@ def fleet_lag(rollout: RolloutSpec) -> int:
     return max(0, min(FLEET_LAG_MAX, rollout.max_head_offpolicyness - 1))
 
 
+def rpc_reason(exc: BaseException) -> str:
+    """Why a call failed, as a fence reason: a gRPC error's code and the worker's own words
+    (e.g. `INVALID_ARGUMENT: uri: no HuggingFace config.json in ...`), else the exception."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        details = exc.details()
+        return f"{exc.code().name}: {details}" if details else exc.code().name
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 @dataclass
 class FleetUpdate:
     """One update of the ready rollouts to `version` (what `Fleet.broadcast` did)."""
@@ -257,10 +266,8 @@ class Fleet:
         )
         update = FleetUpdate(version, seconds=time.perf_counter() - t0)
         for w, result in zip(workers, results, strict=True):
-            if isinstance(result, grpc.aio.AioRpcError):
-                update.failed.append((w, result.code().name))
-            elif isinstance(result, BaseException):
-                update.failed.append((w, type(result).__name__))
+            if isinstance(result, BaseException):
+                update.failed.append((w, rpc_reason(result)))
             elif reason := self.unproven(w, version, result.fingerprint):
                 update.failed.append((w, reason))
             else:
@@ -315,7 +322,7 @@ class Fleet:
             await self.hooks.refused(f"rollout {worker.worker_id} {e}")
             return
         except grpc.aio.AioRpcError as e:
-            self.hooks.fence(worker, f"UpdateWeights failed: {e.code().name}")
+            self.hooks.fence(worker, f"UpdateWeights failed: {rpc_reason(e)}")
             return
         if version is not None:
             self.log.info(

@@ -69,7 +69,9 @@ class Progress(GroupCounters):
     staleness_max: int = 0
     stale_groups: int = 0
     left_over: int = 0
-    """Accepted groups never trained: fewer than a batch when the run ended."""
+    """Prompts left over when the run ended, as the ledger counts them: groups cancelled in
+    flight, prompts re-queued and not dispatched again, accepted groups never trained
+    (`Dispatcher.left_over_at_end`; while finishing: the accepted groups never trained)."""
 
 
 @dataclass
@@ -98,6 +100,8 @@ class ExperimentRecord:
     weight_uris: dict[int, str] = field(default_factory=dict)
     """Weights URI per committed version (to roll the fleet back to a trainer's checkpoint)."""
     failure_reasons: dict[str, int] = field(default_factory=dict)
+    tenant: str = ""
+    """The submitting token's tenant ("": the operator's; records saved before tenants)."""
 
     def add_weights(self, version: int, uri: str) -> None:
         """Remember where `version` lives; only the last KEPT versions (and v0) are kept."""

@@ -39,31 +39,51 @@ def _event(runner: ExperimentRunner, event: Event) -> scheduler_pb2.ProgressEven
     return msg
 
 
+def _tenant() -> str:
+    """The caller's tenant ("": the operator, or security off)."""
+    who = caller()
+    return who.tenant if who is not None else ""
+
+
+def _sees(experiment_tenant: str) -> bool:
+    """Whether the caller may see an experiment of `experiment_tenant` (docs/tenants.md)."""
+    return not _tenant() or _tenant() == experiment_tenant
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    """Experiments are the caller's tenant's only: another tenant's answer NOT_FOUND exactly as
+    an id that does not exist (never PERMISSION_DENIED, which would confirm it does); the
+    operator (a token without a tenant) sees every one."""
+
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
+
+    def _get(self, experiment_id: str) -> ExperimentRunner:
+        runner = self.scheduler.get(experiment_id)
+        if not _sees(runner.record.tenant):
+            raise NotFound(f"experiment_id: no experiment {experiment_id!r}")  # as core's
+        return runner
 
     # ---- experiments -------------------------------------------------------------------------
 
     async def SubmitExperiment(self, request, context):
-        return _experiment(await self.scheduler.submit(request.spec_json))
+        return _experiment(await self.scheduler.submit(request.spec_json, _tenant()))
 
     async def GetExperiment(self, request, context):
-        return _experiment(self.scheduler.get(request.experiment_id), request.with_history)
+        return _experiment(self._get(request.experiment_id), request.with_history)
 
     async def ListExperiments(self, request, context):
-        return scheduler_pb2.ListExperimentsResponse(
-            experiments=[_experiment(r) for r in self.scheduler.list()]
-        )
+        mine = [r for r in self.scheduler.list() if _sees(r.record.tenant)]
+        return scheduler_pb2.ListExperimentsResponse(experiments=[_experiment(r) for r in mine])
 
     async def CancelExperiment(self, request, context):
-        return _experiment(await self.scheduler.cancel(request.experiment_id))
+        return _experiment(await self.scheduler.cancel(self._get(request.experiment_id).id))
 
     async def WatchExperiment(self, request, context):
         """A `snapshot` first, then `step` / `eval` / `state` events as they happen and a
         `snapshot` every snapshot_interval_s; ends once the experiment is terminal."""
         try:
-            runner = self.scheduler.get(request.experiment_id)
+            runner = self._get(request.experiment_id)
         except NotFound as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         queue = runner.book.subscribe()
@@ -107,9 +127,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         )
 
     async def ListWorkers(self, request, context):
-        return scheduler_pb2.ListWorkersResponse(
-            workers=[worker_to_proto(w) for w in self.scheduler.workers()]
-        )
+        """Every worker (the fleet is shared); to a tenant, the experiment a worker serves
+        and its version only when it is the tenant's own."""
+        workers = [worker_to_proto(w) for w in self.scheduler.workers()]
+        for w in workers:
+            if w.experiment_id and not self._visible_id(w.experiment_id):
+                w.experiment_id, w.version = "", -1
+        return scheduler_pb2.ListWorkersResponse(workers=workers)
+
+    def _visible_id(self, experiment_id: str) -> bool:
+        runner = self.scheduler.runners.get(experiment_id)
+        return not _tenant() or (runner is not None and _sees(runner.record.tenant))
 
     # ---- trainer -----------------------------------------------------------------------------
 

@@ -1,8 +1,15 @@
 """Trainer checkpoints: backend state + step/version + the consumer position, written atomically.
 
-Layout: <var>/checkpoints/<experiment>/step_<NNNNNN>/ with `state.json` (this module) and
-`backend/` (whatever `TrainerBackend.save_checkpoint` writes). A checkpoint is written to a
-temporary sibling and renamed into place, so a directory named `step_*` is always complete.
+Layout: <var>/checkpoints/<experiment>/step_<NNNNNN>/ with `state.json` (this module),
+`backend/` (whatever `TrainerBackend.save_checkpoint` writes) and `manifest.json` (the size and
+sha256 of every other file in it). A checkpoint is written to a temporary sibling, each file
+fsynced, and renamed into place, so a directory named `step_*` is always complete.
+
+Resuming (`resume_point`) verifies the newest checkpoint against its manifest and its trained
+ids against what its state.json names; a damaged one (garbage in a file, a zeroed or truncated
+one: what a disk or a power cut leaves) is set aside, moved under `<root>/damaged/` with a log
+line naming the file and the reason, and the next older one is tried. Resuming from an older
+checkpoint is a deeper rewind, nothing else: the groups trained after it come again.
 
 The consumer position is the stream sequence of the last message consumed at a step boundary
 (every message up to it was trained or dropped). Resuming re-creates the trainer's consumer at
@@ -14,24 +21,28 @@ The ids of the groups trained up to the checkpoint (the newest `TRAINED_IDS_KEPT
 the state, so a replayed group (the same group id on the stream again) is recognised after a
 restart; ids trained after the checkpoint are forgotten with the steps that trained them.
 
-A checkpoint writes only the ids trained since the previous one: the list lives in an
-append-only *log* under `<root>/trained_ids/`, one JSON array of ids per line, and state.json
-names the log and how much of it is this checkpoint's (`trained_ids_log`: file, bytes, count,
-last id). A step appends its ids as one line and writes a state.json naming the longer prefix,
-so it costs O(groups per step), never O(the list). The prefix a complete checkpoint names is
-never changed: a process appends only to a log it created itself, after the prefix the newest
-checkpoint names (cutting off what a failed checkpoint appended beyond it). A new log, holding
-the whole list, is started by a process's first checkpoint, by a list that does not continue
-the newest checkpoint's, and once a log holds `LOG_IDS_MAX` ids. A log no kept checkpoint
-names is deleted with the checkpoints. (Checkpoints written before the log read as before: the
-whole list inline in `trained_ids`, or a `trained_ids_base` file plus the ids since.)
+The list lives in append-only *logs* under `<root>/trained_ids/`, one JSON array of ids per
+line, and state.json names a log and how much of it is this checkpoint's (`trained_ids_log`:
+file, bytes, count, last id). No two kept checkpoints name the same log, so a damaged log costs
+one checkpoint, never all: a checkpoint continues the log of the checkpoint it is about to
+prune (the `keep`-th newest), appending the ids trained since that one as one line, so a
+checkpoint costs O(groups per `keep` checkpoints), never O(the list). The prefix a complete
+checkpoint names is never changed: a process appends only to a log it created itself, after
+the prefix that checkpoint names (cutting off what a failed checkpoint appended beyond it). A
+new log, holding the whole list, is started when there is no such checkpoint (a process's first
+`keep` checkpoints), by a list that does not continue its list, and once a log holds
+`LOG_IDS_MAX` ids. A log no kept checkpoint names is deleted with the checkpoints.
+(Checkpoints written before the log read as before: the whole list inline in `trained_ids`, or
+a `trained_ids_base` file plus the ids since; those written before manifests are not verified.)
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -40,9 +51,11 @@ from pathlib import Path
 from asyncrl.logging import get_logger
 
 STATE_FILE = "state.json"
+MANIFEST_FILE = "manifest.json"
 BACKEND_DIR = "backend"
 PREFIX = "step_"
 IDS_DIR = "trained_ids"
+DAMAGED_DIR = "damaged"
 LOG_IDS_MAX = 200_000
 """Ids a trained-ids log holds at most; the next checkpoint starts a new one (with the list)."""
 
@@ -85,37 +98,44 @@ def _step_dirs(root: Path) -> list[Path]:
     return [root / name for name in names]
 
 
+class Damaged(ValueError):
+    """A checkpoint that does not read back as written; `file` is the damaged file."""
+
+    def __init__(self, file: Path, reason: str):
+        super().__init__(reason)
+        self.file, self.reason = Path(file), reason
+
+
 def _raw_state(ckpt_dir: Path) -> dict:
-    return json.loads((Path(ckpt_dir) / STATE_FILE).read_text())
+    path = Path(ckpt_dir) / STATE_FILE
+    try:
+        raw = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise Damaged(path, f"unreadable state: {type(e).__name__}: {e}") from e
+    if not isinstance(raw, dict):
+        raise Damaged(path, f"unreadable state: a JSON {type(raw).__name__}, not an object")
+    return raw
 
 
 def _log_ids(root: Path, log: dict) -> list[str]:
-    """The ids of the log prefix `log` names. A torn last line (the file ends inside it: an
-    append a power cut interrupted) is cut with a log line, losing only that line's ids."""
+    """The ids of the log prefix `log` names; Damaged when the log holds anything else (a
+    prefix a complete checkpoint names was fsynced before it was named: a torn or zeroed line
+    in it is damage, like a shorter file)."""
     path = root / IDS_DIR / log["file"]
     with open(path, "rb") as f:
         data = f.read(log["bytes"])
-    complete, _, tail = data.rpartition(b"\n")
-    if tail:  # a named prefix ends with a newline: this line was torn (or zeroed)
-        ids = _lines_ids(path, complete)
-        get_logger().warning(
-            "trained_ids_log_torn_line_cut", file=str(path), named=log["count"], kept=len(ids)
+    if len(data) != log["bytes"]:
+        raise Damaged(
+            path, f"trained-ids log holds {len(data)} bytes, its checkpoint names {log['bytes']}"
         )
-        return ids
-    ids = _lines_ids(path, data)
-    if len(data) != log["bytes"] or len(ids) != log["count"]:
-        raise ValueError(f"trained-ids log {path} does not hold what its checkpoint names")
-    return ids
-
-
-def _lines_ids(path: Path, data: bytes) -> list[str]:
-    """The ids of complete lines (each a JSON array); ValueError naming the file and line."""
     ids: list[str] = []
-    for n, line in enumerate(data.splitlines(), start=1):
+    for n, line in enumerate(data.split(b"\n")[:-1], start=1):
         try:
             ids.extend(json.loads(line))
         except ValueError as e:
-            raise ValueError(f"trained-ids log {path}: line {n} is not a JSON array: {e}") from e
+            raise Damaged(path, f"trained-ids log line {n} is not a JSON array: {e}") from e
+    if not data.endswith(b"\n") or len(ids) != log["count"] or ids[-1:] != [log["last"]]:
+        raise Damaged(path, "trained-ids log does not hold what its checkpoint names")
     return ids
 
 
@@ -128,19 +148,106 @@ def _stored_ids(root: Path, raw: dict) -> list[str]:
     return older + raw.get("trained_ids", [])  # absent before ids were kept
 
 
+def _digest(path: Path) -> dict:
+    with open(path, "rb") as f:
+        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": _sha256(f)}
+
+
+def _sha256(f) -> str:
+    return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _verify_files(ckpt_dir: Path) -> None:
+    """Every file the manifest lists has the size and sha256 it lists; Damaged naming the first
+    that does not. A checkpoint written before manifests (its state.json names none) is not
+    checked."""
+    path = ckpt_dir / MANIFEST_FILE
+    try:
+        listed = json.loads(path.read_bytes())["files"]
+    except FileNotFoundError:
+        if "manifest" in _raw_state(ckpt_dir):
+            raise Damaged(path, "missing manifest") from None
+        return
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise Damaged(path, f"unreadable manifest: {type(e).__name__}: {e}") from e
+    for name, want in sorted(listed.items()):
+        try:
+            got = _digest(ckpt_dir / name)
+        except OSError as e:
+            raise Damaged(ckpt_dir / name, f"unreadable: {type(e).__name__}: {e}") from e
+        if got["bytes"] != want["bytes"]:
+            raise Damaged(
+                ckpt_dir / name, f"{got['bytes']} bytes, the manifest says {want['bytes']}"
+            )
+        if got["sha256"] != want["sha256"]:
+            raise Damaged(
+                ckpt_dir / name,
+                f"sha256 {got['sha256'][:16]} is not the manifest's {want['sha256'][:16]}",
+            )
+
+
 def read_state(ckpt_dir: Path) -> CheckpointState:
+    """The checkpoint's state, once its files match its manifest and its trained ids what its
+    state names; Damaged (naming the file) otherwise."""
+    ckpt_dir = Path(ckpt_dir)
+    _verify_files(ckpt_dir)
     raw = _raw_state(ckpt_dir)
-    ids = _stored_ids(Path(ckpt_dir).parent, raw)
-    names = {f.name for f in fields(CheckpointState)} - {"trained_ids"}
-    return CheckpointState(**{k: raw[k] for k in names if k in raw}, trained_ids=tuple(ids))
+    try:
+        ids = _stored_ids(ckpt_dir.parent, raw)
+        names = {f.name for f in fields(CheckpointState)} - {"trained_ids"}
+        return CheckpointState(**{k: raw[k] for k in names if k in raw}, trained_ids=tuple(ids))
+    except Damaged:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log = raw.get("trained_ids_log") or raw.get("trained_ids_base") or {}
+        where = ckpt_dir.parent / IDS_DIR / log["file"] if log.get("file") else ckpt_dir
+        raise Damaged(where, f"unreadable trained ids: {type(e).__name__}: {e}") from e
 
 
 def latest_checkpoint(root: Path) -> tuple[Path, CheckpointState] | None:
-    """The newest complete checkpoint under `root`, or None."""
+    """The newest complete checkpoint under `root`, or None; Damaged if it is damaged."""
     dirs = _step_dirs(Path(root))
     if not dirs:
         return None
     return dirs[-1], read_state(dirs[-1])
+
+
+def resume_point(root: Path, log=None) -> tuple[Path, CheckpointState] | None:
+    """The newest checkpoint under `root` that reads back as written, or None; each newer one
+    that does not is set aside (`set_aside`)."""
+    for ckpt_dir in reversed(_step_dirs(Path(root))):
+        try:
+            return ckpt_dir, read_state(ckpt_dir)
+        except Damaged as e:
+            set_aside(ckpt_dir, e, log or get_logger())
+    return None
+
+
+def set_aside(ckpt_dir: Path, damage: Damaged, log) -> Path:
+    """Move a damaged checkpoint to `<root>/damaged/<name>-<utc time>` (kept for a post-mortem,
+    never read again), with a copy of the trained-ids log it names; a log line names the damaged
+    file and the reason. Returns where it went."""
+    root = ckpt_dir.parent
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = root / DAMAGED_DIR / f"{ckpt_dir.name}-{stamp}-{uuid.uuid4().hex[:4]}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(ckpt_dir, dest)
+    _fsync_dir(root)
+    try:  # the log it names is deleted once no kept checkpoint names it: keep a copy
+        named = _raw_state(dest).get("trained_ids_log") or {}
+        if named.get("file"):
+            shutil.copy2(root / IDS_DIR / named["file"], dest / named["file"])
+    except (OSError, ValueError):
+        pass  # unreadable state or no log: nothing more to keep
+    _WRITTEN.at(root).states.pop(ckpt_dir.name, None)
+    log.error(
+        "checkpoint_set_aside",
+        checkpoint=str(ckpt_dir),
+        file=str(damage.file),
+        reason=damage.reason,
+        moved_to=str(dest),
+    )
+    return dest
 
 
 def _after(ids: Sequence[str], last: str) -> list[str] | None:
@@ -158,9 +265,9 @@ def _after(ids: Sequence[str], last: str) -> list[str] | None:
 @dataclass
 class _Written:
     """What this process wrote under the root it last wrote to: the states of the checkpoints
-    still kept, by step directory name (the next checkpoint continues the newest, and pruning
-    reads the logs they name, without reading them back: a complete checkpoint is never
-    changed), and the logs it created (the only ones it appends to). One root: a trainer
+    still kept, by step directory name (the next checkpoint continues the log of the one it
+    prunes, and pruning reads the logs they name, without reading them back: a complete
+    checkpoint is never changed), and the logs it created (the only ones it appends to). One root: a trainer
     checkpoints one experiment at a time, and a finished one's are not kept in memory."""
 
     root: Path | None = None
@@ -220,17 +327,31 @@ def _new_log(root: Path, step: int, ids: Sequence[str]) -> dict:
     return {"file": name, "bytes": len(data), "count": len(ids), "last": ids[-1]}
 
 
-def _state(root: Path, state: CheckpointState, latest: list[Path]) -> dict:
+def _donor(root: Path, latest: list[Path], keep: int) -> dict | None:
+    """The state of the checkpoint whose log the next one continues: the newest of those it
+    prunes, when no checkpoint kept beside the next one names its log; else None."""
+    if len(latest) < keep:
+        return None
+    try:
+        donor = _read(root, latest[-keep])
+        kept = [_read(root, d) for d in latest[len(latest) - keep + 1 :]]
+    except (OSError, ValueError):
+        return None  # unreadable: this checkpoint starts a log of its own
+    file = (donor.get("trained_ids_log") or {}).get("file")
+    if any((k.get("trained_ids_log") or {}).get("file") == file for k in kept):
+        return None
+    return donor
+
+
+def _state(root: Path, state: CheckpointState, latest: list[Path], keep: int) -> dict:
     """`state` as its state.json holds it (the ids appended to a log first)."""
     raw = {f.name: getattr(state, f.name) for f in fields(state) if f.name != "trained_ids"}
+    raw["manifest"] = MANIFEST_FILE
     ids = state.trained_ids
     if not ids:
         return {**raw, "trained_ids": []}
-    try:
-        prev = _read(root, latest[-1]) if latest else None
-    except (OSError, ValueError):
-        prev = None  # unreadable: this checkpoint starts a log of its own
-    log = _append_ids(root, ids, prev) or _new_log(root, state.step, ids)
+    donor = _donor(root, latest, keep)
+    log = _append_ids(root, ids, donor) or _new_log(root, state.step, ids)
     return {**raw, "trained_ids_log": log}
 
 
@@ -264,12 +385,21 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(top: Path) -> None:
-    """fsync every file under `top`, then each directory (their entries)."""
+def _seal(top: Path) -> None:
+    """fsync every file under `top` and list its size and sha256 in `top`/manifest.json (read
+    back once: what the page cache holds is what was written), then fsync the manifest and each
+    directory (their entries)."""
+    files = {}
     for dirpath, _, filenames in os.walk(top):
         for name in filenames:
             with open(os.path.join(dirpath, name), "rb") as f:
+                rel = os.path.relpath(os.path.join(dirpath, name), top)
+                files[rel] = {"bytes": os.fstat(f.fileno()).st_size, "sha256": _sha256(f)}
                 os.fsync(f.fileno())
+    with open(top / MANIFEST_FILE, "wb") as f:
+        f.write(json.dumps({"files": files}, indent=1, sort_keys=True).encode())
+        os.fsync(f.fileno())
+    for dirpath, _, _ in os.walk(top):
         _fsync_dir(Path(dirpath))
 
 
@@ -294,9 +424,9 @@ def write_checkpoint(
     try:
         (tmp / BACKEND_DIR).mkdir(parents=True)
         save_backend(tmp / BACKEND_DIR)
-        raw = _state(root, state, latest)
+        raw = _state(root, state, latest, keep)
         (tmp / STATE_FILE).write_text(json.dumps(raw, separators=(",", ":")))
-        _fsync_tree(tmp)  # on disk before the name says complete (a power cut leaves zeros)
+        _seal(tmp)  # on disk before the name says complete (a power cut leaves zeros)
         if final.exists():  # a leftover without state.json: incomplete, never readable
             shutil.rmtree(final)
         os.replace(tmp, final)

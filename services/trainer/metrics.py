@@ -94,7 +94,11 @@ def version_spans(groups: list[TrajectoryGroup]) -> list[int]:
     spans = []
     for g in groups:
         for s in g.samples:
-            vs = [v for v, m in zip(s.versions, s.trained_mask(), strict=False) if m]
+            vs = (
+                [v for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
+                if s.loss_mask
+                else s.versions
+            )
             if vs:
                 spans.append(max(vs) - min(vs))
     return spans

@@ -31,8 +31,9 @@ def write_version(
 ) -> str:
     """`files` (+ the tokenizer's) as `version` in the weight store: written to a temporary
     directory and renamed into place, so a reader never sees it partial; the newest `keep`
-    versions are kept, and `version` itself (a resumed trainer rewrites one the store pruned:
-    older than those kept). Its manifest records the weights' fingerprint (`asyncrl.fingerprint`,
+    versions up to `version` are kept, and those above it removed (an abandoned lineage: a
+    resumed trainer rewrites the version of its checkpoint, then trains on from there: see
+    `prune`). Its manifest records the weights' fingerprint (`asyncrl.fingerprint`,
     one sha256 pass over the tensors' bytes). Returns the version's URI."""
     final = version_dir(root, experiment_id, version)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -46,7 +47,7 @@ def write_version(
         uri = publish_version(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    prune(root, experiment_id, keep=keep, protect=final)
+    prune(root, experiment_id, keep=keep, newest=version)
     return uri
 
 

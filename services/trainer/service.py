@@ -37,7 +37,7 @@ from pathlib import Path
 import grpc
 
 from asyncrl.errors import Conflict, NotFound
-from asyncrl.ledger import Ledger, ensure_ledger
+from asyncrl.ledger import Ledger, ensure_ledger, sample_fingerprints
 from asyncrl.logging import get_logger
 from asyncrl.runtime import freeze_heap
 from asyncrl.spec import ExperimentSpec, SpecError, spec_from_json
@@ -49,7 +49,7 @@ from services.trainer.checkpoint import (
     CheckpointState,
     checkpoint_root,
     consumer_start_seq,
-    latest_checkpoint,
+    resume_point,
     write_checkpoint,
 )
 from services.trainer.consumer import GroupConsumer, Pulled, unconsumed_group_ids
@@ -265,7 +265,7 @@ class TrainerService:
         self._vocab_size = model_vocab_size(spec.model.path)
         self.backend = make_backend(spec)
         await asyncio.to_thread(self.backend.load, spec.model.path)
-        found = latest_checkpoint(checkpoint_root(self.var_dir, self.experiment_id))
+        found = resume_point(checkpoint_root(self.var_dir, self.experiment_id), self.log)
         state = None
         if found is not None:
             path, state = found
@@ -436,7 +436,7 @@ class TrainerService:
         self._observe("serialize", serialize_s)
         self._observe("stall", stall_s)
         self.log.info("train_step", **vars(m))  # its fields (scalars): asdict deep-copies
-        self._publishing.start(self._publish(m, files, [g.group_id for g in batch.groups]))
+        self._publishing.start(self._publish(m, files, batch.groups))
         if self.version >= self.spec.trainer.total_steps:
             await self._wait_published()  # the last version: its answer says stop
         if not self._stop.is_set() and self.step % self.spec.trainer.checkpoint_every == 0:
@@ -452,7 +452,7 @@ class TrainerService:
         self._stage = "serialize weights"
         return stats, ended, self.backend.hf_files()
 
-    async def _publish(self, m: StepMetrics, files: dict[str, bytes], ids: list[str]) -> None:
+    async def _publish(self, m: StepMetrics, files: dict[str, bytes], groups: list) -> None:
         """Write version `m.version`, commit it, record it in the ledger (beside the loop).
         A stop in the answer ends the run at the next step boundary."""
         self._publishing.stage = "publish weights"
@@ -467,7 +467,7 @@ class TrainerService:
         commit_s = time.perf_counter() - t1
         self._observe("commit", commit_s)
         self._after = replace(self._after, commit_s=commit_s)
-        fields = {"groups": ids, "run": self.run_id, "fingerprint": fp}
+        fields = {"run": self.run_id, "fingerprint": fp, **sample_fingerprints(groups)}
         await self.ledger.record("trained", step=m.step, version=m.version, **fields)
         if resp.stop:
             self.log.info(

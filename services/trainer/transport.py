@@ -33,7 +33,7 @@ from asyncrl.fingerprint import read_manifest
 from asyncrl.retry import jetstream_call
 from asyncrl.settings import settings
 from asyncrl.spec import TrainerSpec
-from asyncrl.weights import path_to_uri, version_dir
+from asyncrl.weights import path_to_uri, prune, version_dir
 from asyncrl.weights_nats import prune_versions, upload_version, uploaded, version_uri
 from services.trainer.publish import write_version
 from services.trainer.weight_sync import WeightBroadcaster
@@ -62,6 +62,10 @@ class Store:
         write_version(
             self.root, self.experiment_id, version, dict(files), self.tokenizer_dir, self.keep
         )
+
+    def rewind(self, version: int) -> None:
+        """The trainer resumed at `version`: the versions above it (an abandoned lineage) go."""
+        prune(self.root, self.experiment_id, keep=self.keep, newest=version)
 
 
 class WeightSender:
@@ -118,6 +122,8 @@ class DiskSender(WeightSender):
     async def restore(self, version: int, files: Callable[[], Files]) -> None:
         if not self.store.dir(version).exists():  # pruned after the checkpoint was taken
             await asyncio.to_thread(lambda: self.store.write(version, files()))
+        else:
+            await asyncio.to_thread(self.store.rewind, version)
 
 
 class NatsSender(DiskSender):
@@ -143,6 +149,8 @@ class NatsSender(DiskSender):
         await super().restore(version, files)
         if not await uploaded(self.js, self.store.experiment_id, version):  # a bucket lost
             await self._upload(version)
+        else:
+            await self._prune(version)
 
     async def _upload(self, version: int) -> str:
         """Upload `version` from the weight store and prune the bucket as the store is pruned;
@@ -150,9 +158,13 @@ class NatsSender(DiskSender):
         exp = self.store.experiment_id
         src = self.store.dir(version)
         uri = await jetstream_call(lambda: upload_version(self.js, src, exp, version))
-        await jetstream_call(lambda: prune_versions(self.js, exp, self.store.keep))
+        await self._prune(version)
         self.log.info("weights_uploaded", version=version, uri=uri)
         return uri
+
+    async def _prune(self, newest: int) -> None:
+        exp, keep = self.store.experiment_id, self.store.keep
+        await jetstream_call(lambda: prune_versions(self.js, exp, keep, newest=newest))
 
 
 class NcclSender(WeightSender):

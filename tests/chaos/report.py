@@ -85,6 +85,9 @@ def make_row(run: dict, ledger: dict, status: dict) -> dict:
         "duplicates": ledger.get("duplicates", 0),
         "replayed": sum(int(h.get("replayed", 0)) for h in status.get("history", [])),
         "trained_groups": ledger.get("trained_groups", 0),
+        "failed_reasons": sorted(
+            {p.get("reason", "") for p in ledger.get("prompts", []) if p.get("fate") == "failed"}
+        ),
         "expected_groups": steps * run.get("batch_size", 0),
         "recovery_s": max(recoveries, default=None),
     }
@@ -107,6 +110,11 @@ def problems(row: dict) -> list[str]:
         expected = row.get(f"expect_{key}", 0)
         if row.get(key, 0) < expected:
             found.append(f"{key} {row.get(key, 0)} < {expected}")
+    expected = row.get("expect_failed_reasons")
+    if expected and not row.get("failed"):
+        found.append(f"no prompt failed with {expected}")
+    elif expected and any(all(e not in r for e in expected) for r in row["failed_reasons"]):
+        found.append(f"a failed prompt's reason is none of {expected}: {row['failed_reasons']}")
     if row.get("completed") and not row.get("steps"):
         found.append("the ledger has no steps")
     if row.get("steps") and row.get("trained_groups") != row.get("expected_groups"):

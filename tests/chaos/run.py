@@ -138,7 +138,8 @@ class Run(ExperimentWatch):
 
     def submit(self) -> None:
         id_file = self.cfg.var / "experiment_id"
-        sets = [a for o in self.cfg.overrides() for a in ("--set", o)]
+        overrides = [*self.cfg.overrides(), *self.scenario.sets]
+        sets = [a for o in overrides for a in ("--set", o)]
         done = self.sh(".venv/bin/asyncrl", "submit", str(ARITH), "--id-file", str(id_file), *sets)
         if done.returncode != 0:
             raise RuntimeError(f"submit failed: {done.stdout}{done.stderr}")
@@ -204,6 +205,7 @@ def execute(cfg: RunConfig) -> dict:
     result |= {"batch_size": cfg.batch_size, "infrastructure": scenario.infrastructure}
     result |= {"expect_quarantined": scenario.expect_quarantined, "faults": [], "timeline": []}
     result["expect_replayed"] = scenario.expect_replayed
+    result["expect_failed_reasons"] = list(scenario.expect_failed_reasons)
     started = time.time()
     try:
         run.up()

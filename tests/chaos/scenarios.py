@@ -159,6 +159,11 @@ class Scenario:
     """Bad messages the ledger must count as quarantined."""
     expect_replayed: int = 0
     """Replays of trained groups the trainer must report skipping (StepMetrics.replayed)."""
+    sets: tuple[str, ...] = ()
+    """Extra `--set` overrides of the submitted spec, after the run's own, so they win (e.g.
+    its reward function)."""
+    expect_failed_reasons: tuple[str, ...] = ()
+    """The task fails some prompts: there must be some, each with one of these in its reason."""
 
 
 def _scenarios() -> dict[str, Scenario]:
@@ -187,7 +192,10 @@ def _scenarios() -> dict[str, Scenario]:
             expect_replayed=1,
         ),
     ]
-    return {s.name: s for s in (*kills, *others)}
+    from tests.chaos import scenarios_ck, scenarios_rw  # noqa: PLC0415 - they import this module
+
+    extra = (*scenarios_rw.scenarios(), *scenarios_ck.scenarios())
+    return {s.name: s for s in (*kills, *others, *extra)}
 
 
 SCENARIOS = _scenarios()

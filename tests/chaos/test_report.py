@@ -110,4 +110,22 @@ def test_scenarios_every_fault_of_the_suite_present():
     assert set(SCENARIOS) == {
         *("rollout", "reward", "trainer", "scheduler", "nats"),
         *("stop-rollout", "stop-trainer", "lost-reply", "poison"),
+        "hung-reward",
+        *("corrupt-checkpoint", "deep-rewind"),
     }
+
+
+def test_hung_reward_row_judged_by_its_failed_prompts_reasons():
+    expected = ["timed out after 5s", "not scored before the call's deadline"]
+    ok = {"completed": True, "steps": 3, "trained_groups": 12, "expected_groups": 12}
+    ok |= {"failed": 2, "infrastructure": False}
+    ok |= {"expect_failed_reasons": expected}
+    reasons = ["all 8 samples failed: timed out after 5s"]
+    assert report.problems(ok | {"failed_reasons": reasons}) == []
+    other = ["all 8 samples failed: ValueError: x"]
+    assert report.problems(ok | {"failed_reasons": [*reasons, *other]}) == [
+        f"a failed prompt's reason is none of {expected}: {[*reasons, *other]}"
+    ]
+    assert report.problems(ok | {"failed": 0, "failed_reasons": []}) == [
+        f"no prompt failed with {expected}"
+    ]

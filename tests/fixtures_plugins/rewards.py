@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
+
+from asyncrl.rewards import exact_match
 
 
 def scripted(completion: str, answer: str, prompt: str, **kwargs: str):
@@ -36,3 +39,18 @@ def two_args(completion: str, answer: str) -> float:
 
 
 NOT_CALLABLE = 3
+
+
+def sleep_forever(completion: str, answer: str, prompt: str, **kwargs: str) -> float:
+    """A plugin that hangs: never returns (the reward service kills it at its timeout_s)."""
+    while True:
+        time.sleep(3600)
+
+
+def exact_or_hang(completion: str, answer: str, prompt: str, **kwargs: str) -> float:
+    """exact_match, except that it hangs forever on every sample of 1 in `one_in` (kwarg,
+    default 8) prompts (chosen by the prompt's CRC-32): those groups fail whole, the others
+    train (the chaos scenario hung-reward)."""
+    if zlib.crc32(prompt.encode()) % int(kwargs.get("one_in", "8")) == 0:
+        sleep_forever(completion, answer, prompt)
+    return exact_match(completion, answer, prompt)

@@ -64,6 +64,10 @@ def test_train_steps_are_timed(report):
         # both figures are rounded (step_s to 1e-6 s, tokens/s to 0.1): allow for it
         assert p["tokens_per_s"] == pytest.approx(64 / p["step_s"], rel=1e-6 / p["step_s"] + 1e-3)
         assert p["checkpoint"]["ok"], p["checkpoint"]
+        # the load gives back the saved weights, the replayed step the same update (fp32, CPU)
+        c = p["checkpoint"]
+        assert c["restored_max_abs"] == 0.0 and c["step_max_abs"] > 0.0
+        assert c["replayed_max_abs"] == 0.0
 
 
 def test_engine_interrupt_switches_versions_mid_generation(report):

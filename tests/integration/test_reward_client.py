@@ -85,3 +85,31 @@ async def test_unreachable_reward_service_fails_every_waiting_caller_of_the_shar
     assert isinstance(got[0], asyncio.CancelledError)
     assert all(isinstance(e, RewardUnavailable) for e in got[1:])
     await client.close()
+
+
+async def test_hung_reward_function_fails_the_items_not_the_service(reward_address):
+    """Issue 23 point 7: a plugin that hangs, more items than one process can time out before
+    the calls' deadlines (6 calls x 4 items x 0.5 s on one process, each call due in
+    10 + 0.5 x 4 = 12 s): every item FAILED with its reason, no RewardUnavailable (which
+    re-queued the group forever: the queue behind the hung items read as a dead service)."""
+    spec = json.loads(SPEC)
+    spec["reward"] = {"function": "plugin:tests.fixtures_plugins.rewards:sleep_forever"}
+    spec["reward"]["timeout_s"] = 0.5
+    binding = RewardBinding("hung", json.dumps(spec), 0.5)
+    client = RewardClient(max_wait_s=2.0)
+    calls = []
+    for g in range(6):  # one Score call each: not joined into one batch
+        calls.append(
+            asyncio.ensure_future(
+                client.score([reward_address], binding, items(f"g{g}", ["x"] * 4))
+            )
+        )
+        await asyncio.sleep(0.05)
+    got = await asyncio.gather(*calls, return_exceptions=True)
+    await client.close()
+    assert not [e for e in got if isinstance(e, BaseException)], got
+    reasons = [s.reason for scores in got for s in scores]
+    assert all(s.status is RewardStatus.FAILED for scores in got for s in scores)
+    cut = [r for r in reasons if r.startswith("not scored before the call's deadline: ")]
+    assert len(reasons) == 24 and cut  # 24 x 0.5 s > the last call's 12 s - 2 s margin
+    assert set(reasons) - set(cut) <= {"timed out after 0.5s"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -145,3 +146,43 @@ async def test_list_reward_functions_builtins(reward):
     resp = await stub.ListRewardFunctions(reward_pb2.ListRewardFunctionsRequest(), timeout=5)
     assert list(resp.names) == ["exact_match", "numeric_match", "math_verify", "regex"]
     assert await check_health(address)
+
+
+HANG = "plugin:tests.fixtures_plugins.rewards:sleep_forever"
+
+
+async def test_hung_experiment_does_not_starve_another_and_answers_by_its_deadline(reward):
+    """Issue 23 point 7: experiment A's plugin hangs (timeout_s 1); B's items, scored on the
+    same two processes meanwhile, come back at their normal latency; A's call answers before
+    its own 6 s deadline, each item FAILED with why (none DEADLINE_EXCEEDED: that would read
+    as a dead reward service and re-queue the group)."""
+    _, stub = reward
+    await _bind(stub, "hung", HANG, timeout_s=1.0)
+    await _bind(stub, "quick", SCRIPTED, timeout_s=5.0)
+    warm = reward_pb2.ScoreRequest(experiment_id="quick", items=_items("ok", "ok"))
+    await stub.Score(warm, timeout=30)  # the processes started (seconds, cold)
+    hung_items = _items(*["x"] * 10)
+    start = time.monotonic()
+    hung = asyncio.ensure_future(
+        stub.Score(reward_pb2.ScoreRequest(experiment_id="hung", items=hung_items), timeout=6)
+    )
+    await asyncio.sleep(0.3)  # A's items hold their share of the processes now
+    latencies = []
+    for _ in range(5):
+        t0 = time.monotonic()
+        quick = await stub.Score(
+            reward_pb2.ScoreRequest(experiment_id="quick", items=_items("ok", "ok")), timeout=6
+        )
+        latencies.append(time.monotonic() - t0)
+        assert [(r.status, r.reward) for r in quick.results] == [(OK, 1.0), (OK, 1.0)]
+    # one process each: B's items never wait for one of A's 1 s timeouts (before: ~1 s each)
+    assert max(latencies) < 0.5, latencies
+    resp = await hung
+    took = time.monotonic() - start
+    reasons = [r.reason for r in resp.results]
+    assert all(r.status == FAILED for r in resp.results)
+    timed_out = reasons.count("timed out after 1s")
+    not_started = [r for r in reasons if r.startswith("not scored before the call's deadline: ")]
+    # A holds one process: items time out one after another until start + 6 - 1 - 2 s
+    assert 2 <= timed_out <= 4 and timed_out + len(not_started) == 10, reasons
+    assert took < 6.0

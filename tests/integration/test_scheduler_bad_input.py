@@ -101,3 +101,36 @@ async def test_submit_present_reward_plugin_module_accepted_without_import(clust
     exp_id = await submit(cluster, spec(files, reward={"function": f"plugin:{module}:score"}))
     assert cluster.scheduler.get(exp_id).state.value == "PENDING"
     assert module not in sys.modules
+
+
+BIG = "x" * (16 * 1024 + 1)  # one character over MAX_TEXT
+
+
+@pytest.mark.parametrize(
+    ("override", "details"),
+    [
+        ({"reward": {"kwargs": {"pattern": BIG}}}, "reward.kwargs.pattern: 16385 characters"),
+        ({"rollout": {"gconfig": {"stop": ["a", BIG]}}}, "rollout.gconfig.stop.1: 16385 char"),
+        (
+            {"rollout": {"workflow": {"args": {"turns": {"k": BIG}}}}},
+            "rollout.workflow.args.turns.k: 16385 characters, at most 16384",
+        ),
+        (
+            {"rollout": {"gconfig": {"stop_token_ids": list(range(1025))}}},
+            "rollout.gconfig.stop_token_ids: 1025 entries, at most 1024",
+        ),
+        (  # every value within its limit, the spec over 256 KiB: the kwargs are named
+            {"reward": {"kwargs": {f"k{i}": "y" * 16000 for i in range(17)}}},
+            "reward.kwargs: the spec is ",
+        ),
+    ],
+)
+async def test_submit_oversized_field_invalid_argument_names_field(
+    cluster, files, override, details
+):
+    """Issue 23 point 12: named by the field, not `spec_json`."""
+    await cluster.start_scheduler()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await submit(cluster, spec(files, **override))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(details)

@@ -79,6 +79,9 @@ async def test_wrong_weights_quarantined_right_and_unverified_trained(
         (2, ["right", "unverified"]),
     ]
     assert trained[0]["fingerprint"] == v1.fingerprint
+    # each trained sample's weights: "right" carries v1's fingerprint, "unverified" none
+    assert trained[1]["fingerprints"] == [v1.fingerprint, ""]
+    assert trained[1]["samples"] == {"right": [{"1": 0}] * 2, "unverified": [{"1": 1}] * 2}
     assert trained[1]["fingerprint"] == scheduler.commits[1].fingerprint != v1.fingerprint
     [quarantined] = [e for e in events if e["event"] == "quarantined"]
     assert quarantined["group"] == "wrong" and "weights fingerprint" in quarantined["reason"]

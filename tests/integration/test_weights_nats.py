@@ -166,6 +166,20 @@ async def test_prune_keeps_newest_versions_in_bucket_and_cache(trainer, rollout,
     assert [p.name for p in (cache / EXP).iterdir()] == ["v000005"]
 
 
+async def test_prune_newest_deletes_the_abandoned_lineage_from_the_bucket(trainer, tmp_path):
+    """A trainer resumed at v2 after v6 uploads v2, then v3: the bucket keeps those, not the
+    abandoned v4..v6 that are newer by name (issue 23 point 9)."""
+    for v in (1, 2, 3, 4, 5, 6):
+        await upload_version(trainer, _version_dir(tmp_path / "old", v, size=100), EXP, v)
+    await prune_versions(trainer, EXP, keep=3, newest=2)
+    assert [await uploaded(trainer, EXP, v) for v in range(1, 7)] == [True] * 2 + [False] * 4
+    await upload_version(trainer, _version_dir(tmp_path / "new", 3, size=100), EXP, 3)
+    await prune_versions(trainer, EXP, keep=2, newest=3)
+    assert [await uploaded(trainer, EXP, v) for v in range(1, 7)] == [False, True, True] + [
+        False
+    ] * 3
+
+
 async def test_fetch_after_a_rewind_keeps_the_older_version_it_fetched(trainer, rollout, tmp_path):
     """A trainer resumed from a checkpoint sends the fleet back to an older version than the
     cache's newest: pruning must not delete the version it just fetched (it did: every rollout

@@ -178,3 +178,43 @@ def test_quarantine_stored_before_the_settle_still_fails_the_group():
     ]
     [p] = summarize(events).prompts
     assert (p.fate, p.reason) == ("failed", "quarantined: a logprob is not finite")
+
+
+def test_trained_event_names_each_samples_versions_and_their_fingerprints():
+    from asyncrl.ledger import sample_fingerprints
+    from asyncrl.types import Sample, TrajectoryGroup
+
+    fp3, fp4 = "sha256:" + "3" * 64, "sha256:" + "4" * 64
+    keys = {"experiment_id": "e", "prompt_id": "p", "prompt": "1+1=", "answer": "2"}
+    keys["prompt_ids"] = [1, 2]
+    g0 = TrajectoryGroup(
+        **keys,
+        group_id="g0",
+        samples=[
+            Sample(versions=[3, 3, 4], fingerprints={3: fp3, 4: fp4}),  # updated mid-way
+            Sample(versions=[4], fingerprints={4: fp4}),
+        ],
+    )
+    g1 = TrajectoryGroup(**keys, group_id="g1", samples=[Sample(versions=[5])])
+    fields = sample_fingerprints([g0, g1])
+    assert fields == {
+        "groups": ["g0", "g1"],
+        "samples": {"g0": [{"3": 0, "4": 1}, {"4": 1}], "g1": [{"5": 2}]},
+        "fingerprints": [fp3, fp4, ""],
+    }
+    events = [
+        dispatched("g0", 0),
+        settled("g0"),
+        dispatched("g1", 1),
+        settled("g1"),
+        {"event": "trained", "step": 1, "version": 1, "run": "r", **fields},
+    ]
+    p0, p1 = summarize(events).prompts
+    assert p0.samples == [{"3": fp3, "4": fp4}, {"4": fp4}]
+    assert p1.samples == [{"5": ""}]
+
+
+def test_trained_event_without_sample_fields_has_no_sample_rows():
+    """A ledger written before the fields existed still reads."""
+    p0 = summarize([dispatched("g0", 0), settled("g0"), trained(1, "g0")]).prompts[0]
+    assert (p0.fate, p0.samples) == ("trained", [])

@@ -343,28 +343,35 @@ def test_async_requeue_with_resample_gives_the_prompt_its_next_attempts_lengths(
     assert a.token_steps == 5.0
 
 
-# ---------------------------------------------------------------------------- contention
+# ---------------------------------------------------------------------------- pipelined update
 
 
-def test_contention_with_an_unchanged_decode_cost_is_the_tools_ideal():
-    from bench.system import Decode, EtaFigures, contention
+def test_pipelined_update_by_hand():
+    # C = 2, n = 1, B = 1, eta = 1, every sample 2 tokens at 1 s each, train 1 s; the version is
+    # served 0.5 + 1.0 s after its step (hand-over 0.5: the trainer is free then), generation
+    # paused for the last 0.5 s. g0, g1 end at 2; g0 trains 2-3; hand-over to 3.5; g1 trains
+    # 3.5-4.5 (staleness 0); v1 served at 4.5 (pause 4.0-4.5, nothing generating), which admits
+    # g2 (accepted 2 + running 0 < (1 + 1 + 1) B); v2 served at max(4.5 + 1.5, 4.5) = 6.0,
+    # pause 5.5-6.0: g2 generated 1 token in 4.5-5.5.
+    w = Workload(slots=2, n=1, batch=1, eta=1, t0=1.0, train_a=1.0, steps=2, pipelined=True,
+                 t_handover=0.5, t_sync=1.0, t_pause=0.5)  # fmt: skip
+    a = simulate_async(w, _table(w, [[2]]))
+    assert a.step_end == [4.5, 6.0]
+    assert a.gen_tokens == 5.0
+    assert a.staleness == {0: 2}
+    assert a.train_busy_s == 2.0
+    # sync: generate 2 + train 1 + hand-over 0.5 + served 1.0 per step
+    assert simulate_sync(w, _table(w, [[2]])).step_end == [4.5, 9.0]
+    # the tool's model with the same 1.5 s update: trainer and fleet wait all of it. g1 trains
+    # 4.5-5.5 after v1; g2 (admitted at 4.5) generates 4.5-5.5; v2 at 5.5 + 1.5 = 7.0
+    tool = replace(w, pipelined=False, t_sync=1.5)
+    assert simulate_async(tool, _table(tool, [[2]])).step_end == [4.5, 7.0]
 
+
+def test_pipelined_with_the_whole_update_on_the_path_is_the_tools_model():
     w = Workload(slots=16, n=4, batch=4, max_groups=4, len_median=20, len_sigma=1.2, max_len=300,
                  t0=0.01, alpha=0.6, train_a=0.2, train_b=1e-3, prompt_len=5, t_sync=0.1,
-                 steps=25, seed=4)  # fmt: skip
-    table = [[20, 5, 40, 12]] * 200
-    tool = overlap.ideal(w, [0, 2], table)
-    idle = Decode(t0=0.01, c1=0.6 * 0.01 / 16, steps=1, resume_stall_s=0.0, resume_streams=0.0,
-                  full_fleet_step_s=0.016)  # fmt: skip
-    fig = EtaFigures(eta=2, measured_speedup=1.2, ideal_speedup=0.0, measured_throughput=0.0,
-                     ideal_throughput=0.0)  # fmt: skip
-    same = contention(w, tool, idle, idle, fig, table)
-    assert same["ideal_speedup"] == pytest.approx(tool.speedup(2), abs=1e-3)
-    assert same["ratio"] == pytest.approx(1.2 / tool.speedup(2), abs=1e-3)
-    sim = tool.runs[2]
-    assert same["trainer_share"] == pytest.approx(sim.train_busy_s / sim.wall_s, abs=1e-3)
-    slower = replace(idle, t0=0.02, c1=2 * idle.c1)  # twice the cost while the trainer computes
-    loaded = contention(w, tool, idle, slower, fig, table)
-    assert loaded["ideal_speedup"] < same["ideal_speedup"]
-    assert loaded["ratio"] > same["ratio"]
-    assert contention(w, tool, idle, slower, replace(fig, eta=0), table) == {}
+                 steps=25, seed=4, eta=2)  # fmt: skip
+    same = replace(w, pipelined=True, t_handover=0.1, t_sync=0.0, t_pause=0.1)
+    assert simulate_async(same).step_end == pytest.approx(simulate_async(w).step_end, abs=1e-9)
+    assert simulate_sync(same).wall_s == pytest.approx(simulate_sync(w).wall_s, abs=1e-9)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from google.protobuf import json_format
 from rich.console import Console
 
+from asyncrl.machine import cpu_model
 from asyncrl.report import plot_experiment, summarize, write_summary
 from asyncrl.v1 import common_pb2, scheduler_pb2
 
@@ -91,3 +93,14 @@ def test_write_summary_out_dir_has_json_and_png(tmp_path):
     assert summary["wall_seconds"] == 7.0
     assert (tmp_path / "reward.png").read_bytes().startswith(PNG_MAGIC)
     assert "stale_fraction" in console.export_text()
+
+
+def test_write_summary_prints_and_stores_the_machine_line(tmp_path):
+    """A wall time names the machine it came from (issue 24): the demo's summary carries the
+    same line the bench report does (asyncrl.machine)."""
+    console = Console(record=True, width=200)
+    write_summary(make_experiment(), 7.0, tmp_path, console=console)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["machine"].startswith(f"{cpu_model()} · {os.cpu_count()} cores")
+    assert " · load " in summary["machine"]
+    assert summary["machine"] in console.export_text()

@@ -9,6 +9,7 @@ from structlog.testing import capture_logs
 
 from asyncrl.types import RewardStatus, Score
 from asyncrl.v1 import common_pb2, reward_pb2
+from services.reward.fair import FairSlots
 from services.reward.server import RewardService
 
 SPEC = {
@@ -21,11 +22,20 @@ SPEC = {
 class FakePool:
     """Scores an item OK (1.0) unless its completion is "bad"."""
 
-    async def score(self, function, kwargs, items, timeout_s):
+    slots = FairSlots(1)
+
+    async def score(self, function, kwargs, items, timeout_s, key, deadline):
         return [
             Score(0.0, RewardStatus.FAILED, "scripted") if i.completion == "bad" else Score(1.0)
             for i in items
         ]
+
+
+class NoDeadline:
+    """The gRPC context of a call without a deadline."""
+
+    def time_remaining(self):
+        return None
 
 
 def _request(*completions: str) -> reward_pb2.ScoreRequest:
@@ -47,9 +57,9 @@ async def test_score_calls_over_10_s_give_one_scored_line_with_calls_items_faile
     )
     with capture_logs() as logs:
         now[0] = 101.0
-        await service.Score(_request("1", "1", "bad"), None)
+        await service.Score(_request("1", "1", "bad"), NoDeadline())
         now[0] = 110.5
-        await service.Score(_request("1", "1"), None)
+        await service.Score(_request("1", "1"), NoDeadline())
     assert [line for line in logs if line["event"] == "scored"] == [
         {
             "event": "scored",

@@ -80,3 +80,35 @@ def test_several_bad_fields_first_named_others_listed():
         validate_spec(MINIMAL | {"trainer": {"lr": -1, "batch_size": 0}})
     assert e.value.field == "trainer.batch_size"
     assert "also invalid: trainer.lr" in str(e.value)
+
+
+def test_check_sizes_names_the_first_oversized_string_key_or_container():
+    from asyncrl.spec import MAX_ITEMS, MAX_NAME, MAX_TEXT, check_sizes
+
+    check_sizes({"a": ["x" * MAX_TEXT], "b": {"k" * MAX_NAME: list(range(MAX_ITEMS))}})  # at
+    with pytest.raises(SpecError) as e:
+        check_sizes({"a": {"b": ["ok", "x" * (MAX_TEXT + 1)]}})
+    assert (e.value.field, e.value.reason) == (
+        "a.b.1",
+        f"{MAX_TEXT + 1} characters, at most {MAX_TEXT}",
+    )
+    with pytest.raises(SpecError) as e:
+        check_sizes({"a": {"k" * (MAX_NAME + 1): 1}})
+    assert (e.value.field, e.value.reason) == (
+        "a",
+        f"a key of {MAX_NAME + 1} characters, at most {MAX_NAME}",
+    )
+    with pytest.raises(SpecError) as e:
+        check_sizes({"a": [0] * (MAX_ITEMS + 1)})
+    assert (e.value.field, e.value.reason) == ("a", f"{MAX_ITEMS + 1} entries, at most {MAX_ITEMS}")
+
+
+def test_largest_field_descends_while_a_part_holds_half_of_its_parent():
+    from asyncrl.spec import largest_field
+
+    # reward.kwargs holds nearly all; inside it no single value holds half: the kwargs
+    spec = {"name": "n", "reward": {"function": "f", "kwargs": {"a": "x" * 100, "b": "y" * 100}}}
+    assert largest_field(spec) == "reward.kwargs"
+    spec["reward"]["kwargs"]["a"] = "x" * 1000  # now "a" is more than half of the kwargs
+    assert largest_field(spec) == "reward.kwargs.a"
+    assert largest_field({"a": "xy", "b": "zw"}) == "spec_json"  # no part holds half

@@ -102,7 +102,20 @@ def test_write_version_again_after_rewind_replaces_it(tmp_path):
     second = version_dir(root, "e", 2)
     assert (second / "config.json").read_bytes() == b"new"
     assert (second / "tokenizer.json").read_text() == '{"model": "chars"}'
-    assert sorted(p.name for p in (root / "e").iterdir()) == ["v000001", "v000002", "v000003"]
+    assert sorted(p.name for p in (root / "e").iterdir()) == ["v000001", "v000002"]
+
+
+def test_write_version_deep_rewind_discards_the_abandoned_lineage_keeps_the_new_one(tmp_path):
+    """Issue 23 point 9: resumed at v2 after v8 (keep 3), the trainer writes v2 again, then v3
+    and v4. By name alone the abandoned v6..v8 are the newest and v2 went as v3 was written."""
+    src, root = _tokenizer(tmp_path), tmp_path / "weights"
+    for version in range(1, 9):
+        write_version(root, "e", version, {"config.json": b"old"}, src, keep=3)
+    for version in (2, 3, 4):
+        write_version(root, "e", version, {"config.json": b"new"}, src, keep=3)
+        kept = sorted(p.name for p in (root / "e").iterdir())
+        assert kept == [f"v{v:06d}" for v in range(2, version + 1)]
+    assert {(version_dir(root, "e", v) / "config.json").read_bytes() for v in (2, 3, 4)} == {b"new"}
 
 
 def test_write_version_failure_leaves_no_version_and_no_temp_dir(tmp_path):

@@ -103,8 +103,9 @@ async def test_disk_sender_publishes_files_with_tokenizer_keeps_newest_and_resto
     calls = []
     await sender.restore(3, lambda: calls.append(3) or files)  # there: nothing written
     await sender.restore(1, lambda: calls.append(1) or files)  # pruned: written again
-    assert calls == [1]  # and kept, though older than the two newest (a rewound trainer's)
+    assert calls == [1]  # and kept: the versions above it, an abandoned lineage, go
     assert (store.dir(1) / "model.safetensors").read_bytes() == weights
+    assert sorted(p.name for p in (tmp_path / "weights" / "e").iterdir()) == ["v000001"]
     assert await sender.send(1, _answer("committed")) == "committed"
 
 

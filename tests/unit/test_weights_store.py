@@ -33,6 +33,16 @@ def test_prune_protected_older_version_kept(tmp_path):
     assert _names(tmp_path / "e") == ["v000002", "v000004", "v000005"]
 
 
+def test_prune_newest_removes_versions_above_it_keeps_newest_below(tmp_path):
+    for v in (1, 2, 5, 6, 7):
+        _version(tmp_path, v)
+    prune(tmp_path, "e", keep=2, newest=2)  # v5..v7: an abandoned lineage
+    assert _names(tmp_path / "e") == ["v000001", "v000002"]
+    _version(tmp_path, 3)
+    prune(tmp_path, "e", keep=2, newest=3)
+    assert _names(tmp_path / "e") == ["v000002", "v000003"]
+
+
 def test_prune_no_experiment_dir_does_nothing(tmp_path):
     prune(tmp_path, "missing", keep=1)
     assert not (tmp_path / "missing").exists()

@@ -4,8 +4,9 @@
   global-norm clipping over the TP group (each replicated parameter counted once), checkpoint
   = one `torch.save` file per TP rank.
 - `CudaOptimizer` (NCCL, bf16): Megatron's `DistributedDataParallel` + distributed optimizer
-  (fp32 main weights, clipping inside `step`), checkpoint through `dist_checkpointing`.
-  Untested in this repository's CI (no GPU); kept deliberately small.
+  (fp32 main weights, clipping inside `step`), checkpoint = one file per rank (the model's
+  state dict, each inner torch optimizer's state and fp32 main-parameter shard). Untested in
+  this repository's CI (no GPU; `make gpu-check` runs it); kept deliberately small.
 
 The loss each rank backpropagates is already normalised by the global token count, so
 gradients are *summed* over DP (TransformerConfig.calculate_per_token_loss=True makes
@@ -132,26 +133,63 @@ class CudaOptimizer:
         _, grad_norm, _ = self.opt.step()
         return float(grad_norm or 0.0)
 
-    def _sharded_state(self, is_loading: bool) -> dict:
-        model_sd = self.built.model.sharded_state_dict()
-        return {
-            "model": model_sd,
-            "optimizer": self.opt.sharded_state_dict(model_sd, is_loading=is_loading),
-        }
-
     def save(self, ckpt_dir: Path) -> None:
-        from megatron.core import dist_checkpointing
-
-        (ckpt_dir / "dist").mkdir(parents=True, exist_ok=True)
+        """Each rank writes its own shard: the model's state dict, and for each of Megatron's
+        inner torch optimizers its state (Adam moments, step) and the fp32 main parameters it
+        updates (this rank's slice of the model). A checkpoint resumes under the same TP and DP
+        sizes, which `load_checkpoint` enforces. Megatron's own formats are not used: in
+        megatron-core 0.16.1 without Transformer Engine or Apex, `dist_checkpointing` raises
+        `flattened_range is not supported` (default layout) or fails on load (`dp_reshardable`),
+        and the legacy `save_parameter_state` / `load_parameter_state` fail on a model with
+        biases (a size mismatch gathering them) and on load (`KeyError: 'step'`: torch's Adam
+        keeps a step per parameter); all measured on an H100, docs/gpu.md."""
+        state = {
+            "model": self.built.model.state_dict(),
+            "optimizers": [optimizer_shard(o.optimizer) for o in self._inner()],
+        }
+        torch.save(state, ckpt_dir / f"rank{self.par.rank:03d}.pt")
         dist.barrier()
-        dist_checkpointing.save(self._sharded_state(False), str(ckpt_dir / "dist"))
 
     def load(self, ckpt_dir: Path) -> None:
-        from megatron.core import dist_checkpointing
+        state = torch.load(
+            ckpt_dir / f"rank{self.par.rank:03d}.pt", map_location="cpu", weights_only=False
+        )
+        with torch.no_grad():
+            self.built.model.load_state_dict(state["model"])
+        inner = self._inner()
+        if len(inner) != len(state["optimizers"]):
+            raise ValueError(f"{ckpt_dir}: {len(state['optimizers'])} optimizers, not {len(inner)}")
+        for o, shard in zip(inner, state["optimizers"], strict=True):
+            load_optimizer_shard(o.optimizer, shard)
 
-        state = dist_checkpointing.load(self._sharded_state(True), str(ckpt_dir / "dist"))
-        self.built.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
+    def _inner(self) -> list:
+        """Megatron's per-dtype distributed optimizers (a ChainedOptimizer holds one or more)."""
+        return list(getattr(self.opt, "chained_optimizers", [self.opt]))
+
+
+def optimizer_shard(opt: torch.optim.Optimizer) -> dict:
+    """A torch optimizer's state and the values of the parameters it updates, copied to the CPU
+    (`state_dict()` alone hands out the live moment tensors, which the next step changes)."""
+    sd = opt.state_dict()
+    sd["state"] = {i: {k: _cpu(v) for k, v in st.items()} for i, st in sd["state"].items()}
+    params = [[_cpu(p) for p in g["params"]] for g in opt.param_groups]
+    return {"state": sd, "params": params}
+
+
+def _cpu(value):
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+
+
+def load_optimizer_shard(opt: torch.optim.Optimizer, shard: dict) -> None:
+    """Inverse of `optimizer_shard` into an optimizer built the same way."""
+    shapes = [[p.shape for p in g["params"]] for g in opt.param_groups]
+    if shapes != [[p.shape for p in g] for g in shard["params"]]:
+        raise ValueError("optimizer checkpoint: parameter shapes differ from this optimizer's")
+    with torch.no_grad():
+        for group, values in zip(opt.param_groups, shard["params"], strict=True):
+            for p, v in zip(group["params"], values, strict=True):
+                p.copy_(v)
+    opt.load_state_dict(shard["state"])
 
 
 def build_optimizer(built: BuiltModel, t: TrainerSpec, par: ParallelInfo):

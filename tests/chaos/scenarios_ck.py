@@ -1,0 +1,103 @@
+"""Chaos scenarios of damaged checkpoints and deep rewinds (issue 23 points 6 and 9).
+
+corrupt-checkpoint: the trainer is frozen (SIGSTOP: no checkpoint completes meanwhile), 4 KiB
+of garbage go into the middle of its newest checkpoint's model.pt, then it is killed (-9). The
+restarted trainer must set that checkpoint aside (its log names the file) and resume from the
+older one: a rewind of up to 2 x checkpoint_every versions.
+
+deep-rewind: with checkpoint_every 8, the trainer is killed 5 or more versions past its last
+checkpoint, deeper than the weight store keeps (keep_versions(eta 2) = 5): the resumed trainer
+writes the checkpoint's version again and trains on from it; the fleet must load those and no
+rollout may be fenced for a version the store deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+from typing import TYPE_CHECKING
+
+from tests.chaos.scenarios import Scenario
+
+if TYPE_CHECKING:
+    from tests.chaos.run import Run
+
+GARBAGE = 4096
+DEEP_EVERY = 8
+DEEP_MIN = 5
+"""deep-rewind: the fewest versions the kill must throw away."""
+
+
+def _events(run: Run, service: str, event: str) -> list[dict]:
+    """`event` lines of the service's log (JSON lines under <var>/log)."""
+    out = []
+    for path in sorted((run.cfg.var / "log").glob(f"{service}-*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if f'"{event}"' in line and line.startswith("{"):
+                out.append(json.loads(line))
+    return out
+
+
+def _rewound_by(run: Run, fault: dict) -> int:
+    """Versions between the fault and the lowest version the run went back to."""
+    seen = [v for t, v in run.timeline if t >= fault["at_s"]]
+    return fault["at_version"] - min(seen, default=fault["at_version"])
+
+
+async def corrupt_checkpoint(run: Run, rng: random.Random) -> None:
+    version = 9 + rng.randrange(4)  # two checkpoints (every 4) behind it: one to fall back on
+    if not await run.reach_in_time(version):
+        return
+    pid = await run.pid("trainer")
+    os.kill(pid, signal.SIGSTOP)
+    root = run.cfg.var / "checkpoints" / run.experiment_id
+    newest = sorted(p for p in root.glob("step_*") if (p / "state.json").is_file())[-1]
+    model = (newest / "backend" / "model.pt").absolute()  # as the trainer logs it
+    with open(model, "r+b") as f:
+        f.seek(os.path.getsize(model) // 2)
+        f.write(rng.randbytes(GARBAGE))
+    os.kill(pid, signal.SIGKILL)
+    fault = run.mark(f"4 KiB garbage into {newest.name}/backend/model.pt, kill -9 trainer")
+    if not await run.recovered(fault, "trainer", pid):
+        return
+    aside = _events(run, "trainer", "checkpoint_set_aside")
+    fault["set_aside"] = [{k: e[k] for k in ("file", "reason")} for e in aside]
+    fault["rewound_versions"] = _rewound_by(run, fault)
+    if [e["file"] for e in aside] != [str(model)]:
+        run.errors.append(f"expected {model} set aside once, the trainer logged {aside}")
+
+
+async def deep_rewind(run: Run, rng: random.Random) -> None:
+    version = DEEP_EVERY + DEEP_MIN + rng.randrange(2)  # 13 or 14: the last checkpoint is 8
+    if not await run.reach_in_time(version):
+        return
+    pid = await run.pid("trainer")
+    os.kill(pid, signal.SIGKILL)
+    fault = run.mark(f"kill -9 trainer (pid {pid}), checkpoint_every {DEEP_EVERY}")
+    if not await run.recovered(fault, "trainer", pid):
+        return
+    fault["rewound_versions"] = _rewound_by(run, fault)
+    fenced = [e["reason"] for e in _events(run, "scheduler", "rollout_fenced")]
+    fault["fenced"] = fenced
+    if fault["rewound_versions"] < DEEP_MIN:
+        run.errors.append(f"rewound {fault['rewound_versions']} versions, not >= {DEEP_MIN}")
+    if fenced:
+        run.errors.append(f"rollouts fenced after the rewind: {fenced}")
+
+
+def scenarios() -> list[Scenario]:
+    return [
+        Scenario(
+            "corrupt-checkpoint",
+            "4 KiB garbage in newest model.pt, kill -9 trainer",
+            corrupt_checkpoint,
+        ),
+        Scenario(
+            "deep-rewind",
+            f"kill -9 trainer >= {DEEP_MIN} versions past a checkpoint",
+            deep_rewind,
+            sets=(f"trainer.checkpoint_every={DEEP_EVERY}",),
+        ),
+    ]
