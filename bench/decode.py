@@ -56,10 +56,10 @@ class _TimedEngine(TorchEngine):
         await super()._apply(op)
         self._resumed = op.kind == "update"
 
-    def _step(self, batch, version):
+    def _step(self, batch):
         resumed, self._resumed = self._resumed, False
         t0 = time.perf_counter()
-        finished = super()._step(batch, version)
+        finished = super()._step(batch)
         self.step_log.append((len(batch), time.perf_counter() - t0, resumed))
         return finished
 

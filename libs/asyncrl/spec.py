@@ -154,6 +154,35 @@ class RolloutSpec(_Section):
     """How one trajectory is produced; the system runs it n_samples times per prompt."""
 
 
+class LoraSpec(_Section):
+    """A LoRA adapter trained on the frozen base model (torch backend, torch engine): each
+    version is the adapter (adapter_model.safetensors + adapter_config.json), not the model
+    (docs/lora.md)."""
+
+    rank: int = Field(8, gt=0, le=1024)
+    """r: the inner dimension of each low-rank update B @ A."""
+    alpha: float = Field(16.0, gt=0)
+    """lora_alpha: the update is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input in the gradient forward only (the proximal and
+    behaviour logprobs are taken without it)."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
+    )
+    """Names (the last part of the module path) of the nn.Linear layers that get an
+    adapter, e.g. q_proj, v_proj, gate_proj, up_proj, down_proj."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _plain_names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not name or len(name) > MAX_NAME or not name.replace("_", "").isalnum():
+                raise ValueError(f"{name!r} is not a module name (letters, digits, _)")
+        if len(set(v)) != len(v):
+            raise ValueError(f"a module is named twice: {v}")
+        return v
+
+
 class TrainerSpec(_Section):
     backend: TRAINER_BACKENDS.literal() = "megatron"
     batch_size: int = Field(8, gt=0)
@@ -234,6 +263,9 @@ class TrainerSpec(_Section):
     files in `tensorboard/`), `wandb` (a W&B run in `wandb/`: offline unless WANDB_MODE says
     otherwise or WANDB_API_KEY is set; `wandb sync` uploads an offline run later). TensorBoard is
     on by default (local files, no network, no account); W&B is opted into."""
+    lora: LoraSpec | None = None
+    """Train a LoRA adapter on the frozen base instead of every weight (torch backend and
+    torch engine only); unset trains the full model."""
 
     @field_validator("loggers")
     @classmethod
@@ -331,12 +363,35 @@ def has_chat_template(tokenizer_dir: Path) -> bool:
         return False
 
 
+def check_lora(spec: ExperimentSpec) -> None:
+    """SpecError("trainer.lora") where LoRA is asked of a part that cannot serve it: the
+    megatron backend (its GPTModel has no adapter layers here, and a full-model export per
+    version is what LoRA is meant to avoid) and the sglang engine (its LoRA API is not wired
+    to the weight updates yet). docs/lora.md."""
+    if spec.trainer.lora is None:
+        return
+    if spec.trainer.backend != "torch":
+        raise SpecError(
+            "trainer.lora",
+            f"LoRA trains on the torch backend only, not {spec.trainer.backend!r}: the megatron "
+            "backend has no adapter layers (set trainer.backend: torch, or drop trainer.lora)",
+        )
+    if spec.rollout.engine != "torch":
+        raise SpecError(
+            "trainer.lora",
+            f"LoRA adapters are served by the torch engine only, not {spec.rollout.engine!r}: "
+            "SGLang's LoRA API is not wired to weight updates (set rollout.engine: torch)",
+        )
+
+
 def validate_spec(data: dict) -> ExperimentSpec:
     """Validate a plain dict; raise SpecError naming the first bad field."""
     try:
-        return ExperimentSpec.model_validate(data)
+        spec = ExperimentSpec.model_validate(data)
     except ValidationError as e:
         raise _spec_error(e) from None
+    check_lora(spec)
+    return spec
 
 
 def spec_from_json(text: str | bytes) -> ExperimentSpec:
@@ -347,6 +402,7 @@ def spec_from_json(text: str | bytes) -> ExperimentSpec:
     except ValidationError as e:
         raise _spec_error(e) from None
     check_sizes(spec.model_dump())
+    check_lora(spec)
     return spec
 
 

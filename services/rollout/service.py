@@ -32,6 +32,7 @@ from asyncrl.throughput import Throughput
 from asyncrl.types import RewardStatus, Sample, Score, ScoreItem, TrajectoryGroup
 from asyncrl.weights_nats import NatsReceiver, is_nats_uri
 from asyncrl.workflow import Workflow, WorkflowContext, make_workflow, resolve_workflow
+from services.rollout.adapters import is_adapter_dir
 from services.rollout.codec import Codec
 from services.rollout.engine import Engine, UpdatePhases
 from services.rollout.filters import GroupStatus, decide, failed_samples
@@ -229,11 +230,15 @@ class RolloutService:
         phases = UpdatePhases()
         async with self._weights_lock:
             path, fetch_s = await self._local_dir(version, uri)
-            if not (path / "config.json").is_file():
+            adapter = is_adapter_dir(path)  # a LoRA version: the base is the spec's model
+            if not adapter and not (path / "config.json").is_file():
                 raise BadRequest("uri", f"no HuggingFace config.json in {path}")
             if self.tokenizer is None or experiment_id != self.experiment_id:
-                await self._load(self.binding, path, version)
+                base = Path(self.binding.spec.model.path) if adapter else path
+                await self._load(self.binding, base, 0 if adapter else version)
                 interrupted = 0  # nothing of this experiment ran before
+                if adapter:
+                    await self.engine.update_weights(str(path), version)
             elif version == self.engine.version and not differs(fp, self.engine.fingerprint):
                 interrupted = 0  # a retried UpdateWeights: already served
             else:
@@ -282,6 +287,8 @@ class RolloutService:
         )
         if binding.spec.rollout.workflow.chat_template and not tokenizer.chat_template:
             raise SpecError("rollout.workflow.chat_template", "the tokenizer has no chat template")
+        if binding.spec.trainer.lora is not None:  # eta + 1 adapter versions stay loaded
+            self.engine.adapter_keep = binding.spec.rollout.max_head_offpolicyness + 1
         await self.engine.load(str(path), version)
         self.tokenizer, self.codec = tokenizer, Codec(tokenizer)
         self.experiment_id = binding.experiment_id

@@ -26,6 +26,12 @@ moved within their noise either way).
 the boundary (the step in progress ends), the copy, and the resume (dropping the caches; their
 recomputation is part of the next step).
 
+LoRA versions (`trainer.lora`) go into an `adapters.AdapterBank` on the base: the newest
+`adapter_keep` (eta + 1) stay loaded, each request samples under its own `_Slot.version`'s
+adapter, one batch mixing them. `adapter_update="interrupt"` (default) moves every in-flight
+request to the new adapter as a full update does; `"finish"` lets each finish under its
+version unless that adapter is unloaded (then it is interrupted, resumed under the newest).
+
 Stop strings (`params.stop`) are matched on the decoded tail of the output after every token,
 with the tokenizer's decode that the service passes in the request.
 
@@ -55,6 +61,7 @@ from asyncrl.logging import get_logger
 from asyncrl.spec import SamplingParams
 from asyncrl.types import Completion
 from asyncrl.weights import load_state_dict_files
+from services.rollout.adapters import Adapter, AdapterBank, is_adapter_dir, read_adapter
 from services.rollout.engine import Engine, GenRequest, UpdatePhases
 from services.rollout.kv_pool import ATTENTION, KVPool, prefill_buckets
 
@@ -98,6 +105,7 @@ class _Slot:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     interruptions: int = 0
+    version: int = 0  # the version (a LoRA one: its adapter) that samples its next token
     row: int = -1  # in the KV pool
     cached: int = 0  # tokens in the pool: all but the last one once up to date, 0 to recompute
 
@@ -118,11 +126,11 @@ class _Slot:
 class _Op:
     """A model change the loop applies between two steps."""
 
-    kind: str  # load | update
+    kind: str  # load | update | adapter
     model_dir: str
     version: int
     future: asyncio.Future
-    state: dict[str, torch.Tensor] | None = None
+    state: dict[str, torch.Tensor] | Adapter | None = None
     read_s: float = 0.0
     fingerprint: str = ""
     """Of `state` (an update) as read; a load computes it over the files it loads."""
@@ -159,6 +167,31 @@ def sample_token(
     return token, float(logprobs[token])
 
 
+@torch.no_grad()
+def swap_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    model_keys = set(model.state_dict())
+    unexpected = sorted(set(state) - model_keys)
+    if unexpected:
+        raise ValueError(f"weights do not match the model: unexpected {unexpected[:5]}")
+    missing = model_keys - set(state)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    if missing - tied:
+        raise ValueError(f"weights do not match the model: missing {sorted(missing)[:5]}")
+    model.load_state_dict(state, strict=False)  # in-place copies keep tied weights tied
+
+
+def hits_stop_string(slot: _Slot) -> bool:
+    """Did the newest token complete one of the stop strings? Only a tail of the output is
+    decoded (enough tokens to hold the longest string): an earlier match would already
+    have ended the sample, so any match in the tail is new. Like SGLang, the tokens up to
+    and including the one that completed the string stay in the output."""
+    if not slot.stop_strings:
+        return False
+    window = max(len(s) for s in slot.stop_strings) + 2
+    tail = slot.req.decode(slot.output_ids[-window:])
+    return any(s in tail for s in slot.stop_strings)
+
+
 class TorchEngine(Engine):
     """Continuous-batching generation with a transformers causal LM (fp32, CPU by default).
 
@@ -178,7 +211,14 @@ class TorchEngine(Engine):
         kv_cache: bool = True,
         max_batch: int = 256,
         keep_kv_on_update: bool = False,
+        adapter_update: str = "interrupt",
     ):
+        if adapter_update not in ("interrupt", "finish"):
+            raise ValueError(f"adapter_update: {adapter_update!r} (interrupt or finish)")
+        self.adapter_update = adapter_update
+        self.adapter_keep = 2
+        """LoRA versions kept loaded (at least eta + 1: the service sets it per experiment)."""
+        self.adapters: AdapterBank | None = None
         self.device = torch.device(device)
         self.keep_kv_on_update = keep_kv_on_update
         self.seed = seed
@@ -247,10 +287,14 @@ class TorchEngine(Engine):
         if self.model is None:
             raise RuntimeError("update_weights before load")
         t0 = time.perf_counter()
-        state, fp = await asyncio.to_thread(_read_state, model_dir)
+        if is_adapter_dir(model_dir):
+            kind, state = "adapter", await asyncio.to_thread(read_adapter, model_dir)
+            fp = state.fingerprint
+        else:
+            kind, (state, fp) = "update", await asyncio.to_thread(_read_state, model_dir)
         read_s = time.perf_counter() - t0
         return await self._submit_op(
-            _Op("update", str(model_dir), version, self._new_future(), state, read_s, fp)
+            _Op(kind, str(model_dir), version, self._new_future(), state, read_s, fp)
         )
 
     async def generate(self, req: GenRequest) -> Completion:
@@ -327,16 +371,16 @@ class TorchEngine(Engine):
                 await self._apply(self._ops.pop(0))
             while self._waiting and len(self._slots) < self.max_batch:
                 slot = self._waiting.pop(0)
+                slot.version = self._version
                 self._slots[slot.req.rid] = slot
             if not self._slots:
                 if not self._ops and not self._waiting:
                     self._wake.clear()
                 continue
             batch = list(self._slots.values())
-            version = self._version
             self._news = False
             try:
-                finished = await asyncio.to_thread(self._run, batch, version)
+                finished = await asyncio.to_thread(self._run, batch)
             except Exception as exc:  # noqa: BLE001 - a failed step fails its requests
                 log.exception("step_failed", n=len(batch))
                 for slot in batch:
@@ -369,20 +413,7 @@ class TorchEngine(Engine):
                 op.fingerprint = await asyncio.to_thread(fingerprint.of_dir, op.model_dir)
                 result = 0
             else:
-                paused = time.perf_counter()
-                await asyncio.to_thread(self._swap_weights, op.state)
-                loaded = time.perf_counter()
-                result = len(self._slots)
-                for slot in self._slots.values():
-                    if not self.keep_kv_on_update:
-                        slot.cached = 0  # recompute the prefix under the new weights
-                    slot.interruptions += 1
-                self.last_update = UpdatePhases(
-                    read_s=op.read_s,
-                    pause_s=paused - op.submitted,
-                    load_s=loaded - paused,
-                    resume_s=time.perf_counter() - loaded,
-                )
+                result = await self._update(op)
             self._version = op.version
             self.model_dir = op.model_dir
             self.fingerprint = op.fingerprint  # what was applied just now
@@ -397,6 +428,37 @@ class TorchEngine(Engine):
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             op.future.set_exception(exc)
 
+    async def _update(self, op: _Op) -> int:
+        """A full update (every in-flight request moves to `op.version`) or a LoRA one (into
+        the bank; which requests move: the module docstring). Returns how many moved."""
+        paused = time.perf_counter()
+        if op.kind == "adapter":
+            self.adapters.capacity = self.adapter_keep
+            evicted = self.adapters.add(op.version, op.state)
+            every = self.adapter_update == "interrupt"
+            moving = [s for s in self._slots.values() if every or s.version in evicted]
+        else:
+            await asyncio.to_thread(swap_weights, self.model, op.state)
+            self.adapters.clear()  # adapters of another base
+            moving = list(self._slots.values())
+        loaded = time.perf_counter()
+        for slot in moving:
+            if not self.keep_kv_on_update:
+                slot.cached = 0  # recompute the prefix under the new weights
+            slot.interruptions += 1
+            slot.version = op.version
+        self.last_update = UpdatePhases(
+            read_s=op.read_s,
+            pause_s=paused - op.submitted,
+            load_s=loaded - paused,
+            resume_s=time.perf_counter() - loaded,
+        )
+        return len(moving)
+
+    def _rows(self, batch: list[_Slot]):
+        """The adapters of `batch`'s rows for the forwards inside (none without LoRA)."""
+        return self.adapters.rows([self.adapters.slot(s.version) for s in batch])
+
     # ---------------------------------------------------------------- model work (thread)
     def _load_model(self, model_dir: str) -> None:
         from transformers import AutoModelForCausalLM
@@ -407,6 +469,7 @@ class TorchEngine(Engine):
         model.to(self.device).eval()
         self.model = model
         self._pool = None
+        self.adapters = AdapterBank(model, self.adapter_keep)
         config = model.config
         self.max_positions = getattr(config, "max_position_embeddings", None)
         types = set(getattr(config, "layer_types", None) or ["full_attention"])
@@ -416,24 +479,12 @@ class TorchEngine(Engine):
         sliding = "sliding_attention" in types
         self._sliding_window = getattr(config, "sliding_window", None) if sliding else None
 
-    @torch.no_grad()
-    def _swap_weights(self, state: dict[str, torch.Tensor]) -> None:
-        model_keys = set(self.model.state_dict())
-        unexpected = sorted(set(state) - model_keys)
-        if unexpected:
-            raise ValueError(f"weights do not match the model: unexpected {unexpected[:5]}")
-        missing = model_keys - set(state)
-        tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
-        if missing - tied:
-            raise ValueError(f"weights do not match the model: missing {sorted(missing)[:5]}")
-        self.model.load_state_dict(state, strict=False)  # in-place copies keep tied weights tied
-
-    def _run(self, batch: list[_Slot], version: int) -> list[tuple[_Slot, str]]:
+    def _run(self, batch: list[_Slot]) -> list[tuple[_Slot, str]]:
         """Steps of `batch` in the worker thread until one finishes a request, the loop has
         news (a request arrived or left, a model change is due) or `MAX_RUN` steps: one
         thread hop for many tokens when nothing changes. Returns the finished slots."""
         for _ in range(MAX_RUN):
-            finished = self._step(batch, version)
+            finished = self._step(batch)
             self.steps += 1
             self.tokens_generated += len(batch)
             if finished or self._news:
@@ -441,7 +492,7 @@ class TorchEngine(Engine):
         return []
 
     @torch.no_grad()
-    def _step(self, batch: list[_Slot], version: int) -> list[tuple[_Slot, str]]:
+    def _step(self, batch: list[_Slot]) -> list[tuple[_Slot, str]]:
         """One token for every slot. Returns the slots that finished, with the reason."""
         t0 = time.perf_counter()
         logits = self._next_logits(batch)
@@ -450,8 +501,8 @@ class TorchEngine(Engine):
             token, logprob = sample_token(row.float(), slot.req.params, slot.gen)
             slot.output_ids.append(token)
             slot.logprobs.append(logprob)
-            slot.versions.append(version)
-            if token in slot.stop_ids or self._hits_stop_string(slot):
+            slot.versions.append(slot.version)
+            if token in slot.stop_ids or hits_stop_string(slot):
                 finished.append((slot, "stop"))
             elif len(slot.output_ids) >= slot.req.params.max_new_tokens or (
                 self.max_positions and slot.length >= self.max_positions
@@ -459,18 +510,6 @@ class TorchEngine(Engine):
                 finished.append((slot, "length"))
         self.counters.step_seconds += time.perf_counter() - t0
         return finished
-
-    @staticmethod
-    def _hits_stop_string(slot: _Slot) -> bool:
-        """Did the newest token complete one of the stop strings? Only a tail of the output is
-        decoded (enough tokens to hold the longest string): an earlier match would already
-        have ended the sample, so any match in the tail is new. Like SGLang, the tokens up to
-        and including the one that completed the string stay in the output."""
-        if not slot.stop_strings:
-            return False
-        window = max(len(s) for s in slot.stop_strings) + 2
-        tail = slot.req.decode(slot.output_ids[-window:])
-        return any(s in tail for s in slot.stop_strings)
 
     def _next_logits(self, batch: list[_Slot]) -> torch.Tensor:
         if not self._pooled:
@@ -498,7 +537,8 @@ class TorchEngine(Engine):
                 ids[row, :n] = torch.tensor(slots[i].tokens[:n])
             # a plain cache keeps every position, sliding-window layers' too (masks window them)
             cache = DynamicCache()
-            self.model.get_decoder()(input_ids=ids, past_key_values=cache, use_cache=True)
+            with self._rows([slots[i] for i in group]):
+                self.model.get_decoder()(input_ids=ids, past_key_values=cache, use_cache=True)
             self._pool.store([slots[i].row for i in group], lens, cache.layers)
             for i, n in zip(group, lens, strict=True):
                 slots[i].cached = n
@@ -510,7 +550,7 @@ class TorchEngine(Engine):
         """Feed each slot's last token, batch in row order: keys written in place at the
         slot's own position, attention over its own positions (a per-row mask)."""
         cached = [s.cached for s in batch]
-        with self._pool.decoding(cached) as positions:
+        with self._pool.decoding(cached) as positions, self._rows(batch):
             width = max(cached) + 1
             seen = torch.arange(width, device=self.device)[None, :] <= positions[:, None]
             out = self.model(
@@ -545,6 +585,7 @@ class TorchEngine(Engine):
         ids = torch.zeros(len(seqs), width, dtype=torch.long, device=self.device)
         for i, t in enumerate(seqs):
             ids[i, : len(t)] = torch.tensor(t)
-        hidden = self.model.get_decoder()(input_ids=ids).last_hidden_state
-        last = hidden[torch.arange(len(seqs)), torch.tensor([len(t) - 1 for t in seqs])]
-        return self.model.get_output_embeddings()(last)
+        with self._rows(batch):
+            hidden = self.model.get_decoder()(input_ids=ids).last_hidden_state
+            last = hidden[torch.arange(len(seqs)), torch.tensor([len(t) - 1 for t in seqs])]
+            return self.model.get_output_embeddings()(last)

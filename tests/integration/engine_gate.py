@@ -29,13 +29,13 @@ def hold_generation(engine: TorchEngine, ready: Callable[[], bool]) -> threading
     step = engine._step
     held = threading.Event()
 
-    def gated(batch, version):
+    def gated(batch):
         if not held.is_set() and not engine._news and ready():
             held.set()
             deadline = time.monotonic() + HOLD_LIMIT_S
             while not engine._news and time.monotonic() < deadline:
                 time.sleep(0.001)  # the worker thread's wait for the loop's flag
-        return step(batch, version)
+        return step(batch)
 
     engine._step = gated
     return held

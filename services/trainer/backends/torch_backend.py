@@ -6,6 +6,10 @@ minibatches with one optimizer update each (the spec's objective, `services.trai
 advantage estimator, off-policy correction, aggregation, KL to a frozen copy of the initial
 model, entropy bonus). Logprobs use unscaled logits (temperature 1), exactly
 as the rollout engines report behaviour logprobs.
+
+With `trainer.lora` the base is frozen and a peft LoRA adapter trains (services/trainer/lora.py):
+the optimizer, the gradient clip, checkpoints and the published version cover the adapter only,
+and the KL reference is the base with the adapter disabled (no copy kept).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from asyncrl.types import TrajectoryGroup
 from asyncrl.weights import copy_tokenizer
+from services.trainer import lora
 from services.trainer.algo import (
     PackedBatch,
     lr_at,
@@ -59,13 +64,15 @@ class TorchBackend(TrainerBackend):
         self.model_dir = Path(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.to(self.device)
+        if t.lora is not None:
+            self.model = lora.wrap(self.model, t.lora)
         # RL on policy logprobs: no dropout, so prox logprobs equal the first update's logprobs.
         self.model.eval()
         self.pad_id = self.model.config.pad_token_id or 0
-        if t.kl_coef > 0:
+        if t.kl_coef > 0 and t.lora is None:  # LoRA's reference: the base, adapter disabled
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            lora.trainable(self.model),
             lr=t.lr,
             betas=(t.adam_beta1, t.adam_beta2),
             weight_decay=t.weight_decay,
@@ -76,13 +83,21 @@ class TorchBackend(TrainerBackend):
     def _frozen_logprobs(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
         return token_logprobs(_forward_logits(model, batch), batch.targets)
 
+    def _ref_logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        """The KL reference's logprobs: the frozen copy of the initial model, or under LoRA
+        the base with the adapter disabled."""
+        if self.ref_model is not None:
+            return self._frozen_logprobs(self.ref_model, batch)
+        with lora.reference(self.model):
+            return self._frozen_logprobs(self.model, batch)
+
     # -- training -------------------------------------------------------------------------
     def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         assert self.model is not None and self.optimizer is not None, "load() first"
         t = self.spec.trainer
         batch = self._pack(groups)
         prox_logp = self._frozen_logprobs(self.model, batch)
-        ref_logp = self._frozen_logprobs(self.ref_model, batch) if t.kl_coef > 0 else None
+        ref_logp = self._ref_logprobs(batch) if t.kl_coef > 0 else None
         batch, corr, metrics = self._prepare(batch, prox_logp, ref_logp)
 
         lr = lr_at(self.steps, t.total_steps, t.lr, t.lr_schedule, t.min_lr_ratio)
@@ -111,7 +126,8 @@ class TorchBackend(TrainerBackend):
         """One optimizer update on one minibatch; its loss parts and grad norm."""
         cfg = self.loss_cfg
         share = aggregation_weights(corr.norm, cfg.agg, cfg.agg_constant)
-        logits = _forward_logits(self.model, mb)
+        with lora.dropout_on(self.model):  # LoRA's dropout; nothing for a full model
+            logits = _forward_logits(self.model, mb)
         logp = token_logprobs(logits, mb.targets)
         entropy = token_entropy(logits if cfg.entropy_coef > 0 else logits.detach())
         loss, parts = minibatch_loss(
@@ -130,7 +146,7 @@ class TorchBackend(TrainerBackend):
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.spec.trainer.grad_clip
+            lora.trainable(self.model), self.spec.trainer.grad_clip
         )
         self.optimizer.step()
         return {
@@ -153,14 +169,18 @@ class TorchBackend(TrainerBackend):
         assert self.model is not None, "load() first"
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(str(out_dir), safe_serialization=True)
+        if lora.is_lora(self.model):  # the adapter alone
+            for name, data in lora.adapter_files(self.model).items():
+                (out_dir / name).write_bytes(data)
+        else:
+            self.model.save_pretrained(str(out_dir), safe_serialization=True)
         if self.model_dir is not None:
             copy_tokenizer(self.model_dir, out_dir)
 
     @torch.no_grad()
     def nonfinite_weight(self) -> str | None:
         assert self.model is not None, "load() first"
-        for name, param in self.model.named_parameters():
+        for name, param in self.model.named_parameters():  # the base too: it is read
             if not torch.isfinite(param).all():
                 return name
         return None
@@ -171,6 +191,8 @@ class TorchBackend(TrainerBackend):
         from safetensors.torch import save
 
         assert self.model is not None, "load() first"
+        if lora.is_lora(self.model):
+            return lora.adapter_files(self.model)
         state = self.model.state_dict()
         if getattr(self.model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
@@ -184,7 +206,7 @@ class TorchBackend(TrainerBackend):
         assert self.model is not None and self.optimizer is not None, "load() first"
         ckpt_dir = Path(ckpt_dir)
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(self.model.state_dict(), ckpt_dir / MODEL_FILE)
+        torch.save(lora.model_state(self.model), ckpt_dir / MODEL_FILE)  # LoRA: the adapter
         torch.save(self.optimizer.state_dict(), ckpt_dir / OPTIM_FILE)
         torch.save(self._rng_state(), ckpt_dir / RNG_FILE)
         (ckpt_dir / STATE_FILE).write_text(json.dumps({"steps": self.steps}))
@@ -194,7 +216,8 @@ class TorchBackend(TrainerBackend):
         initial model, which also serves as the KL reference)."""
         assert self.model is not None and self.optimizer is not None, "load() first"
         ckpt_dir = Path(ckpt_dir)
-        self.model.load_state_dict(torch.load(ckpt_dir / MODEL_FILE, map_location=self.device))
+        state = torch.load(ckpt_dir / MODEL_FILE, map_location=self.device)
+        lora.load_model_state(self.model, state)
         self.optimizer.load_state_dict(torch.load(ckpt_dir / OPTIM_FILE, map_location=self.device))
         self._set_rng_state(torch.load(ckpt_dir / RNG_FILE, weights_only=False))
         self.steps = json.loads((ckpt_dir / STATE_FILE).read_text())["steps"]
