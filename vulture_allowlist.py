@@ -64,3 +64,4 @@ _.reopened  # GroupConsumer.reopened: the consumer test counts re-creations
 _.model_info  # SGLangEngine.model_info: the SGLang contract tests
 ppo_decoupled_loss  # services/trainer/algo.py: the loss on one minibatch, for parity tests
 unshard  # services/trainer/megatron/convert.py: shard's inverse, the TP round-trip test
+latest_checkpoint  # services/trainer/checkpoint.py: tests read the newest checkpoint (the service verifies via resume_point)
