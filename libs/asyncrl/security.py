@@ -426,6 +426,10 @@ class Principal:
     role: str
     tenant: str = ""
 
+    def sees(self, tenant: str) -> bool:
+        """Whether this caller may see an experiment of `tenant` (the operator sees all)."""
+        return not self.tenant or self.tenant == tenant
+
 
 _caller: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
     "asyncrl_caller", default=None

@@ -46,8 +46,10 @@ def _tenant() -> str:
 
 
 def _sees(experiment_tenant: str) -> bool:
-    """Whether the caller may see an experiment of `experiment_tenant` (docs/tenants.md)."""
-    return not _tenant() or _tenant() == experiment_tenant
+    """Whether the caller may see an experiment of `experiment_tenant` (docs/tenants.md;
+    security off: everyone is the operator)."""
+    who = caller()
+    return who is None or who.sees(experiment_tenant)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):

@@ -18,8 +18,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from asyncrl.nats_tenants import tenant_permissions
 from asyncrl.natsutil import NATS_PERMISSIONS, nats_server_binary
-from asyncrl.security import NATS_USERS, secrets_dir
+from asyncrl.security import NATS_USERS, TENANT_NATS_PREFIX, secrets_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -445,10 +446,14 @@ def test_nats_auth_holds_every_user_with_its_permissions_hashed():
     text = load_nats_auth().auth_conf(secrets)
     assert text.startswith("authorization: ")
     users = {u["user"]: u for u in json.loads(text.removeprefix("authorization: "))["users"]}
-    assert users.keys() == NATS_PERMISSIONS.keys()
+    # the service users, and a user per tenant a test of the session minted a token for
+    tenants = {n: n.removeprefix(TENANT_NATS_PREFIX) for n in users if n not in NATS_PERMISSIONS}
+    assert users.keys() - tenants.keys() == NATS_PERMISSIONS.keys()
+    assert all(n.startswith(TENANT_NATS_PREFIX) for n in tenants)
     for name, user in users.items():
+        perms = tenant_permissions(tenants[name]) if name in tenants else NATS_PERMISSIONS[name]
         assert user["permissions"] == {
-            verb: {"allow": subjects} for verb, subjects in NATS_PERMISSIONS[name].items()
+            verb: {"allow": subjects} for verb, subjects in perms.items()
         }
         password = (secrets / "nats" / f"{name}.password").read_bytes().strip()
         assert bcrypt.checkpw(password, user["password"].encode()), name
