@@ -123,7 +123,12 @@ def experiment_spec(model: Path, data: Path, sizes: dict) -> dict:
             "engine": "torch",
             "filter": "none",
             "workflow": {"chat_template": True},
-            "gconfig": {"temperature": 1.0, "max_new_tokens": sizes["max_new_tokens"]},
+            # every sample runs to max_new_tokens: the token counts are known (no early EOS)
+            "gconfig": {
+                "temperature": 1.0,
+                "max_new_tokens": sizes["max_new_tokens"],
+                "ignore_eos": True,
+            },
         },
         "reward": {"function": "regex", "kwargs": {"pattern": r"\S"}},
         "trainer": {
