@@ -165,7 +165,6 @@ class RolloutService:
         self.binding: Binding | None = None
         self.experiment_id = ""
         """The experiment whose model is loaded (set once UpdateWeights loaded it)."""
-        self.tokenizer = None
         self.codec: Codec | None = None
         """The tokenizer's EOS (a transformers property costs ~5 µs a read: read once)."""
         self.rewards = RewardClient()
@@ -209,7 +208,7 @@ class RolloutService:
             previous = self.binding.experiment_id if self.binding else ""
             self.binding = binding
             if experiment_id != previous:
-                self.experiment_id, self.tokenizer = "", None  # no groups until loaded
+                self.experiment_id, self.codec = "", None  # no groups until loaded
                 await self.groups.abort_all(
                     f"aborted: rollout switched from experiment {previous!r} to {experiment_id!r}"
                 )
@@ -290,10 +289,15 @@ class RolloutService:
         if binding.spec.trainer.lora is not None:  # eta + 1 adapter versions stay loaded
             self.engine.adapter_keep = binding.spec.rollout.max_head_offpolicyness + 1
         await self.engine.load(str(path), version)
-        self.tokenizer, self.codec = tokenizer, Codec(tokenizer)
+        self.codec = Codec(tokenizer)
         self.experiment_id = binding.experiment_id
         freeze_heap()  # the model and tokenizer: never scanned by the collector again
         log.info("experiment_loaded", experiment=binding.experiment_id, version=version)
+
+    @property
+    def tokenizer(self):
+        """The loaded model's tokenizer (None until one is loaded)."""
+        return self.codec.tokenizer if self.codec is not None else None
 
     # ---------------------------------------------------------------- groups
     @property
