@@ -286,8 +286,8 @@ class RolloutService:
         )
         if binding.spec.rollout.workflow.chat_template and not tokenizer.chat_template:
             raise SpecError("rollout.workflow.chat_template", "the tokenizer has no chat template")
-        if binding.spec.trainer.lora is not None:  # eta + 1 adapter versions stay loaded
-            self.engine.adapter_keep = binding.spec.rollout.max_head_offpolicyness + 1
+        keep = binding.spec.rollout.max_head_offpolicyness + 1  # adapter versions kept loaded
+        self.engine.serve_lora(binding.spec.trainer.lora, keep)
         await self.engine.load(str(path), version)
         self.codec = Codec(tokenizer)
         self.experiment_id = binding.experiment_id

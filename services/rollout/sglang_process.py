@@ -92,10 +92,33 @@ def sglang_launchable() -> bool:
     return installed_sglang_version() is not None and importlib.util.find_spec("triton") is not None
 
 
+@dataclass(frozen=True)
+class LoraLaunch:
+    """The LoRA flags of a server that serves adapters: `--enable-lora --max-lora-rank R
+    --lora-target-modules M... --max-loras-per-batch N` (SGLang sizes its adapter memory pool
+    by them at launch; an adapter of a higher rank or other modules is refused at load)."""
+
+    max_rank: int
+    target_modules: tuple[str, ...]
+    max_per_batch: int = 8
+    """Adapters in one running batch, the base counting as one (SGLang's default 8)."""
+
+    def argv(self) -> list[str]:
+        return [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(self.max_rank),
+            "--lora-target-modules",
+            *self.target_modules,
+            "--max-loras-per-batch",
+            str(self.max_per_batch),
+        ]
+
+
 @dataclass
 class LaunchConfig:
     """How to start the SGLang server (the `--engine-opt` launch options are its fields, but
-    `weight_version`, which the engine sets)."""
+    `weight_version` and `lora`, which the engine sets)."""
 
     model_path: str = ""
     """HuggingFace model directory served first; empty: launch on the experiment's first
@@ -112,6 +135,8 @@ class LaunchConfig:
     """`--random-seed`."""
     weight_version: int | None = None
     """Version label of `model_path` (`--weight-version`, SGLang >= 0.5.1)."""
+    lora: LoraLaunch | None = None
+    """LoRA serving, from the bound experiment's `trainer.lora` (`SGLangEngine.serve_lora`)."""
     extra_args: list[str] = field(default_factory=list)
     """More `sglang.launch_server` flags, passed through verbatim."""
     launch_cmd: list[str] | None = None
@@ -143,6 +168,8 @@ def build_command(cfg: LaunchConfig, sglang_version: tuple[int, int, int]) -> li
     ]
     if cfg.weight_version is not None and sglang_version >= (0, 5, 1):
         cmd += ["--weight-version", str(cfg.weight_version)]
+    if cfg.lora is not None:
+        cmd += cfg.lora.argv()
     return cmd + list(cfg.extra_args)
 
 
