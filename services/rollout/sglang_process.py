@@ -22,10 +22,12 @@ from dataclasses import dataclass, field, replace
 
 import aiohttp
 
-from asyncrl.logging import get_logger
+from asyncrl.logging import get_logger, keep_running
 from asyncrl.net import free_port
 
 log = get_logger(component="sglang_process")
+WATCH_RETRY_S = 1.0
+"""Pause before the watcher's next pass after one that raised (`keep_running`)."""
 
 SGLANG_MISSING = (
     "sglang is not installed: pip install 'sglang[all]' on a CUDA machine, or use --sglang-url "
@@ -301,30 +303,42 @@ class SGLangProcess:
                 pass
 
     async def _watch(self) -> None:
-        """Restart the child whenever it dies; give up after max_restarts failed starts."""
-        while not self._stopping:
-            code = await self._proc.wait()
-            if self._stopping:
-                return
-            self.ready.clear()
-            log.warning("sglang_died", code=code, url=self.url)
-            await self._kill(graceful=False)
-            failures = 0
-            while True:
-                self.restarts += 1
-                try:
-                    await self._spawn_until_healthy()
-                    if self.on_restart:
-                        await self.on_restart()
-                    break
-                except Exception as exc:  # noqa: BLE001 - retried, then reported via failure
-                    failures += 1
-                    log.warning("sglang_restart_failed", attempt=failures, error=str(exc))
-                    await self._kill(graceful=False)
-                    if failures >= self.max_restarts:
-                        self.failure = exc
-                        self.ready.set()  # wake waiters; they check `failure`
-                        return
-                    await asyncio.sleep(min(2.0**failures, 30.0))
-            log.info("sglang_restarted", restarts=self.restarts, pid=self.pid)
-            self.ready.set()
+        """Restart the child whenever it dies (`_watch_once`), until stopped or given up; an
+        error a pass did not handle is logged and the next pass runs, never ending the
+        supervision in silence."""
+        await keep_running(
+            "sglang_watch",
+            self._watch_once,
+            log,
+            retry_s=WATCH_RETRY_S,
+            until=lambda: self._stopping or self.failure is not None,
+        )
+
+    async def _watch_once(self) -> None:
+        """Wait for the child to die (it is dead already when a pass before failed midway),
+        then restart it; give up after max_restarts failed starts."""
+        code = await self._proc.wait() if self._proc is not None else None
+        if self._stopping:
+            return
+        self.ready.clear()
+        log.warning("sglang_died", code=code, url=self.url)
+        await self._kill(graceful=False)
+        failures = 0
+        while True:
+            self.restarts += 1
+            try:
+                await self._spawn_until_healthy()
+                if self.on_restart:
+                    await self.on_restart()
+                break
+            except Exception as exc:  # noqa: BLE001 - retried, then reported via failure
+                failures += 1
+                log.warning("sglang_restart_failed", attempt=failures, error=str(exc))
+                await self._kill(graceful=False)
+                if failures >= self.max_restarts:
+                    self.failure = exc
+                    self.ready.set()  # wake waiters; they check `failure`
+                    return
+                await asyncio.sleep(min(2.0**failures, 30.0))
+        log.info("sglang_restarted", restarts=self.restarts, pid=self.pid)
+        self.ready.set()

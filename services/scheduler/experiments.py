@@ -29,7 +29,7 @@ from asyncrl.runlog import RunLog, run_dir
 from asyncrl.spec import ExperimentSpec
 from services.scheduler.authority import TrainerAuthority
 from services.scheduler.calls import BindRefused, WorkerCalls
-from services.scheduler.commits import CommitHandler, RunnerHooks
+from services.scheduler.commits import CommitHandler, RunnerHooks, left_over_note
 from services.scheduler.context import RunnerContext
 from services.scheduler.dataset import Prompt
 from services.scheduler.dispatch import Dispatcher, DispatchHooks
@@ -443,6 +443,7 @@ class ExperimentRunner:
             self.registry.unbind(w)  # a terminal experiment must hold no worker
         await self.book.close_logs()  # complete when a client sees the end
         self.book.left_over = self.dispatcher.left_over_at_end(self.book.trained_groups)
+        message = left_over_note(phase, message, self.book.left_over)
         self._enter(phase, message=message)
         self.log.info(
             "experiment_ended", state=self.state.value, message=message, version=self.version
