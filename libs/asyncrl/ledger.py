@@ -214,13 +214,13 @@ class LedgerReport:
 def sample_fingerprints(groups: Iterable) -> dict:
     """The `trained` event's fields naming `groups` (TrajectoryGroups) and the weights of each
     of their samples: per sample, each version that generated its tokens and that version's
-    fingerprint as the sample carries it ("": unverified), each distinct fingerprint written
+    fingerprint as its group carries it ("": unverified), each distinct fingerprint written
     once (a step's samples share a few: ~10 bytes a sample, not ~80)."""
     ids, samples, index = [], {}, {}
     for g in groups:
         ids.append(g.group_id)
         samples[g.group_id] = [
-            {str(v): index.setdefault(s.fingerprints.get(v, ""), len(index)) for v in _ordered(s)}
+            {str(v): index.setdefault(g.fingerprints.get(v, ""), len(index)) for v in _ordered(s)}
             for s in g.samples
         ]
     return {"groups": ids, "samples": samples, "fingerprints": list(index)}

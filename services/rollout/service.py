@@ -43,7 +43,7 @@ from services.rollout.running import RunningGroup, RunningGroups
 
 log = get_logger(component="rollout")
 SERVED_KEEP = 64
-"""Versions behind the served one whose fingerprints are kept to stamp samples with."""
+"""Versions behind the served one whose fingerprints are kept to stamp groups with."""
 
 
 @dataclass
@@ -448,8 +448,6 @@ class RolloutService:
         self, job: GroupJob, prompt_ids: list[int], samples: list[Sample], summary: GroupSummary
     ) -> None:
         """To JetStream with Nats-Msg-Id = group id, before the summary goes back."""
-        for s in samples:
-            s.fingerprints = stamp(s.versions, self.served)
         group = TrajectoryGroup(
             experiment_id=job.experiment_id,
             group_id=job.group_id,
@@ -463,6 +461,7 @@ class RolloutService:
             created_unix_ms=int(time.time() * 1000),
             rollout_worker=self.worker,
             epoch=job.epoch,
+            fingerprints=stamp((v for s in samples for v in s.versions), self.served),
         )
         _, summary.duplicate = await publish_group(self.js, group)
         summary.published = True
