@@ -71,4 +71,4 @@ async def start(args: argparse.Namespace) -> ServiceRuntime:
 
 if __name__ == "__main__":
     configure_logging("scheduler")
-    asyncio.run(run_until_signal(start(parse_args())))
+    asyncio.run(run_until_signal(start(parse_args()), exclusive=True))
