@@ -50,7 +50,7 @@ def add_service_args(
         p.add_argument("--metrics-port", type=int, default=None, help=METRICS_HELP)
 
 
-async def run_until_signal(startup: Awaitable[ServiceRuntime], exclusive: bool = False) -> None:
+async def run_until_signal(startup: Awaitable[ServiceRuntime]) -> None:
     """Await `startup`, wait for SIGINT or SIGTERM, then close the runtime it returned.
 
     The handlers go in before startup, so a stop signal that arrives while the service is still
@@ -60,8 +60,8 @@ async def run_until_signal(startup: Awaitable[ServiceRuntime], exclusive: bool =
     service serves on until a successor started beside it is ready (`runtime.busy`, `.serving`),
     then closes (a reward worker
     lingers a heartbeat after leaving, so rollouts learn the successor's address before it stops
-    answering). `exclusive` (a singleton on a fixed port, the scheduler): as a successor, start
-    only once the predecessor closed.
+    answering). A singleton on a fixed port (the scheduler) takes over itself in `startup`
+    (`Handover.take_over`).
     """
     signals: list[int] = []
     stop = asyncio.Event()
@@ -74,9 +74,6 @@ async def run_until_signal(startup: Awaitable[ServiceRuntime], exclusive: bool =
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     hand = Handover.from_env()
-    if hand is not None and exclusive:
-        hand.ready()
-        await hand.predecessor_gone()
     runtime = await startup
     announcing = None
     if hand is not None:

@@ -16,8 +16,9 @@ every supervised service that supports it), named by the pid it is about:
     <pid>.gone       service <pid>: closed (its port is free; a singleton's successor binds now)
 
 A successor learns its predecessor from ASYNCRL_PREDECESSOR_PID. A singleton (the scheduler:
-one port, one owner of the experiments) hands over `exclusive`ly: its successor says ready once
-its imports are done, waits for `<pid>.gone`, and only then starts. Without a supervisor
+one port, one owner of the experiments) hands over exclusively (`take_over`): its successor
+says ready once it is connected to NATS, waits for `<pid>.gone`, and only then reads the
+experiments and binds the port. Without a supervisor
 (ASYNCRL_HANDOVER_DIR unset, or the parent gone) a stop is the plain graceful stop.
 """
 
@@ -97,13 +98,21 @@ class Handover:
         return marker(self.directory, pid, step).exists()
 
     def ready(self) -> None:
-        """Tell the predecessor (if any) that it may stop now."""
-        if self.predecessor is not None and not self._has(self.predecessor, "ready"):
+        """Tell the predecessor (if any, and still there) that it may stop now."""
+        if self.predecessor is None or not pid_alive(self.predecessor):
+            return
+        if not self._has(self.predecessor, "ready"):
             write_marker(self.directory, self.predecessor, "ready", str(self.pid))
             log.info("handover_ready", predecessor=self.predecessor)
 
     def gone(self) -> None:
         write_marker(self.directory, self.pid, "gone")
+
+    async def take_over(self) -> None:
+        """A singleton's successor (the scheduler, once connected): the predecessor may go;
+        return once it closed."""
+        self.ready()
+        await self.predecessor_gone()
 
     async def predecessor_gone(self, timeout_s: float = READY_S) -> None:
         """Wait until the predecessor closed (or died); a singleton's successor starts then."""
