@@ -9,6 +9,12 @@ Prometheus metrics get a fixed `--metrics-port`, so a scrape config written once
 across restarts and scaling: scheduler B, trainer replica i B+1+i (i < 9), rollout replica i
 B+10+i. reward and nats have none. `ps` shows each replica's port.
 
+Hand-over: a scheduler, reward or rollout process that gets a SIGTERM this daemon did not send
+(an operator, a drained node) asks for a successor (var/run/handover/, `handover`): the daemon
+starts one in its replica's place and keeps the old process as `handing over` until it exits
+(killed past handover.READY_S + the grace period). The daemon's own stops (`make down`,
+`scale`) say first that no successor comes.
+
 Multi-GPU trainer: with `ASYNCRL_TRAINER_NPROC=N` (N > 1) each trainer replica is
 `python -m torch.distributed.run --nproc_per_node N --master_addr 127.0.0.1 --master_port P
 -m services.trainer ...` (P a free port picked at every spawn), for the megatron backend with
