@@ -133,14 +133,14 @@ class ServiceRuntime:
         self._stack = AsyncExitStack()
         self._health: health.aio.HealthServicer | None = None
         self.linger_s = 0.0
+        """A reward worker that left serves on this long before it drains (set on a hand-over
+        to a successor: the rollouts' next heartbeat brings them its address)."""
         self.busy: Callable[[], bool] = lambda: False
         """Whether this process serves work a successor must take up before it goes (a rollout
-        bound to an experiment): `asyncrl.supervisor.handover`."""
+        with groups lately): `asyncrl.supervisor.handover`."""
         self.serving: Callable[[], bool] = lambda: True
         """Whether this process took up work (a rollout: an experiment's weights loaded); the
         successor of a busy process tells it to go only then."""
-        """A reward worker that left serves on this long before it drains (set on a hand-over
-        to a successor: the rollouts' next heartbeat brings them its address)."""
 
     @property
     def worker_id(self) -> str:

@@ -58,10 +58,9 @@ async def run_until_signal(startup: Awaitable[ServiceRuntime]) -> None:
 
     Under the supervisor a stop it did not send hands over (`asyncrl.supervisor.handover`): the
     service serves on until a successor started beside it is ready (`runtime.busy`, `.serving`),
-    then closes (a reward worker
-    lingers a heartbeat after leaving, so rollouts learn the successor's address before it stops
-    answering). A singleton on a fixed port (the scheduler) takes over itself in `startup`
-    (`Handover.take_over`).
+    then closes (a reward worker lingers a heartbeat after leaving, so rollouts learn the
+    successor's address before it stops answering). A singleton on a fixed port (the scheduler)
+    takes over itself in `startup` (`Handover.take_over`).
     """
     signals: list[int] = []
     stop = asyncio.Event()
