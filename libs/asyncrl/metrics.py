@@ -48,7 +48,11 @@ class MetricsServer:
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port, ssl_context=ssl_context).start()
+        # a fixed port is shared with a successor starting beside this process (a hand-over)
+        reuse = bool(port) or None
+        await web.TCPSite(
+            self._runner, host, port, ssl_context=ssl_context, reuse_port=reuse
+        ).start()
         bound = self._runner.addresses[0][1]
         log.info("metrics_serving", host=host, port=bound, tls=ssl_context is not None)
         return bound

@@ -23,6 +23,7 @@ NATS) is TLS with the credentials of the service's identity (its name) unless AS
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
@@ -131,6 +132,15 @@ class ServiceRuntime:
         self.credentials = credentials(name)
         self._stack = AsyncExitStack()
         self._health: health.aio.HealthServicer | None = None
+        self.linger_s = 0.0
+        """A reward worker that left serves on this long before it drains (set on a hand-over
+        to a successor: the rollouts' next heartbeat brings them its address)."""
+        self.busy: Callable[[], bool] = lambda: False
+        """Whether this process serves work a successor must take up before it goes (a rollout
+        with groups lately): `asyncrl.supervisor.handover`."""
+        self.serving: Callable[[], bool] = lambda: True
+        """Whether this process took up work (a rollout: an experiment's weights loaded); the
+        successor of a busy process tells it to go only then."""
 
     @property
     def worker_id(self) -> str:
@@ -210,8 +220,14 @@ class ServiceRuntime:
         self._agent = agent
         worker_id = await agent.start()
         leaves = kind in (common_pb2.WORKER_KIND_ROLLOUT, common_pb2.WORKER_KIND_REWARD)
-        self.on_close(agent.leave if leaves else agent.stop)
+        self.on_close(self._leave_then_linger if leaves else agent.stop)
         return worker_id
+
+    async def _leave_then_linger(self) -> None:
+        await self._agent.leave()
+        if self.linger_s and self._agent.kind == common_pb2.WORKER_KIND_REWARD:
+            log.info(f"{self.name}_lingering", seconds=self.linger_s)
+            await asyncio.sleep(self.linger_s)
 
     async def serve_metrics(self, port: int | None, *collectors: Collector) -> int | None:
         """Serve `collectors` at https://ASYNCRL_METRICS_HOST:port/metrics from this event loop

@@ -21,6 +21,7 @@ from collections.abc import Awaitable
 
 from asyncrl.runtime import ServiceRuntime, freeze_heap
 from asyncrl.settings import settings
+from asyncrl.supervisor.handover import Handover
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 PORT_HELP = "port to bind (0: any free port)"
@@ -54,12 +55,34 @@ async def run_until_signal(startup: Awaitable[ServiceRuntime]) -> None:
 
     The handlers go in before startup, so a stop signal that arrives while the service is still
     starting is not lost (nor fatal): the service finishes starting and then shuts down cleanly.
+
+    Under the supervisor a stop it did not send hands over (`asyncrl.supervisor.handover`): the
+    service serves on until a successor started beside it is ready (`runtime.busy`, `.serving`),
+    then closes (a reward worker lingers a heartbeat after leaving, so rollouts learn the
+    successor's address before it stops answering). A singleton on a fixed port (the scheduler)
+    takes over itself in `startup` (`Handover.take_over`).
     """
+    signals: list[int] = []
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: int) -> None:
+        signals.append(sig)
+        stop.set()
+
     for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
+    hand = Handover.from_env()
     runtime = await startup
+    announcing = None
+    if hand is not None:
+        announcing = asyncio.create_task(hand.announce(runtime.serving))
     freeze_heap()
     await stop.wait()
+    if announcing is not None:
+        announcing.cancel()
+    if hand is not None and await hand.hand_over(lambda: len(signals) > 1, runtime.busy):
+        runtime.linger_s = 1.0  # a heartbeat: rollouts take the reward addresses from each one
     await runtime.close()
+    if hand is not None:
+        hand.gone()

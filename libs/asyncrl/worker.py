@@ -52,7 +52,8 @@ class WorkerAgent:
         )
         async for attempt in connect_policy(max_delay_s=120):
             with attempt:
-                resp = await self._stub.RegisterWorker(req, timeout=5)
+                # waits for the connection (a scheduler restarting: registered as it binds)
+                resp = await self._stub.RegisterWorker(req, timeout=5, wait_for_ready=True)
         self.worker_id = resp.worker_id
         self.interval = resp.heartbeat_interval_s or 1.0
         log.info(

@@ -18,6 +18,7 @@ from asyncrl.logging import get_logger
 from asyncrl.metrics import gauge
 from asyncrl.natsutil import ensure_stream
 from asyncrl.runtime import ServiceRuntime, error_status
+from asyncrl.supervisor.handover import RecentWork
 from asyncrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.rollout.engine import Engine
 from services.rollout.filters import GroupStatus
@@ -261,6 +262,9 @@ async def create_rollout(
             openai_port=openai_port,
         )
         runtime.on_close(service.close)
+        work = RecentWork(lambda: service.running_groups)
+        runtime.busy = work.busy  # a hand-over of a busy rollout waits for the successor
+        runtime.serving = lambda: bool(service.experiment_id)  # to load the experiment's weights
         await runtime.serve(
             [(rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(service))],
             [SERVICE_NAME],
@@ -271,7 +275,7 @@ async def create_rollout(
                 common_pb2.WORKER_KIND_ROLLOUT,
                 capacity=capacity,
                 scheduler=scheduler,
-                load=lambda: service.running_groups,
+                load=work,
                 on_beat=lambda beat: service.rewards.known(beat.reward_addresses),
             )
         await runtime.serve_metrics(metrics_port, RolloutCollector(service))

@@ -14,6 +14,7 @@ from asyncrl.logging import configure_logging
 from asyncrl.runtime import ServiceRuntime
 from asyncrl.service_main import add_service_args, run_until_signal
 from asyncrl.settings import settings
+from asyncrl.supervisor.handover import Handover
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.server import create_scheduler
 
@@ -56,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def start(args: argparse.Namespace) -> ServiceRuntime:
+    hand = Handover.from_env()  # a successor connects, then waits for its predecessor to close
     runtime, _ = await create_scheduler(
         settings().nats_url,
         port=args.port,
@@ -65,6 +67,7 @@ async def start(args: argparse.Namespace) -> ServiceRuntime:
         metrics_port=args.metrics_port,
         progress_timeout_s=args.progress_timeout,
         trainer_poll_interval_s=args.trainer_poll_interval,
+        take_over=hand.take_over if hand is not None else None,
     )
     return runtime
 

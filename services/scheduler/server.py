@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import grpc
 from prometheus_client.registry import Collector
@@ -228,16 +229,21 @@ async def create_scheduler(
     host: str = "127.0.0.1",
     metrics_port: int | None = None,
     grace_s: float = 2.0,
+    take_over: Callable[[], Awaitable[None]] | None = None,
     **config,
 ) -> tuple[ServiceRuntime, Scheduler]:
     """Start a scheduler serving on host:port (0 = a free port); returns (runtime, scheduler),
     `runtime.port` is the bound port. `config` overrides SchedulerConfig fields (lease_ttl_s,
     heartbeat_interval_s, ...; their defaults are SchedulerConfig's). Stop with
-    `await runtime.close()` (experiment state stays in NATS KV; a new scheduler resumes it)."""
+    `await runtime.close()` (experiment state stays in NATS KV; a new scheduler resumes it).
+    `take_over`: awaited once connected, before the experiments are read (a successor's wait
+    for its predecessor to close: `asyncrl.supervisor.handover`)."""
     runtime = ServiceRuntime("scheduler", host=host, grace_s=grace_s)
     try:
         nc = await runtime.connect_nats(nats_url)
         scheduler = Scheduler(nc.jetstream(), SchedulerConfig(**config))
+        if take_over is not None:
+            await take_over()
         await scheduler.start()
         runtime.on_close(scheduler.close)
         await runtime.serve(

@@ -120,7 +120,7 @@ def print_plan(args: argparse.Namespace, runs: list[tuple[str, str, int]]) -> No
     """Each run's scenario and the versions its faults are drawn at (the run's first draw)."""
     for run, name, seed in runs:
         s = SCENARIOS[name]
-        at = targets(run_rng(seed, name), s.count, args.steps)
+        at = targets(run_rng(seed, name), s.count, s.steps or args.steps)
         console.print(f"{run}: {s.fault}, {s.rollouts} rollout(s), seed {seed}, at versions {at}")
 
 

@@ -13,6 +13,8 @@ A run's row:
     expected_groups         steps x B (the ledger agrees with the trainer when trained == it)
     recovery_s              the slowest fault's time from injection to new progress (faults
                             the run ended right after, without new progress, are left out)
+    stall_s                 the longest time without a new version around any fault
+                            (`stall_s`); judged against the scenario's max_stall_s
     wall_s                  submit to the end of the experiment
 """
 
@@ -31,6 +33,7 @@ COLUMNS = (
     "failed",
     "quarantined",
     "recovery_s",
+    "stall_s",
     "wall_s",
 )
 
@@ -49,6 +52,25 @@ def recovery_s(timeline: list[tuple[float, int]], fault: dict) -> float | None:
     return None
 
 
+def stall_s(timeline: list[tuple[float, int]], fault: dict) -> float | None:
+    """The longest time the run stood still around the fault: the longest gap between two
+    version changes from the last one before the fault until the end of the fault (`done_s`:
+    its service replaced and new progress made; without it, the recovery; without that, the
+    run's end). None when the run made no progress after the fault."""
+    end = fault.get("done_s")
+    recovered = recovery_s(timeline, fault)
+    if end is None and recovered is not None:
+        end = fault["at_s"] + recovered
+    elif end is None:
+        end = timeline[-1][0] if timeline else fault["at_s"]
+    times = [t for t, _ in timeline]
+    before = [t for t in times if t <= fault["at_s"]]
+    points = [before[-1] if before else fault["at_s"]]
+    points += [t for t in times if fault["at_s"] < t <= end]
+    gaps = [b - a for a, b in zip(points, points[1:], strict=False)]
+    return round(max(gaps), 2) if gaps else None
+
+
 def lowest_after(timeline: list[tuple[float, int]], fault: dict) -> int | None:
     """The lowest version seen after the fault (below at_version: the run was rewound)."""
     seen = [v for t, v in timeline if t >= fault["at_s"]]
@@ -57,7 +79,12 @@ def lowest_after(timeline: list[tuple[float, int]], fault: dict) -> int | None:
 
 def with_recovery(faults: list[dict], timeline: list[tuple[float, int]]) -> list[dict]:
     return [
-        f | {"recovery_s": recovery_s(timeline, f), "lowest_after": lowest_after(timeline, f)}
+        f
+        | {
+            "recovery_s": recovery_s(timeline, f),
+            "lowest_after": lowest_after(timeline, f),
+            "stall_s": stall_s(timeline, f),
+        }
         for f in faults
     ]
 
@@ -68,6 +95,7 @@ def make_row(run: dict, ledger: dict, status: dict) -> dict:
     totals = ledger.get("totals", {})
     faults = with_recovery(run["faults"], run["timeline"])
     recoveries = [f["recovery_s"] for f in faults if f["recovery_s"] is not None]
+    stalls = [f["stall_s"] for f in faults if f["stall_s"] is not None]
     state = str(status.get("state", "UNKNOWN")).removeprefix("EXPERIMENT_STATE_")
     steps = ledger.get("steps", 0)
     extra = {k: v for k, v in run.items() if k not in ("faults", "timeline")}
@@ -90,6 +118,7 @@ def make_row(run: dict, ledger: dict, status: dict) -> dict:
         ),
         "expected_groups": steps * run.get("batch_size", 0),
         "recovery_s": max(recoveries, default=None),
+        "stall_s": max(stalls, default=None),
     }
 
 
@@ -119,6 +148,11 @@ def problems(row: dict) -> list[str]:
         found.append("the ledger has no steps")
     if row.get("steps") and row.get("trained_groups") != row.get("expected_groups"):
         found.append(f"trained_groups {row['trained_groups']} != {row['expected_groups']}")
+    limit = row.get("max_stall_s")
+    if limit is not None and row.get("stall_s") is None:
+        found.append("no stall measured (no fault followed by progress)")
+    elif limit is not None and row["stall_s"] > limit:
+        found.append(f"stalled {row['stall_s']} s > {limit} s")
     if row.get("error"):
         found.append(row["error"])
     return found

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from asyncrl.proc import pid_alive
@@ -97,6 +97,9 @@ class Run(ExperimentWatch):
 
     def make(self, *args: str) -> subprocess.CompletedProcess:
         return self.sh("make", "--no-print-directory", *args, f"VAR={self.cfg.var}")
+
+    def supervisor_pid(self) -> int:
+        return json.loads((self.cfg.var / "run" / "state.json").read_text())["supervisor_pid"]
 
     def processes(self) -> list[dict]:
         state = json.loads((self.cfg.var / "run" / "state.json").read_text())
@@ -199,6 +202,8 @@ class Run(ExperimentWatch):
 
 def execute(cfg: RunConfig) -> dict:
     scenario = SCENARIOS[cfg.scenario]
+    if scenario.steps is not None:
+        cfg = replace(cfg, total_steps=scenario.steps)
     run = Run(cfg, scenario)
     rng = run_rng(cfg.seed, cfg.scenario)
     result = {"run": cfg.var.name, "fault": scenario.fault, "seed": cfg.seed}
@@ -206,6 +211,7 @@ def execute(cfg: RunConfig) -> dict:
     result |= {"expect_quarantined": scenario.expect_quarantined, "faults": [], "timeline": []}
     result["expect_replayed"] = scenario.expect_replayed
     result["expect_failed_reasons"] = list(scenario.expect_failed_reasons)
+    result["max_stall_s"] = scenario.max_stall_s
     started = time.time()
     try:
         run.up()

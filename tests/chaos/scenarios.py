@@ -165,6 +165,10 @@ class Scenario:
     its reward function)."""
     expect_failed_reasons: tuple[str, ...] = ()
     """The task fails some prompts: there must be some, each with one of these in its reason."""
+    steps: int | None = None
+    """trainer.total_steps of its runs, when not the suite's (`--steps`)."""
+    max_stall_s: float | None = None
+    """The longest the run may stall around a fault (`report.stall_s`); None: not judged."""
 
 
 def _scenarios() -> dict[str, Scenario]:
@@ -200,6 +204,9 @@ def _scenarios() -> dict[str, Scenario]:
         *scenarios_ck.scenarios(),
         *scenarios_df.scenarios(Scenario),
     )
+    from tests.chaos import scenarios_stop  # noqa: PLC0415
+
+    extra = (*extra, *scenarios_stop.scenarios())
     return {s.name: s for s in (*kills, *others, *extra)}
 
 

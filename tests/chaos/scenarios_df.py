@@ -1,4 +1,5 @@
-"""Chaos scenarios of a full disk and of graceful stops (issue 23, points 5 and 10).
+"""The chaos scenario of a full disk (issue 23, point 5; the graceful stops of point 10 are in
+`scenarios_stop`).
 
 - `disk-full`: the run's var dir (nats's store, weights, checkpoints, logs, secrets) is a
   DISK_MB tmpfs in a mount namespace of the run's own (made in `before_up`, unmounted in
@@ -6,23 +7,16 @@
   The fault records the experiment messages seen meanwhile (`pause_reasons`: the run must say
   storage is full), how long after the free the run made new progress (`after_free_s`) and
   whether the supervisor restarted nats-server (`nats_restarts`).
-- `sigterm-scheduler`, `sigterm-reward`, `sigterm-rollout`: SIGTERM (a graceful stop, what
-  Kubernetes sends a rescheduled pod) KILLS times at drawn versions; the supervisor starts the
-  service again. `step_s` (the median time between versions before the fault) next to the
-  recovery says how much of it is the stall.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
-import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
-from functools import partial
 from typing import TYPE_CHECKING
 
 from asyncrl.client import AsyncrlClient
@@ -33,7 +27,6 @@ if TYPE_CHECKING:
 
 DISK_MB = 100
 DISK_FULL_S = 60.0
-SIGTERMS = 3
 CLONE_NEWNS = 0x00020000
 
 
@@ -126,24 +119,7 @@ async def disk_full(run: Run, rng: random.Random) -> None:
         run.errors.append(f"no 'storage full' message while the disk was full: {seen}")
 
 
-async def sigterm(service: str, run: Run, rng: random.Random) -> None:
-    from tests.chaos.scenarios import targets
-
-    for version in targets(rng, run.scenario.count, run.cfg.total_steps):
-        if not await run.reach_in_time(version):
-            return
-        pid = await run.pid(service)
-        os.kill(pid, signal.SIGTERM)
-        fault = run.mark(f"SIGTERM {service} (pid {pid})", step_s=step_s(run))
-        if not await run.recovered(fault, service, pid):
-            return
-
-
 def scenarios(scenario: type[Scenario]) -> list[Scenario]:
-    terms = [
-        scenario(f"sigterm-{s}", f"SIGTERM {s} x{SIGTERMS}", partial(sigterm, s), count=SIGTERMS)
-        for s in ("scheduler", "reward", "rollout")
-    ]
     full = scenario(
         "disk-full",
         f"var on a {DISK_MB} MiB tmpfs, full for {DISK_FULL_S:.0f}s",
@@ -151,4 +127,4 @@ def scenarios(scenario: type[Scenario]) -> list[Scenario]:
         before_up=mount_tmpfs,
         after_down=unmount_tmpfs,
     )
-    return [*terms, full]
+    return [full]

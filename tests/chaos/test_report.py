@@ -113,6 +113,7 @@ def test_scenarios_every_fault_of_the_suite_present():
         "hung-reward",
         *("corrupt-checkpoint", "deep-rewind"),
         *("disk-full", "sigterm-reward", "sigterm-rollout", "sigterm-scheduler"),
+        *("power-cut", "full-restart"),
     }
 
 
@@ -130,3 +131,41 @@ def test_hung_reward_row_judged_by_its_failed_prompts_reasons():
     assert report.problems(ok | {"failed": 0, "failed_reasons": []}) == [
         f"no prompt failed with {expected}"
     ]
+
+
+def test_stall_s_longest_gap_between_versions_from_before_the_fault_to_its_end():
+    """Versions at 4.0 and 4.3 s, the fault at 4.5 s, then 5.0, 7.5 (the gap 5.0 -> 7.5 is the
+    stall: 2.5 s), 7.8; done at 7.8 s; the gap 7.8 -> 20.0 comes after the fault's end."""
+    timeline = [(4.0, 3), (4.3, 4), (5.0, 5), (7.5, 6), (7.8, 7), (20.0, 8)]
+    fault = {"at_s": 4.5, "at_version": 4, "done_s": 7.8}
+    assert report.stall_s(timeline, fault) == 2.5
+
+
+def test_stall_s_without_done_s_ends_at_the_recovery_and_counts_the_gap_over_the_fault():
+    """No done_s: the window ends at the recovery (v4 passed at 9.5 s); the stall is the gap
+    from the last version before the fault (4.0 s) to it: 5.5 s."""
+    assert report.stall_s(TIMELINE, {"at_s": 5.0, "at_version": 3}) == 5.5
+    assert report.stall_s(TIMELINE, {"at_s": 10.5, "at_version": 6}) is None
+
+
+def test_stall_s_run_ended_before_the_fault_did_window_ends_with_the_run():
+    """The old process still draining when the run completed: no recovery (back_s past the
+    end), the window runs to the last version (10.0 s): gaps 4.0 -> 9.5 -> 10.0."""
+    fault = {"at_s": 5.0, "at_version": 3, "back_s": 30.0}
+    assert report.stall_s(TIMELINE, fault) == 5.5
+
+
+def test_problems_a_stall_over_the_scenarios_limit_fails_the_run():
+    ok = {"completed": True, "steps": 3, "trained_groups": 12, "expected_groups": 12}
+    assert report.problems(ok | {"max_stall_s": 2.0, "stall_s": 1.99}) == []
+    assert report.problems(ok | {"max_stall_s": 2.0, "stall_s": 2.01}) == ["stalled 2.01 s > 2.0 s"]
+    assert report.problems(ok | {"max_stall_s": 2.0, "stall_s": None}) == [
+        "no stall measured (no fault followed by progress)"
+    ]
+    assert report.problems(ok | {"stall_s": 30.0}) == []  # not judged without a limit
+
+
+def test_sigterm_scenarios_judged_by_a_stall_of_at_most_2s_over_more_steps():
+    steps = {"sigterm-reward": 120, "sigterm-rollout": 400, "sigterm-scheduler": 120}
+    for name, n in steps.items():
+        assert (SCENARIOS[name].max_stall_s, SCENARIOS[name].steps) == (2.0, n)

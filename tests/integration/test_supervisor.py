@@ -141,6 +141,24 @@ def test_scale_reward_2_then_1_workers_follow(cluster):
     wait_for(lambda: len(cluster.reward_workers()) == 1)
 
 
+def test_sigterm_reward_successor_registered_before_the_old_one_leaves(cluster):
+    """A SIGTERM the supervisor did not send: the scheduler lists a reward worker at every poll
+    (the successor registers while the old one serves), then only the successor's."""
+    old = next(p for p in cluster.procs("reward") if p["status"] == "running")
+    before = {w.address for w in cluster.reward_workers()}
+    os.kill(old["pid"], signal.SIGTERM)
+    counts = []
+    while pid_alive(old["pid"]):
+        counts.append(len(cluster.reward_workers()))
+        assert len(counts) < 600, "the old reward process did not exit in ~60 s"
+    assert min(counts) >= 1 and max(counts) == 2, counts
+    wait_for(lambda: len(cluster.reward_workers()) == 1)
+    [after] = cluster.reward_workers()
+    assert after.address not in before
+    [new] = [p for p in cluster.procs("reward") if p["status"] == "running"]
+    assert new["pid"] != old["pid"] and new["handovers"] == old["handovers"] + 1
+
+
 def _secret_values(secrets: Path) -> list[str]:
     """Every secret in the directory: NATS passwords, tokens, and the private keys' PEM bodies."""
     values = [f.read_text().strip() for f in (secrets / "nats").glob("*.password")]

@@ -9,6 +9,12 @@ Prometheus metrics get a fixed `--metrics-port`, so a scrape config written once
 across restarts and scaling: scheduler B, trainer replica i B+1+i (i < 9), rollout replica i
 B+10+i. reward and nats have none. `ps` shows each replica's port.
 
+Hand-over: a scheduler, reward or rollout process that gets a SIGTERM this daemon did not send
+(an operator, a drained node) asks for a successor (var/run/handover/, `handover`): the daemon
+starts one in its replica's place and keeps the old process as `handing over` until it exits
+(killed past handover.READY_S + the grace period). The daemon's own stops (`make down`,
+`scale`) say first that no successor comes.
+
 Multi-GPU trainer: with `ASYNCRL_TRAINER_NPROC=N` (N > 1) each trainer replica is
 `python -m torch.distributed.run --nproc_per_node N --master_addr 127.0.0.1 --master_port P
 -m services.trainer ...` (P a free port picked at every spawn), for the megatron backend with
@@ -37,6 +43,7 @@ from asyncrl.net import free_port
 from asyncrl.proc import die_with_parent, kill_tree, pid_alive, signal_group
 from asyncrl.security import WORKER_ROLES, is_bundle, write_token
 from asyncrl.settings import settings
+from asyncrl.supervisor import handover
 from asyncrl.supervisor.broker import BrokerWatch, NatsLogWatch
 
 SERVICES = ("scheduler", "reward", "rollout", "trainer")  # start order; stop is the reverse
@@ -124,6 +131,10 @@ class Paths:
         return self.run / "replicas.json"
 
     @property
+    def handover(self) -> Path:
+        return self.run / "handover"
+
+    @property
     def supervisor_log(self) -> Path:
         return self.logs / "supervisor.log"
 
@@ -189,9 +200,15 @@ class Replica:
     stop_deadline: float | None = None
     last_exit: int | None = None
     metrics_port: int | None = None
+    handovers: int = 0
+    """Successors started beside it on a stop it did not send (`handover`)."""
+    retiring: bool = False
+    """A process that handed its replica over to a successor, serving until that is ready."""
 
     @property
     def status(self) -> str:
+        if self.retiring:
+            return "handing over"
         if self.stop_deadline is not None:
             return "stopping"
         if self.proc is not None and self.proc.poll() is None:
@@ -204,6 +221,7 @@ class Replica:
             "replica": self.index,
             "pid": self.proc.pid if self.proc else None,
             "status": self.status,
+            "handovers": self.handovers,
             "restarts": self.restarts,
             "started_at": self.started_at,
             "last_exit": self.last_exit,
@@ -303,15 +321,23 @@ class Supervisor:
             ASYNCRL_REPLICA=str(index),
         )
         env.setdefault("ASYNCRL_WEIGHTS", str(var / "weights"))
+        env.pop(handover.ENV_PREDECESSOR, None)
+        if service in handover.SERVICES:
+            env[handover.ENV_DIR] = str(self.paths.handover.resolve())
+            env[handover.ENV_SUPERVISOR] = str(os.getpid())
         secrets = settings().secrets_dir
         if service in WORKER_ROLES and not settings().insecure and not is_bundle(secrets):
             name = f"{service}-{index}"
             env["ASYNCRL_TOKEN_FILE"] = str(write_token(secrets, name, service))  # own identity
         return env
 
-    def spawn(self, r: Replica) -> None:
+    def spawn(self, r: Replica, predecessor: int | None = None) -> None:
+        """Start replica `r`'s process (the successor of pid `predecessor`: `handover`)."""
         r.metrics_port = metrics_port_for(r.service, r.index, self.metrics_base)
         cpus = self.cpus(r.service, r.index)
+        env = self.env(r.service, r.index)
+        if predecessor is not None:
+            env[handover.ENV_PREDECESSOR] = str(predecessor)
 
         def setup() -> None:  # in the child, before exec: its threads inherit the cores
             die_with_parent()
@@ -324,7 +350,7 @@ class Supervisor:
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
-                env=self.env(r.service, r.index),
+                env=env,
                 start_new_session=True,
                 preexec_fn=setup,
             )
@@ -336,6 +362,7 @@ class Supervisor:
             pid=r.proc.pid,
             metrics_port=r.metrics_port,
             cpus=sorted(cpus) if cpus is not None else None,
+            predecessor=predecessor,
         )
 
     def add_replica(self, service: str) -> Replica:
@@ -363,6 +390,10 @@ class Supervisor:
         return counts
 
     def stop_replica(self, r: Replica, sig: int = signal.SIGTERM) -> None:
+        """Stop `r` (SIGTERM to its group; killed past the grace period), telling it first that
+        no successor will come (`handover`): also one that is handing over stops now."""
+        if r.proc is not None and r.service in handover.SERVICES:
+            self.mark(r.proc.pid, "stop")
         if r.stop_deadline is None:
             grace = max(self.grace_s, TRAINER_GRACE_S) if r.service == "trainer" else self.grace_s
             r.stop_deadline = time.monotonic() + grace
@@ -394,12 +425,14 @@ class Supervisor:
                     if r.proc is None or code is not None:
                         if r.proc is not None:
                             signal_group(r.proc.pid, signal.SIGKILL)  # stragglers in its group
+                            handover.clear_markers(self.paths.handover, r.proc.pid)
                         group.remove(r)
                     elif now > r.stop_deadline:
                         kill_tree(r.proc.pid)  # torchrun's ranks are outside its group
                     continue
                 if r.restart_at is None and code is not None:
                     signal_group(r.proc.pid, signal.SIGKILL)  # stragglers in its group
+                    handover.clear_markers(self.paths.handover, r.proc.pid)
                     r.last_exit = code
                     uptime = time.time() - r.started_at
                     r.failures = 1 if uptime > HEALTHY_UPTIME_S else r.failures + 1
@@ -414,6 +447,41 @@ class Supervisor:
                 if r.restart_at is not None and now >= r.restart_at and not self.stopping:
                     r.restarts += 1
                     self.spawn(r)
+
+    def mark(self, pid: int, step: str, text: str = "") -> None:
+        try:
+            handover.write_marker(self.paths.handover, pid, step, text)
+        except OSError as exc:  # a full disk: the service stops plainly after ANSWER_S
+            log.warning("handover_marker_failed", pid=pid, step=step, error=repr(exc))
+
+    def check_handovers(self) -> None:
+        """Start a successor beside each process that asked for one (a stop it did not get from
+        this supervisor), or tell it that none will come (stopping, or not a live replica)."""
+        for pid in handover.requests(self.paths.handover):
+            handover.marker(self.paths.handover, pid, "request").unlink(missing_ok=True)
+            live = [
+                r
+                for group in self.replicas.values()
+                for r in group
+                if r.proc is not None and r.proc.pid == pid and r.proc.poll() is None
+            ]
+            if self.stopping or not live or live[0].stop_deadline is not None:
+                self.mark(pid, "stop")
+            else:
+                self.hand_over(live[0])
+
+    def hand_over(self, r: Replica) -> None:
+        """`r`'s process serves on as a retiring replica (killed past READY_S + grace) while a
+        successor starts in its place; the successor tells it when to go."""
+        old = r.proc
+        deadline = time.monotonic() + handover.READY_S + self.grace_s
+        retiring = Replica(r.service, r.index, r.log, proc=old, started_at=r.started_at)
+        retiring.stop_deadline, retiring.retiring = deadline, True
+        self.replicas[r.service].append(retiring)
+        r.handovers += 1
+        self.spawn(r, predecessor=old.pid)
+        self.mark(old.pid, "successor", str(r.proc.pid))
+        log.info("process_handing_over", process=f"{r.service}-{r.index}", pid=old.pid)
 
     def write_state(self, status: str = "running") -> None:
         procs = [r.as_dict() for s in ("nats", *self.services) for r in self.replicas.get(s, [])]
@@ -470,6 +538,9 @@ class Supervisor:
 
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
+        self.paths.handover.mkdir(parents=True, exist_ok=True)
+        for stale in self.paths.handover.iterdir():
+            stale.unlink(missing_ok=True)
         try:
             self.start_nats()
             if ClusterNode.from_settings() is None:  # a broker of this host's own
@@ -479,6 +550,7 @@ class Supervisor:
             while not self.stopping:
                 self.reconcile()
                 self.check()
+                self.check_handovers()
                 self.check_broker()
                 self.write_state()
                 time.sleep(POLL_S)
