@@ -412,7 +412,7 @@ class Scheduler:
         )
         for runner in self._runners_of(worker):
             if worker.kind == WorkerKind.ROLLOUT:
-                runner.rollout_lost(worker)
+                runner.release_rollout(worker, "lease expired")  # its groups are re-queued
             elif worker.kind == WorkerKind.TRAINER:
                 self.registry.unbind(worker)
                 runner.trainer_lost(worker)

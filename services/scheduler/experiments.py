@@ -416,10 +416,6 @@ class ExperimentRunner:
         self._persist()
         self.ctx.workers_changed()
 
-    def rollout_lost(self, worker: Worker) -> None:
-        """Its lease lapsed: in-flight groups count as failed RPCs (prompts re-queued)."""
-        self.release_rollout(worker, "lease expired")
-
     def trainer_lost(self, worker: Worker) -> None:
         self.log.warning("trainer_lease_expired", worker=worker.worker_id, version=self.version)
         self._wake.set()
