@@ -102,4 +102,6 @@ def assign_slots(units: dict[str, list[ExperimentRunner]]) -> None:
         total = sum(max(1, w.capacity) for w in unit_rollouts(members))
         quotas = divide_slots(total, {r.id: r.spec.share for r in members})
         for runner in members:
+            if runner.dispatcher.slots != quotas[runner.id]:
+                runner.log.info("slots_divided", slots=quotas[runner.id], of=total)
             runner.dispatcher.slots = quotas[runner.id]
