@@ -131,12 +131,6 @@ class AdapterBank:
         self.loaded.clear()
         self._restack({})
 
-    def drop(self, lane: str) -> None:
-        """Unload every version of `lane` (its experiment left this engine)."""
-        for key in [k for k in self.loaded if k[0] == lane]:
-            del self.loaded[key]
-        self._restack(dict(self.model.named_modules()))
-
     def slot(self, version: int, lane: str = "") -> int:
         """The slot of `lane`'s `version` in the stacks (1..), 0 when it is not loaded."""
         for i, key in enumerate(self.loaded, start=1):

@@ -117,11 +117,26 @@ class Loaded:
     served: dict[int, str] = field(default_factory=dict)
     """Version -> the fingerprint of what the engine held (stamped onto samples)."""
 
+    def serve(self, version: int, fingerprint: str) -> None:
+        """The lane serves `version` now, holding weights of `fingerprint`."""
+        self.served[version] = fingerprint
+        for old in [v for v in self.served if v < version - SERVED_KEEP]:
+            del self.served[old]  # a sample this stale is dropped: "" (unverified) at worst
+
 
 def shares_base(a: ExperimentSpec, b: ExperimentSpec) -> bool:
     """Whether two experiments can share a rollout: both LoRA, on the same base and tokenizer."""
     lora = a.trainer.lora is not None and b.trainer.lora is not None
     return lora and (a.model.path, a.model.tokenizer_path) == (b.model.path, b.model.tokenizer_path)
+
+
+async def engine_update(engine: Engine, binding: Binding, lane: str, path: Path, version: int):
+    """`engine.update_weights` to `version` at `path`, in the experiment's lane when it has one
+    (eta + 1 of its adapter versions stay loaded); how many requests it moved."""
+    if not lane:
+        return await engine.update_weights(str(path), version)
+    keep = binding.spec.rollout.max_head_offpolicyness + 1
+    return await engine.update_weights(str(path), version, lane=lane, keep=keep)
 
 
 @dataclass
@@ -222,12 +237,6 @@ class RolloutService:
         """The experiments whose weights are loaded, comma-separated ("" none)."""
         return ",".join(self.loaded)
 
-    @property
-    def codec(self) -> Codec | None:
-        """The first loaded experiment's codec (they share the base's tokenizer)."""
-        return next(iter(self.loaded.values())).codec if self.loaded else None
-
-    # ---------------------------------------------------------------- binding, weights
     async def bind(self, experiment_id: str, spec_json: str) -> None:
         """Serve `experiment_id` from now on (its model loads with the next UpdateWeights):
         beside the bound ones if all are LoRA on its base (`shares_base`) and the engine
@@ -282,12 +291,10 @@ class RolloutService:
             ):
                 interrupted = 0  # a retried UpdateWeights: already served
             else:
-                interrupted = await self._engine_update(binding, loaded.lane, path, version)
+                interrupted = await engine_update(self.engine, binding, loaded.lane, path, version)
                 phases = self.engine.last_update
-            served, now = loaded.served, self.engine.version_of(loaded.lane)
-            served[now] = self.engine.fingerprint_of(loaded.lane)
-            for old in [v for v in served if v < now - SERVED_KEEP]:
-                del served[old]  # a sample this stale is dropped: "" (unverified) at worst
+            now = self.engine.version_of(loaded.lane)
+            loaded.serve(now, self.engine.fingerprint_of(loaded.lane))
             if fetch_s or phases is self.engine.last_update:  # fetched, or an engine update
                 phases = replace(phases, read_s=phases.read_s + fetch_s)  # fetched, then read
                 self._observe(experiment_id, phases)
@@ -302,15 +309,7 @@ class RolloutService:
             seconds=round(seconds, 3),
             **{k: round(v, 4) for k, v in asdict(phases).items()},
         )
-        fingerprint = self.engine.fingerprint_of(loaded.lane)
-        return WeightsResult(now, seconds, interrupted, phases, fingerprint)
-
-    async def _engine_update(self, binding: Binding, lane: str, path: Path, version: int) -> int:
-        """`engine.update_weights`, in the experiment's lane when it has one."""
-        if not lane:
-            return await self.engine.update_weights(str(path), version)
-        keep = binding.spec.rollout.max_head_offpolicyness + 1  # eta + 1 adapter versions
-        return await self.engine.update_weights(str(path), version, lane=lane, keep=keep)
+        return WeightsResult(now, seconds, interrupted, phases, loaded.served[now])
 
     async def _local_dir(self, version: int, uri: str) -> tuple[Path, float]:
         """The version's directory on this host (`self.receiver`) and the seconds it took to
@@ -344,7 +343,7 @@ class RolloutService:
             base = Path(model.path) if adapter else path  # no lane holds the base yet
             await self.engine.load(str(base), 0 if adapter else version)
         if lane or adapter:
-            await self._engine_update(binding, lane, path, version)
+            await engine_update(self.engine, binding, lane, path, version)
         loaded = self.loaded[binding.experiment_id] = Loaded(Codec(tokenizer), lane)
         freeze_heap()  # the model and tokenizer: never scanned by the collector again
         log.info("experiment_loaded", experiment=binding.experiment_id, version=version, lane=lane)
@@ -352,8 +351,9 @@ class RolloutService:
 
     @property
     def tokenizer(self):
-        """The loaded model's tokenizer (None until one is loaded)."""
-        return self.codec.tokenizer if self.codec is not None else None
+        """The loaded model's tokenizer (None until one is loaded; the experiments sharing the
+        base share it)."""
+        return next(iter(self.loaded.values())).codec.tokenizer if self.loaded else None
 
     # ---------------------------------------------------------------- groups
     @property

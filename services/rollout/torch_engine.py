@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import zlib
 from dataclasses import asdict
 from pathlib import Path
 
@@ -260,11 +259,6 @@ class TorchEngine(Engine):
         op.keep = keep
         return await self._submit_op(op)
 
-    async def drop_lane(self, lane: str) -> None:
-        """Unload `lane`'s adapters (its experiment left); its requests still here fail."""
-        if self.model is not None and lane in self._lanes:
-            await self._submit_op(Op("drop", "", 0, self._new_future(), lane=lane))
-
     async def generate(self, req: GenRequest) -> Completion:
         [slot] = self._queue([req])
         try:
@@ -289,30 +283,14 @@ class TorchEngine(Engine):
             raise RuntimeError("no model loaded")
         if self._task is None:
             raise RuntimeError("engine not started")
-        slots = [self._slot(req) for req in reqs]
+        slots = [
+            Slot.create(req, self._new_future(), self.seed, self.device, self.max_positions)
+            for req in reqs
+        ]
         self._waiting.extend(slots)
         self._news = True
         self._wake.set()
         return slots
-
-    def _slot(self, req: GenRequest) -> Slot:
-        if not req.input_ids:
-            raise ValueError("input_ids: empty prompt")
-        if any(req.params.stop) and req.decode is None:
-            raise ValueError("params.stop: stop strings need GenRequest.decode (a tokenizer)")
-        if self.max_positions and len(req.input_ids) >= self.max_positions:
-            raise ValueError(
-                f"input_ids: prompt of {len(req.input_ids)} tokens does not fit the "
-                f"model's {self.max_positions} positions"
-            )
-        seed = (self.seed * 1_000_003 + zlib.crc32(req.rid.encode())) % (2**63)
-        return Slot(
-            req=req,
-            future=self._new_future(),
-            gen=torch.Generator(device=self.device).manual_seed(seed),  # on the logits' device
-            stop_ids=frozenset(req.stop_token_ids) | frozenset(req.params.stop_token_ids),
-            stop_strings=tuple(s for s in req.params.stop if s),
-        )
 
     # ---------------------------------------------------------------- the loop
     def _new_future(self) -> asyncio.Future:
@@ -382,13 +360,9 @@ class TorchEngine(Engine):
                 self._base_fp, self.model_dir_base = op.fingerprint, op.model_dir
                 self._lanes.clear()
                 result = 0
-            elif op.kind == "drop":
-                result = self._drop(op.lane)
             else:
                 result = await self._update(op)
-            if op.kind == "drop":
-                self._lanes.pop(op.lane, None)
-            elif op.lane:
+            if op.lane:
                 self._lanes[op.lane] = (op.version, op.fingerprint)
             else:
                 self._version = op.version
@@ -439,16 +413,6 @@ class TorchEngine(Engine):
     def _rows(self, batch: list[Slot]):
         """The adapters of `batch`'s rows for the forwards inside (none without LoRA)."""
         return self.adapters.rows([self.adapters.slot(s.version, s.req.lane) for s in batch])
-
-    def _drop(self, lane: str) -> int:
-        """Unload `lane`'s adapters; its requests still here fail. Returns how many."""
-        self.adapters.drop(lane)
-        gone = [s for s in [*self._slots.values(), *self._waiting] if s.req.lane == lane]
-        for slot in gone:
-            self._discard(slot)
-            if not slot.future.done():
-                slot.future.set_exception(RuntimeError(f"lane {lane!r} dropped"))
-        return len(gone)
 
     # ---------------------------------------------------------------- model work (thread)
     def _load_model(self, model_dir: str) -> None:
@@ -546,7 +510,7 @@ class TorchEngine(Engine):
             seen = torch.arange(width, device=self.device)[None, :] <= positions[:, None]
             out = self.model(
                 input_ids=torch.tensor([[s.last] for s in batch], device=self.device),
-                attention_mask=self._masks(seen, positions),
+                attention_mask=attention_masks(seen, positions, self._sliding_window),
                 position_ids=positions[:, None],
                 past_key_values=self._pool,
                 use_cache=True,
@@ -556,27 +520,31 @@ class TorchEngine(Engine):
         self.counters.context_tokens += sum(cached) + len(batch)
         return out.logits[:, -1]
 
-    def _masks(self, seen: torch.Tensor, positions: torch.Tensor):
-        """The 4D boolean mask [a, 1, 1, width] (sdpa: True attends); a dict by layer type
-        when the model has sliding-window layers, which see only the window's last tokens."""
-        mask = seen[:, None, None, :]
-        if self._sliding_window is None:
-            return mask
-        width = seen.shape[1]
-        recent = torch.arange(width, device=self.device)[None, :] > (
-            positions[:, None] - self._sliding_window
-        )
-        return {"full_attention": mask, "sliding_attention": (seen & recent)[:, None, None, :]}
-
     def _full_forward(self, batch: list[Slot]) -> torch.Tensor:
-        """No cache: right-pad every sequence and read the logits at its last position.
-        Causal attention means real tokens never see the padding, so no mask is needed."""
-        seqs = [s.tokens for s in batch]
-        width = max(len(t) for t in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long, device=self.device)
-        for i, t in enumerate(seqs):
-            ids[i, : len(t)] = torch.tensor(t)
         with self._rows(batch):
-            hidden = self.model.get_decoder()(input_ids=ids).last_hidden_state
-            last = hidden[torch.arange(len(seqs)), torch.tensor([len(t) - 1 for t in seqs])]
-            return self.model.get_output_embeddings()(last)
+            return full_forward(self.model, [s.tokens for s in batch], self.device)
+
+
+def attention_masks(seen: torch.Tensor, positions: torch.Tensor, sliding_window: int | None):
+    """The 4D boolean mask [a, 1, 1, width] (sdpa: True attends); a dict by layer type when the
+    model has sliding-window layers, which see only the window's last tokens."""
+    mask = seen[:, None, None, :]
+    if sliding_window is None:
+        return mask
+    width = seen.shape[1]
+    recent = torch.arange(width, device=seen.device)[None, :] > (
+        positions[:, None] - sliding_window
+    )
+    return {"full_attention": mask, "sliding_attention": (seen & recent)[:, None, None, :]}
+
+
+def full_forward(model, seqs: list[list[int]], device: torch.device) -> torch.Tensor:
+    """No cache: right-pad every sequence and read the logits at its last position. Causal
+    attention means real tokens never see the padding, so no mask is needed."""
+    width = max(len(t) for t in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+    for i, t in enumerate(seqs):
+        ids[i, : len(t)] = torch.tensor(t)
+    hidden = model.get_decoder()(input_ids=ids).last_hidden_state
+    last = hidden[torch.arange(len(seqs)), torch.tensor([len(t) - 1 for t in seqs])]
+    return model.get_output_embeddings()(last)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,35 @@ class Slot:
     row: int = -1  # in the KV pool
     cached: int = 0  # tokens in the pool: all but the last one once up to date, 0 to recompute
 
+    @classmethod
+    def create(
+        cls,
+        req: GenRequest,
+        future: asyncio.Future,
+        seed: int,
+        device: torch.device,
+        max_positions: int | None,
+    ) -> Slot:
+        """A checked request's slot, sampling from its own generator (seeded from the engine
+        `seed` and the request id); ValueError naming what is wrong."""
+        if not req.input_ids:
+            raise ValueError("input_ids: empty prompt")
+        if any(req.params.stop) and req.decode is None:
+            raise ValueError("params.stop: stop strings need GenRequest.decode (a tokenizer)")
+        if max_positions and len(req.input_ids) >= max_positions:
+            raise ValueError(
+                f"input_ids: prompt of {len(req.input_ids)} tokens does not fit the "
+                f"model's {max_positions} positions"
+            )
+        seed = (seed * 1_000_003 + zlib.crc32(req.rid.encode())) % (2**63)
+        return cls(
+            req=req,
+            future=future,
+            gen=torch.Generator(device=device).manual_seed(seed),  # on the logits' device
+            stop_ids=frozenset(req.stop_token_ids) | frozenset(req.params.stop_token_ids),
+            stop_strings=tuple(s for s in req.params.stop if s),
+        )
+
     @property
     def tokens(self) -> list[int]:
         return self.req.input_ids + self.output_ids
@@ -64,7 +94,7 @@ class Slot:
 class Op:
     """A model change the loop applies between two steps."""
 
-    kind: str  # load | update | adapter | base (a lane back on the base) | drop (a lane)
+    kind: str  # load | update | adapter | base (a lane on the base)
     model_dir: str
     version: int
     future: asyncio.Future
