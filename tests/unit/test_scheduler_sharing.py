@@ -5,10 +5,13 @@ the largest fractional parts (Hamilton's largest-remainder method), ties to the 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from services.scheduler.policy import divide_slots
 from services.scheduler.registry import Registry, WorkerKind
+from services.scheduler.sharing import bind_rollouts
 
 
 @pytest.mark.parametrize(
@@ -63,3 +66,60 @@ def test_shared_rollout_serves_each_experiment_and_frees_when_the_last_leaves():
     registry.release(w, "b")
     registry.release(w, "a")
     assert w.shared == [] and registry.idle(WorkerKind.ROLLOUT) == [w]
+
+
+class _Runner:
+    """What the binding reads of an experiment runner: its spec, id, age, rollouts, slots."""
+
+    def __init__(self, registry: Registry, eid: str, created: int, lora: bool, share: float):
+        self.registry, self.id = registry, eid
+        self.record = SimpleNamespace(created_unix_ms=created)
+        lora_spec = {"rank": 4} if lora else None
+        self.spec = SimpleNamespace(
+            trainer=SimpleNamespace(lora=lora_spec),
+            model=SimpleNamespace(path="/base", tokenizer_path=None),
+            share=share,
+        )
+        self.dispatcher = SimpleNamespace(slots=None)
+        self.log = SimpleNamespace(info=lambda *a, **k: None)
+        self.attached: list[str] = []
+
+    def rollouts(self):
+        return self.registry.bound(self.id, WorkerKind.ROLLOUT)
+
+    def attach_rollout(self, worker) -> None:
+        self.attached.append(worker.worker_id)
+
+    def release_rollout(self, worker, reason: str, cooldown_s: float = 0.0) -> None:
+        self.registry.release(worker, self.id, cooldown_s)
+
+
+def test_bind_rollouts_pool_shares_its_replicas_beside_a_full_parameter_experiment():
+    registry = Registry(clock=lambda: 100.0)
+    for port in range(4):
+        registry.register(WorkerKind.ROLLOUT, f"127.0.0.1:{port}", "r", 4)
+    full = _Runner(registry, "full", 1, lora=False, share=1.0)
+    a = _Runner(registry, "a", 2, lora=True, share=1.0)
+    b = _Runner(registry, "b", 3, lora=True, share=3.0)
+    log = SimpleNamespace(info=lambda *a, **k: None)
+    bind_rollouts(registry, [full, a, b], log)
+    # two units (full; the pool a+b) get 2 whole replicas each; a and b share both of theirs
+    assert len(full.rollouts()) == 2 and all(w.experiment_id == "full" for w in full.rollouts())
+    assert a.rollouts() == b.rollouts() and len(a.rollouts()) == 2
+    assert all(w.shared == ["a", "b"] for w in a.rollouts())
+    # the pool's 8 slots by share 1:3 -> 2, 6; the full-parameter one is not capped
+    assert (full.dispatcher.slots, a.dispatcher.slots, b.dispatcher.slots) == (None, 2, 6)
+    # c joins the pool: it shares the same replicas, the pool's slots are divided again
+    c = _Runner(registry, "c", 4, lora=True, share=4.0)
+    bind_rollouts(registry, [full, a, b, c], log)
+    assert c.rollouts() == a.rollouts() and sorted(c.attached) == sorted(
+        w.worker_id for w in a.rollouts()
+    )
+    assert (a.dispatcher.slots, b.dispatcher.slots, c.dispatcher.slots) == (1, 3, 4)
+    # b ends: it lets go of its replicas, a and c keep them, and take its slots
+    for w in b.rollouts():
+        b.release_rollout(w, "ended")
+    bind_rollouts(registry, [full, a, c], log)
+    assert b.rollouts() == [] and all(w.shared == ["a", "c"] for w in a.rollouts())
+    assert (a.dispatcher.slots, c.dispatcher.slots) == (2, 6)  # 8 * 1/5 = 1.6, 8 * 4/5 = 6.4
+    assert len(full.rollouts()) == 2  # the full-parameter experiment kept its replicas
