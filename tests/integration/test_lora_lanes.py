@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+from pathlib import Path
 
+from asyncrl.weights import path_to_uri
 from services.rollout.engine import GenRequest
+from services.rollout.service import GroupJob, RolloutService
 from services.rollout.torch_engine import TorchEngine
 from tests.integration.test_lora import base, greedy, peft_greedy, peft_model, publish
 
@@ -57,5 +61,58 @@ async def test_lanes_sample_their_own_adapter_and_update_apart(tmp_path, base):
         # a keeps 2 versions (2, 3): its third unloaded v1 of a, not b's v1
         assert [k for k in engine.adapters.loaded] == [("b", 1), ("a", 2), ("a", 3)]
         assert engine.version_of("b") == 1 and engine.version_of("a") == 3
+    finally:
+        await engine.stop()
+
+
+def lora_spec_json(base) -> str:
+    return json.dumps(
+        {
+            "model": {"path": str(base)},
+            "dataset": {"path": "unused-by-the-rollout.jsonl"},
+            "rollout": {
+                "n_samples": 2,
+                "max_head_offpolicyness": 1,
+                "filter": "none",
+                "gconfig": {"temperature": 0.0, "max_new_tokens": 60, "ignore_eos": True},
+            },
+            "trainer": {"backend": "torch", "lora": {"rank": 4, "alpha": 8.0}},
+        }
+    )
+
+
+async def test_service_binds_a_second_lora_experiment_beside_the_first(tmp_path, base):
+    """The rollout service: binding b beside a leaves a's group running; b's three
+    UpdateWeights move none of a's requests (every token of a's samples is a's v1);
+    each answers its own lane's fingerprint; a full-parameter bind then replaces both."""
+    (da1, fa1) = publish(tmp_path / "a", base, 1, peft_model(base, seed=1))
+    (db1, _), (db2, fb2) = (
+        publish(tmp_path / "b", base, v, peft_model(base, seed=v + 1)) for v in (1, 2)
+    )
+    engine = TorchEngine(seed=0)
+    await engine.start()
+    service = RolloutService(engine, js=None, weights_cache=tmp_path / "cache")
+    try:
+        spec = lora_spec_json(base)
+        await service.bind("a", spec)
+        assert (await service.update_weights("a", 1, path_to_uri(Path(da1)))).fingerprint == fa1
+        job = GroupJob("a", "a-g1", "p1", "1+1=", "2")
+        binding = service.bindings["a"]
+        prompt_ids, chat = service._prompt(job, binding)
+        group = asyncio.create_task(service._samples(job, binding, prompt_ids, chat))
+        while engine.tokens_generated < 10:
+            await asyncio.sleep(0.001)
+        await service.bind("b", spec)  # beside a
+        moved = [await service.update_weights("b", 0, path_to_uri(base))]
+        for version, d in ((1, db1), (2, db2)):
+            moved.append(await service.update_weights("b", version, path_to_uri(Path(d))))
+        assert [r.interrupted for r in moved] == [0, 0, 0] and moved[-1].fingerprint == fb2
+        samples = await group
+        assert all(s.versions == [1] * 60 for s in samples)  # moved by b: 2 for the rest
+        assert service.experiment_id == "a,b" and not group.cancelled()
+        full = json.loads(spec)
+        del full["trainer"]["lora"]
+        await service.bind("c", json.dumps(full))  # a full-parameter one: instead of both
+        assert list(service.bindings) == ["c"] and service.loaded == {}
     finally:
         await engine.stop()
