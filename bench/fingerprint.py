@@ -11,7 +11,7 @@ saves a version (its safetensors files' bytes, what `TrainerBackend.hf_files` re
 - rollout, per version: `fingerprint.of_state` of the tensors as read (what the torch engine
   reports with UpdateWeights) against the weight update without it: read the files
   (`load_state_dict_files`) + `load_state_dict` into the model.
-- trainer, per group: the fingerprint part of admitting a group of 16 samples (each sample's
+- trainer, per group: the fingerprint part of admitting a group of 16 samples (the group's
   fingerprints against the trainer's record, `_fingerprint_reason`, and the verified count,
   `fingerprint_tally`) against the whole admission check of the group (`invalid_reason`, which
   includes it).
@@ -108,16 +108,14 @@ def _per_version(ctx: Context, label: str, config: dict) -> list[Result]:
 def _per_group(ctx: Context) -> Result:
     fp = "sha256:" + "ab" * 32
     [group] = make_groups("bench", 1, GROUP_SAMPLES, 16)  # every sample at version 3
-    for s in group.samples:
-        s.fingerprints = {3: fp}
+    group.fingerprints = {3: fp}
     known = {3: fp}
     admission = Admission("bench", vocab_size=100, trainer_version=4, eta=2, fingerprints=known)
     rounds = ctx.size(20_000, 2_000)
 
     def check_fingerprints() -> None:
         for _ in range(rounds):
-            for i, s in enumerate(group.samples):
-                _fingerprint_reason(i, s, admission)
+            _fingerprint_reason(group, admission)
             fingerprint_tally(group, known)
 
     def admit() -> None:

@@ -286,9 +286,10 @@ SERVER_ARGS = "srt/server_args.py"
 
 
 @cache
-def launch_field(name: str) -> tuple[str, ast.expr | None]:
-    """(annotation source, default) of ServerArgs field `name`, from the input namespace
-    classes `server_args._INPUT_NAMESPACES` names (sglang/srt/arg_groups/fields/*.py)."""
+def launch_field(name: str) -> tuple[str, ast.expr | None, str]:
+    """(annotation source, default, the file declaring it) of ServerArgs field `name`, from
+    the input namespace classes `server_args._INPUT_NAMESPACES` names
+    (sglang/srt/arg_groups/fields/*.py)."""
     namespaces: list[str] = []
     for node in tree(SERVER_ARGS).body:
         if isinstance(node, ast.AnnAssign | ast.Assign):
@@ -303,7 +304,7 @@ def launch_field(name: str) -> tuple[str, ast.expr | None]:
             if isinstance(cls, ast.ClassDef) and cls.name in namespaces:
                 for stmt in cls.body:
                     if isinstance(stmt, ast.AnnAssign) and getattr(stmt.target, "id", "") == name:
-                        return source_of(relative, stmt.annotation), stmt.value
+                        return source_of(relative, stmt.annotation), stmt.value, relative
     raise FactMissing(f"sglang {version()}: no launch option {name} in {namespaces}")
 
 
@@ -317,7 +318,8 @@ def parse_launch_args(argv: list[str], fields: list[str]) -> dict[str, Any]:
     namespace = {**_TYPING, **vars(arg_utils)}
     spec = []
     for name in fields:
-        annotation, default = launch_field(name)
+        annotation, default, relative = launch_field(name)
+        namespace.update(imported_constants(relative))
         try:
             kind = eval(annotation, namespace)  # noqa: S307 - sglang's own source
             value = msgspec.NODEFAULT if default is None else eval(ast.unparse(default), namespace)  # noqa: S307
@@ -335,6 +337,27 @@ def parse_launch_args(argv: list[str], fields: list[str]) -> dict[str, Any]:
     if unknown:
         raise ContractBroken(f"sglang.launch_server: unknown options {unknown}")
     return vars(args)
+
+
+def imported_constants(relative: str) -> dict[str, Any]:
+    """The UPPER_CASE names `relative` imports from other sglang modules, where the module
+    assigns them a literal (read from its source: sglang.srt.utils.common needs GPU-only
+    packages to import), e.g. SUPPORTED_LORA_TARGET_MODULES for `--lora-target-modules`."""
+    found: dict[str, Any] = {}
+    for node in tree(relative).body:
+        if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("sglang."):
+            continue
+        source = node.module.removeprefix("sglang.").replace(".", "/") + ".py"
+        wanted = {a.name for a in node.names if a.name.isupper()}
+        for stmt in tree(source).body if wanted else ():
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else []
+            for t in targets:
+                if getattr(t, "id", "") in wanted:
+                    try:
+                        found[t.id] = ast.literal_eval(stmt.value)
+                    except ValueError:
+                        pass  # not a literal: left out, the evaluation names what is missing
+    return found
 
 
 # ------------------------------------------------------------------------- facts

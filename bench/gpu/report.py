@@ -51,6 +51,7 @@ def _engine(p: dict) -> str:
 
 def _stack(p: dict) -> str:
     mg, hf = p.get("mismatch_megatron", {}), p.get("mismatch_hf_fp32", {})
+    td = p.get("trainer_logprob_diff", {})
     rows = [
         ["model", f"{p['shape']} (random weights, char tokenizer)"],
         ["services start s", p.get("start_s")],
@@ -59,6 +60,7 @@ def _stack(p: dict) -> str:
         ["B x n x max_new_tokens", f"{p['batch_size']} x {p['n_samples']} x {p['max_new_tokens']}"],
         ["groups read back", p.get("groups_read")],
         ["mismatch vs megatron (trainer): mean / max abs, tokens", f"{_fmt(mg.get('mean_abs'))} / {_fmt(mg.get('max_abs'))}, {mg.get('tokens')}"],
+        ["trainer's own logprob_diff in the run: mean / max abs, tokens", f"{_fmt(td.get('mean_abs'))} / {_fmt(td.get('max_abs'))}, {td.get('tokens')}"],
         ["mismatch vs HF fp32 forward: mean / max abs", f"{_fmt(hf.get('mean_abs'))} / {_fmt(hf.get('max_abs'))}"],
         ["versions measured", len(mg.get("versions_measured", []))],
     ]  # fmt: skip

@@ -142,6 +142,22 @@ def experiment_spec(model: Path, data: Path, sizes: dict) -> dict:
     }
 
 
+def _trainer_diff(history: list[dict]) -> dict:
+    """The trainer's own measurement, per step, of |rollout - trainer| logprob over tokens
+    generated at its current version (StepMetrics `logprob_diff_*`): token-weighted."""
+    steps = [h for h in history if h.get("logprob_diff_tokens")]
+    tokens = sum(h["logprob_diff_tokens"] for h in steps)
+    if not tokens:
+        return {"steps": 0, "tokens": 0}
+    mean = sum(h["logprob_diff_mean"] * h["logprob_diff_tokens"] for h in steps) / tokens
+    return {
+        "steps": len(steps),
+        "tokens": tokens,
+        "mean_abs": mean,
+        "max_abs": max(h["logprob_diff_max"] for h in steps),
+    }
+
+
 async def _experiment(env: dict, spec: dict, snap: Snapshots, budget_s: float) -> dict:
     from asyncrl.client import AsyncrlClient, is_terminal, read_groups, state_name
 
@@ -169,11 +185,7 @@ async def _experiment(env: dict, spec: dict, snap: Snapshots, budget_s: float) -
         "s_per_step": round(wall / max(exp.progress.version, 1), 2),
         "groups_read": len(groups),
         "history": history,
-        "trainer_reported_mismatch": [
-            {k: v for k, v in h.items() if "mismatch" in k}
-            for h in history
-            if any("mismatch" in k for k in h)
-        ],
+        "trainer_logprob_diff": _trainer_diff(history),
     }
     return {"summary": summary, "groups": groups}
 

@@ -28,6 +28,9 @@ from asyncrl.spec import ExperimentSpec, spec_from_json
 from asyncrl.types import TrajectoryGroup
 from asyncrl.v1 import scheduler_pb2, scheduler_pb2_grpc
 
+CANCEL_TIMEOUT_S = 60.0
+"""Cancel's deadline: the scheduler stops the trainer (up to 10 s) before it answers."""
+
 TERMINAL_STATES = frozenset(
     {
         scheduler_pb2.EXPERIMENT_STATE_COMPLETED,
@@ -92,9 +95,9 @@ class AsyncrlClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def _once(self, method, request):
+    async def _once(self, method, request, timeout_s: float | None = None):
         try:
-            return await method(request, timeout=self.timeout_s)
+            return await method(request, timeout=timeout_s or self.timeout_s)
         except grpc.aio.AioRpcError as e:
             raise AsyncrlError.from_rpc(e) from None
 
@@ -129,9 +132,12 @@ class AsyncrlClient:
         return list(resp.experiments)
 
     async def cancel(self, experiment_id: str) -> scheduler_pb2.Experiment:
+        """Answers once the experiment's trainer has stopped (the scheduler waits up to its
+        `trainer_stop_timeout_s`, 10 s, for it), so its deadline is longer than the others'."""
         return await self._once(
             self._stub.CancelExperiment,
             scheduler_pb2.CancelExperimentRequest(experiment_id=experiment_id),
+            timeout_s=max(self.timeout_s, CANCEL_TIMEOUT_S),
         )
 
     async def workers(self) -> list[scheduler_pb2.WorkerInfo]:

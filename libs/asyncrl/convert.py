@@ -33,7 +33,6 @@ def sample_to_proto(s: Sample) -> trajectory_pb2.Sample:
         reward_reason=s.reward_reason,
         text=s.text,
         loss_mask=[] if all_policy else s.loss_mask,  # empty: all the policy's
-        fingerprints=s.fingerprints,
     )
 
 
@@ -50,7 +49,6 @@ def sample_from_proto(m: trajectory_pb2.Sample) -> Sample:
         reward_reason=m.reward_reason,
         text=m.text,
         loss_mask=m.loss_mask[:],
-        fingerprints=dict(m.fingerprints),
     )
 
 
@@ -68,6 +66,7 @@ def group_to_proto(g: TrajectoryGroup) -> trajectory_pb2.TrajectoryGroup:
         created_unix_ms=g.created_unix_ms,
         rollout_worker=g.rollout_worker,
         epoch=g.epoch,
+        fingerprints=g.fingerprints,
     )
 
 
@@ -85,6 +84,7 @@ def group_from_proto(m: trajectory_pb2.TrajectoryGroup) -> TrajectoryGroup:
         created_unix_ms=m.created_unix_ms,
         rollout_worker=m.rollout_worker,
         epoch=m.epoch,
+        fingerprints=dict(m.fingerprints),
     )
 
 

@@ -120,6 +120,6 @@ def differs(a: str, b: str) -> bool:
 
 
 def stamp(versions: Iterable[int], known: Mapping[int, str]) -> dict[int, str]:
-    """A sample's fingerprints: for each version that produced its tokens, the fingerprint of
-    the weights the engine held for it ("" where unknown: unverified)."""
+    """A group's fingerprints: for each version that produced its samples' tokens, the
+    fingerprint of the weights the engine held for it ("" where unknown: unverified)."""
     return {v: known.get(v, "") for v in sorted(set(versions))}

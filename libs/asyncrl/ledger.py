@@ -88,6 +88,14 @@ class Ledger:
         """Emitted events not yet sent, oldest first (a plain list: `emit` runs twice per
         group, and asyncio.Queue's put/get cost more than the event)."""
         self._writer: asyncio.Task | None = None
+        self._writing = 0
+        """Events of the message being written now (retried while NATS is away)."""
+
+    @property
+    def unstored(self) -> int:
+        """Events emitted and not yet stored (queued, or in a write retried while NATS is
+        away)."""
+        return len(self._pending) + self._writing
 
     @staticmethod
     def _event(event: str, fields: dict) -> dict:
@@ -114,14 +122,19 @@ class Ledger:
                 await asyncio.sleep(LINGER_S)
             batch = self._pending[:MAX_BATCH]
             del self._pending[:MAX_BATCH]
+            self._writing = len(batch)
             body = json.dumps(batch, separators=(",", ":")).encode()
+            # a retry whose first attempt was stored after all (its ack lost in a reconnect) is
+            # dropped by JetStream: a `trained` event stored twice would count a step twice
+            headers = {"Nats-Msg-Id": f"{self.subject}-{hashlib.sha1(body).hexdigest()}"}
             while True:  # NATS away (restarting): keep the events and try again
                 try:
-                    await self.js.publish(self.subject, body)
+                    await self.js.publish(self.subject, body, headers=headers)
                     break
                 except (TimeoutError, nats.errors.Error) as exc:
                     log.warning("ledger_write_failed", events=len(batch), error=repr(exc))
                     await asyncio.sleep(RETRY_S)
+            self._writing = 0
             if not self._pending:
                 return
 
@@ -201,13 +214,13 @@ class LedgerReport:
 def sample_fingerprints(groups: Iterable) -> dict:
     """The `trained` event's fields naming `groups` (TrajectoryGroups) and the weights of each
     of their samples: per sample, each version that generated its tokens and that version's
-    fingerprint as the sample carries it ("": unverified), each distinct fingerprint written
+    fingerprint as its group carries it ("": unverified), each distinct fingerprint written
     once (a step's samples share a few: ~10 bytes a sample, not ~80)."""
     ids, samples, index = [], {}, {}
     for g in groups:
         ids.append(g.group_id)
         samples[g.group_id] = [
-            {str(v): index.setdefault(s.fingerprints.get(v, ""), len(index)) for v in _ordered(s)}
+            {str(v): index.setdefault(g.fingerprints.get(v, ""), len(index)) for v in _ordered(s)}
             for s in g.samples
         ]
     return {"groups": ids, "samples": samples, "fingerprints": list(index)}

@@ -132,12 +132,17 @@ def configure_logging(
 
 
 async def keep_running(
-    name: str, body: Callable[[], Awaitable[None]], log, retry_s: float = 1.0
+    name: str,
+    body: Callable[[], Awaitable[None]],
+    log,
+    retry_s: float = 1.0,
+    until: Callable[[], bool] | None = None,
 ) -> None:
-    """Run `body` (one pass of a control loop) until cancelled. A pass that raises is logged as
-    `loop_error` (`name`, the error, its traceback) and the next starts after `retry_s`: a bug,
-    a full disk or a broker away never ends the loop in silence."""
-    while True:
+    """Run `body` (one pass of a control loop) until cancelled, or until `until()` is true
+    before a pass. A pass that raises is logged as `loop_error` (`name`, the error, its
+    traceback) and the next starts after `retry_s`: a bug, a full disk or a broker away never
+    ends the loop in silence."""
+    while until is None or not until():
         try:
             await body()
         except asyncio.CancelledError:

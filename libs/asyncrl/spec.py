@@ -371,8 +371,9 @@ def has_chat_template(tokenizer_dir: Path) -> bool:
 def check_lora(spec: ExperimentSpec) -> None:
     """SpecError("trainer.lora") where LoRA is asked of a part that cannot serve it: the
     megatron backend (its GPTModel has no adapter layers here, and a full-model export per
-    version is what LoRA is meant to avoid) and the sglang engine (its LoRA API is not wired
-    to the weight updates yet). docs/lora.md."""
+    version is what LoRA is meant to avoid) and the NCCL weight sync (it broadcasts the
+    model's tensors into SGLang's; an adapter version reaches SGLang by `/load_lora_adapter`
+    from disk or the NATS object store). docs/lora.md."""
     if spec.trainer.lora is None:
         return
     if spec.trainer.backend != "torch":
@@ -381,11 +382,11 @@ def check_lora(spec: ExperimentSpec) -> None:
             f"LoRA trains on the torch backend only, not {spec.trainer.backend!r}: the megatron "
             "backend has no adapter layers (set trainer.backend: torch, or drop trainer.lora)",
         )
-    if spec.rollout.engine != "torch":
+    if spec.trainer.weight_sync == "nccl":
         raise SpecError(
             "trainer.lora",
-            f"LoRA adapters are served by the torch engine only, not {spec.rollout.engine!r}: "
-            "SGLang's LoRA API is not wired to weight updates (set rollout.engine: torch)",
+            "LoRA versions reach the engines as adapter files, not by weight_sync 'nccl' (a "
+            "broadcast of the model's tensors): set trainer.weight_sync to disk or nats",
         )
 
 

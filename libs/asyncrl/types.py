@@ -199,9 +199,6 @@ class Sample:
     loss_mask: list[int] = field(default_factory=list)
     turns: int = 0
     """Policy turns appended (not sent on the wire)."""
-    fingerprints: dict[int, str] = field(default_factory=dict)
-    """Version -> fingerprint of the weights the engine held for it, for each version in
-    `versions` (`asyncrl.fingerprint`); "" or absent: unverified."""
 
     def add_policy(self, c: Completion) -> None:
         """Append a completion: trained tokens."""
@@ -251,6 +248,10 @@ class TrajectoryGroup:
     created_unix_ms: int = 0
     rollout_worker: str = ""
     epoch: int = 0
+    fingerprints: dict[int, str] = field(default_factory=dict)
+    """Version -> fingerprint of the weights the engine held for it, for each version in the
+    samples' `versions` (`asyncrl.fingerprint`; one engine stamps the whole group, so one map
+    serves every sample); "" or absent: unverified."""
 
     @property
     def rewards(self) -> list[float]:

@@ -4,13 +4,15 @@ With `trainer.weight_sync: nats` (services/trainer/transport.py; the deprecated
 `ASYNCRL_WEIGHTS_TRANSPORT=nats` is its alias) the trainer writes a version to its local
 weight store as always (checkpoints and resume read it there), then uploads the version's
 files to the bucket `WEIGHTS_BUCKET` as objects `<experiment>/v000123/<file>`, the manifest
-(`<experiment>/v000123/manifest.json`, the file names and sizes) last: a version without a
-manifest is not there yet. Its URI, what CommitWeights carries, is
+(`<experiment>/v000123/manifest.json`: the file names, sizes and SHA-256 digests, and the
+weights' fingerprint) last: a version without a manifest is not there yet. Its URI, what CommitWeights carries, is
 `nats-obj://asyncrl_weights/<experiment>/v000123`.
 
 A rollout fetches such a URI into its own cache directory (`<cache>/<experiment>/v000123`):
 every file read chunk by chunk into a temporary directory, its size and SHA-256 checked against
 the object's info, and the directory renamed into place, so a cached version is always whole.
+The cache is keyed by content (the manifest's digest): a version published again with other
+bytes (a trainer resumed from an older checkpoint) is fetched again.
 
 Reading is our own: an ordered consumer on the object's chunk subject, each chunk written to
 the file as it arrives. nats-py's `ObjectStore.get()` (nats-py 2.16) gathers the object with
@@ -41,6 +43,7 @@ from nats.js.api import ObjectInfo, ObjectMeta, ObjectMetaOptions, ObjectStoreCo
 from nats.js.object_store import OBJ_STREAM_TEMPLATE, ObjectStore
 
 from asyncrl.errors import BadRequest, Conflict
+from asyncrl.fingerprint import read_manifest
 from asyncrl.natsutil import WEIGHTS_BUCKET, iter_stored
 from asyncrl.retry import jetstream_call
 from asyncrl.settings import settings
@@ -48,6 +51,8 @@ from asyncrl.weights import WeightReceiver, prune
 
 SCHEME = "nats-obj://"
 MANIFEST = "manifest.json"
+CONTENT_KEY = ".nats-manifest-digest"
+"""In a cached version directory: the digest of the manifest it was fetched by (its key)."""
 CHUNK_SIZE = 512 * 1024
 """Bytes per chunk message: under nats-server's default max_payload (1 MiB); 4x nats-py's
 default, so a version is a quarter as many messages to publish, hash and write."""
@@ -111,10 +116,16 @@ async def upload_version(
     prefix = version_prefix(experiment_id, version)
     files = sorted(p for p in Path(src_dir).iterdir() if p.is_file())
     options = ObjectMetaOptions(max_chunk_size=CHUNK_SIZE)
+    digests = {}
     for path in files:
         with path.open("rb") as f:  # nats-py reads it in a worker thread, chunk by chunk
-            await obs.put("", f, meta=ObjectMeta(name=f"{prefix}/{path.name}", options=options))
-    manifest = {"files": {p.name: p.stat().st_size for p in files}}
+            meta = ObjectMeta(name=f"{prefix}/{path.name}", options=options)
+            digests[path.name] = (await obs.put("", f, meta=meta)).digest
+    manifest = {
+        "files": {p.name: p.stat().st_size for p in files},
+        "digests": digests,  # each file's SHA-256: the manifest's own digest keys its content
+        "fingerprint": read_manifest(Path(src_dir)),
+    }
     await obs.put(f"{prefix}/{MANIFEST}", json.dumps(manifest).encode())
     return version_uri(experiment_id, version, bucket)
 
@@ -197,42 +208,95 @@ async def read_object(js, bucket: str, name: str, dest: BinaryIO, uri: str) -> O
     return info
 
 
+def cached_key(version_dir: Path) -> str:
+    """The content key of a cached version directory ("" for none, or one cached before keys)."""
+    try:
+        return (Path(version_dir) / CONTENT_KEY).read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return ""
+
+
+async def _manifest_info(js, bucket: str, prefix: str, uri: str, cached: bool) -> ObjectInfo | None:
+    """The info of the version's manifest, None when the bucket no longer has the version but
+    the cache does (pruned since: the cached copy is served, as it always was)."""
+    try:
+        obs = await js.object_store(bucket)
+        return await obs.get_info(f"{prefix}/{MANIFEST}")
+    except nats.js.errors.BucketNotFoundError:
+        if cached:
+            return None
+        raise WeightsFetchError(uri, f"no bucket {bucket!r}") from None
+    except nats.js.errors.ObjectNotFoundError:
+        if cached:
+            return None
+        raise WeightsFetchError(uri, "no such version (not uploaded, or pruned)") from None
+
+
 async def fetch_version(js, uri: str, cache_root: Path, keep: int = CACHE_KEEP) -> Path:
     """The version `uri` names as a local directory under `cache_root`, fetched unless the
-    cache has it; the cache keeps the experiment's newest `keep` versions."""
+    cache has it with the content the bucket has now; the cache keeps the experiment's newest
+    `keep` versions.
+
+    The cache is keyed by content, not by the version number alone: a trainer resumed from an
+    older checkpoint publishes the versions after it again with other weights, and a rollout
+    that cached the abandoned lineage's v000123 must not load those bytes as the new one's.
+    The key is the digest of the version's manifest (which holds every file's SHA-256), written
+    as `CONTENT_KEY` in the cached directory: one object-info request per cache hit."""
     bucket, prefix = parse_uri(uri)
     final = Path(cache_root) / prefix
-    if final.is_dir():
+    info = await _manifest_info(js, bucket, prefix, uri, cached=final.is_dir())
+    if info is None or cached_key(final) == info.digest:
         return final
-    try:
-        await js.object_store(bucket)
-    except nats.js.errors.BucketNotFoundError:
-        raise WeightsFetchError(uri, f"no bucket {bucket!r}") from None
     manifest = io.BytesIO()
     try:
-        await read_object(js, bucket, f"{prefix}/{MANIFEST}", manifest, uri)
+        info = await read_object(js, bucket, f"{prefix}/{MANIFEST}", manifest, uri)
     except nats.js.errors.ObjectNotFoundError:
         raise WeightsFetchError(uri, "no such version (not uploaded, or pruned)") from None
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
-        for name in json.loads(manifest.getvalue())["files"]:
-            with (tmp / name).open("wb") as f:
-                try:
-                    await read_object(js, bucket, f"{prefix}/{name}", f, uri)
-                except nats.js.errors.ObjectNotFoundError:
-                    raise WeightsFetchError(uri, f"{name} is missing (pruned meanwhile?)") from None
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            if not final.is_dir():
-                raise
-            # another rollout on this host (same cache) put the same version there first
+        await _read_files(js, bucket, prefix, json.loads(manifest.getvalue()), tmp, uri)
+        (tmp / CONTENT_KEY).write_text(info.digest)
+        _install(tmp, final, info.digest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     prune(Path(cache_root), prefix.partition("/")[0], keep=keep, protect=final)
     return final
+
+
+async def _read_files(js, bucket: str, prefix: str, manifest: dict, dest: Path, uri: str) -> None:
+    """Every file the manifest names into `dest`, each checked against the manifest's digest
+    for it (a version published again while it was read is a mix of two: refused)."""
+    digests = manifest.get("digests", {})  # absent in a manifest from before content keys
+    for name in manifest["files"]:
+        with (dest / name).open("wb") as f:
+            try:
+                info = await read_object(js, bucket, f"{prefix}/{name}", f, uri)
+            except nats.js.errors.ObjectNotFoundError:
+                raise WeightsFetchError(uri, f"{name} is missing (pruned meanwhile?)") from None
+        if digests.get(name, info.digest) != info.digest:
+            raise WeightsFetchError(uri, f"{name} changed while read (published again?)")
+
+
+def _install(tmp: Path, final: Path, key: str) -> None:
+    """Rename the fetched `tmp` into place as `final`, replacing a cached copy of other content
+    (an abandoned lineage's); one of the same content (another rollout on this host, same cache,
+    put it there first) is kept."""
+    if final.is_dir():
+        if cached_key(final) == key:
+            return
+        stale = final.parent / f".stale-{final.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.replace(final, stale)
+        except FileNotFoundError:
+            pass  # another rollout moved it first
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if cached_key(final) != key:
+            raise
 
 
 class NatsReceiver(WeightReceiver):

@@ -9,11 +9,13 @@ Where an item is scored:
   pool round trip costs far more than the function.
 - **One pool task for all the items of a call** once the function is known cheap (its items
   took under `BATCH_MAX_ITEM_S` on average, recently; a function never seen is scored one
-  task per item, so a function that hangs is killed at its own timeout from its first item). The worker scores the items one after
-  another and reports an item that took longer than `timeout_s` as timed out; it starts no new
-  item once `timeout_s` has passed, and the items left go in the next task. So a task runs
-  at most about 2 x `timeout_s`, its deadline. A task that misses it (an item hangs) or whose
-  worker dies is scored again **one task per item**: each item meets its own fate alone, and
+  task per item, so a function that hangs is killed at its own timeout from its first item).
+  The worker scores the items one after another, stops an item at `timeout_s` (an alarm
+  signal) and reports it timed out, and goes on; it starts no new item once `timeout_s` has
+  passed, and the items left go in the next task. So a hung item holds the others back its own
+  timeout, and a task runs at most about 2 x `timeout_s`, its deadline. A task that misses it
+  (an item hung where the alarm cannot reach it, in C code) or whose worker dies is scored
+  again **one task per item**: each item meets its own fate alone, and
   its neighbours are unaffected, and the function is scored one task per item from then on
   (until its items are cheap again).
 - **One pool task per item** for a slow function (its items run in parallel across the
@@ -29,10 +31,13 @@ sign of a slow reward function, only of a service that does not answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import multiprocessing
 import numbers
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -95,20 +100,56 @@ def score_one(function: str, kwargs: dict[str, str], item: ScoreItem) -> tuple[b
     return True, reward
 
 
+class _ItemTimeout(BaseException):
+    """Raised in a worker by the item's alarm: a BaseException, so a plugin's own
+    `except Exception` does not swallow it."""
+
+
+def _raise_item_timeout(signum, frame):
+    raise _ItemTimeout
+
+
+@contextlib.contextmanager
+def _alarm(timeout_s: float):
+    """Interrupt the code inside (one item) with _ItemTimeout after `timeout_s` (SIGALRM: in a
+    pool worker, whose tasks run in its main thread). Elsewhere (another thread, a platform
+    without setitimer) a no-op: the item is reported timed out once it returns, and one that
+    never returns is killed with its task at the task's deadline."""
+    if (
+        not hasattr(signal, "setitimer")
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, _raise_item_timeout)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def score_items(
     function: str, kwargs: dict[str, str], items: list[ScoreItem], timeout_s: float
 ) -> list[Outcome]:
-    """Run in a worker: score `items` one after another. An item that took longer than
-    `timeout_s` is reported timed out (the pool would have killed it). No item is started once
-    `timeout_s` has passed since the first: fewer outcomes than items then, and the caller
-    schedules the rest."""
+    """Run in a worker: score `items` one after another. An item is stopped at `timeout_s`
+    (its alarm) and reported timed out, as is one that took longer and returned anyway, and
+    the worker goes on: a hung item holds its neighbours back its own timeout, not until its
+    task is killed (2 x `timeout_s` + slack) and every item scored again. No item is started
+    once `timeout_s` has passed since the first: fewer outcomes than items then, and the
+    caller schedules the rest."""
     start = time.monotonic()
     out: list[Outcome] = []
     for item in items:
         t0 = time.monotonic()
         if out and t0 - start >= timeout_s:
             break
-        ok, value = score_one(function, kwargs, item)
+        try:
+            with _alarm(timeout_s):
+                ok, value = score_one(function, kwargs, item)
+        except _ItemTimeout:
+            ok, value = False, timed_out(timeout_s)
         seconds = time.monotonic() - t0
         if seconds > timeout_s:
             ok, value = False, timed_out(timeout_s)

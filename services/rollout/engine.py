@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from asyncrl.spec import SamplingParams
+from asyncrl.spec import LoraSpec, SamplingParams
 from asyncrl.types import Completion
 from asyncrl.workflow import run_together
 
@@ -49,11 +49,19 @@ class UpdatePhases:
 class Engine(ABC):
     name: str = "engine"
     last_update: UpdatePhases = UpdatePhases()
+    """The phases of the last `update_weights` (an engine sets a new one per update)."""
     fingerprint: str = ""
     """The fingerprint (`asyncrl.fingerprint`) of the weights the engine holds, computed over
     what it loaded: set only where they were actually applied, so an update that reports
     success without applying them shows. "" where the engine cannot tell (unverified)."""
-    """The phases of the last `update_weights` (an engine sets a new one per update)."""
+    adapter_keep: int = 2
+    """LoRA: how many adapter versions stay loaded (the bound experiment's eta + 1)."""
+
+    def serve_lora(self, lora: LoraSpec | None, keep: int) -> None:
+        """Called before `load`: the experiment trains `lora` adapters (None: full-model
+        versions), and `keep` adapter versions stay loaded."""
+        self.adapter_keep = keep
+
     shares_adapters: bool = False
     """Whether it serves several LoRA experiments on its one base at once, each in its own
     lane (`update_weights(..., lane=)`, `GenRequest.lane`): the torch engine does."""

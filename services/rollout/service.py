@@ -49,7 +49,7 @@ from services.rollout.running import RunningGroup, RunningGroups
 
 log = get_logger(component="rollout")
 SERVED_KEEP = 64
-"""Versions behind the served one whose fingerprints are kept to stamp samples with."""
+"""Versions behind the served one whose fingerprints are kept to stamp groups with."""
 
 
 @dataclass
@@ -337,9 +337,11 @@ class RolloutService:
         )
         if binding.spec.rollout.workflow.chat_template and not tokenizer.chat_template:
             raise SpecError("rollout.workflow.chat_template", "the tokenizer has no chat template")
-        lora = binding.spec.trainer.lora is not None
-        lane = binding.experiment_id if lora and self.engine.shares_adapters else ""
-        if not any(other.lane for other in self.loaded.values()) or not lane:
+        lora = binding.spec.trainer.lora
+        lane = binding.experiment_id if lora is not None and self.engine.shares_adapters else ""
+        if not lane or not any(other.lane for other in self.loaded.values()):
+            keep = binding.spec.rollout.max_head_offpolicyness + 1  # adapter versions kept
+            self.engine.serve_lora(lora, keep)
             base = Path(model.path) if adapter else path  # no lane holds the base yet
             await self.engine.load(str(base), 0 if adapter else version)
         if lane or adapter:
@@ -510,8 +512,6 @@ class RolloutService:
     ) -> None:
         """To JetStream with Nats-Msg-Id = group id, before the summary goes back."""
         served = self.loaded[job.experiment_id].served
-        for s in samples:
-            s.fingerprints = stamp(s.versions, served)
         group = TrajectoryGroup(
             experiment_id=job.experiment_id,
             group_id=job.group_id,
@@ -525,6 +525,7 @@ class RolloutService:
             created_unix_ms=int(time.time() * 1000),
             rollout_worker=self.worker,
             epoch=job.epoch,
+            fingerprints=stamp((v for s in samples for v in s.versions), served),
         )
         _, summary.duplicate = await publish_group(self.js, group)
         summary.published = True

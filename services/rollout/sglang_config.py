@@ -95,6 +95,8 @@ class SGLangConfig:
         return cls(**own)
 
 
-LAUNCH_OPTIONS = tuple(f.name for f in fields(LaunchConfig) if f.name != "weight_version")
+LAUNCH_OPTIONS = tuple(
+    f.name for f in fields(LaunchConfig) if f.name not in ("weight_version", "lora")
+)
 OWN_OPTIONS = tuple(f.name for f in fields(SGLangConfig) if f.name != "launch")
 OPTIONS = tuple(sorted({*LAUNCH_OPTIONS, *OWN_OPTIONS, "launch"}))

@@ -26,6 +26,15 @@ sample is resubmitted as prompt + partial output with `max_new_tokens` reduced; 
 keeps the version that produced it. A sample whose server died mid-request is resubmitted the
 same way once the server is back.
 
+LoRA versions (`trainer.lora`): a launched child gets `--enable-lora` and the adapter flags of
+the experiment (`serve_lora`; an attached server must have been started with them). An adapter
+version is an interrupting update like a full one, pause -> `/load_lora_adapter` (a fresh
+name per load, `adapter_name`) -> continue, and every segment sent afterwards names it
+(`lora_path`): the name is chosen once the update has finished, so a segment's tokens carry
+the version of the adapter it named (not the server's `weight_version`, the base's). The newest
+`adapter_keep` (eta + 1) adapters stay loaded, older ones are unloaded; a restarted child gets
+the current adapter loaded again before it serves.
+
 Versions differ: SGLang >= 0.5.1 reports `weight_version` per response, older
 ones do not, so the version is tracked here: new segments wait while an update runs and the
 update waits (drain_timeout_s) for the aborted responses before it swaps, so a response's
@@ -46,11 +55,15 @@ from typing import Any
 import aiohttp
 
 from asyncrl.logging import get_logger
+from asyncrl.spec import LoraSpec
 from asyncrl.types import Completion
+from services.rollout.adapters import is_adapter_dir
 from services.rollout.engine import Engine, GenRequest, UpdatePhases
 from services.rollout.sglang_client import SGLangClient
 from services.rollout.sglang_config import SGLangConfig
+from services.rollout.sglang_lora import ServerAdapters
 from services.rollout.sglang_process import (
+    LoraLaunch,
     SGLangNotInstalled,
     SGLangProcess,
     installed_sglang_version,
@@ -123,6 +136,7 @@ class SGLangEngine(Engine):
         self._down = False  # attach mode: a connection failed; wait for health first
         self._rid_seq = itertools.count()  # numbers every request id sent (wire_rid)
         self.context_len: int | None = None  # as the server reports it (None: not reported)
+        self.adapters = ServerAdapters(self._request, UPDATE_TIMEOUT)
 
     # ---------------------------------------------------------------- contract
     @property
@@ -148,18 +162,32 @@ class SGLangEngine(Engine):
             self.process = None
         await self.http.close()
 
+    def serve_lora(self, lora: LoraSpec | None, keep: int) -> None:
+        """A launched child serves adapters with the experiment's rank and modules (it is
+        launched again on the next `load` if its flags differ)."""
+        super().serve_lora(lora, keep)
+        if self.launch_cfg is not None:
+            flags = None
+            if lora is not None:
+                modules = tuple(lora.target_modules)
+                flags = LoraLaunch(
+                    max_rank=lora.rank, target_modules=modules, max_per_batch=keep + 1
+                )
+            self.launch_cfg = replace(self.launch_cfg, lora=flags)
+
     async def load(self, model_dir: str, version: int) -> None:
-        """Serve `model_dir` as `version`: (re)launch the managed child on a new model, else
-        load the weights into the running server."""
+        """Serve `model_dir` as `version`: (re)launch the managed child on a new model (or new
+        LoRA flags), else load the weights into the running server. No adapter stays."""
         model_dir = str(model_dir)
+        await self.adapters.clear()
         if self._weights == (model_dir, version):
             return
-        if self.process and self._weights is None and self.launch_cfg.model_path == model_dir:
+        launched = self.process.cfg if self.process else None
+        same = launched is not None and launched.lora == self.launch_cfg.lora
+        if same and self._weights is None and launched.model_path == model_dir:
             self._weights, self._version = (model_dir, version), version  # launched with it
             return
-        if self.launch_cfg is not None and (
-            self.process is None or self.launch_cfg.model_path != model_dir
-        ):
+        if self.launch_cfg is not None and not (same and launched.model_path == model_dir):
             if self.process:
                 await self.process.stop()
                 self.process = None
@@ -191,6 +219,7 @@ class SGLangEngine(Engine):
                     continue
                 finally:
                     self._serving.set()
+                await self.adapters.keep(self.adapter_keep)
                 log.info("weights_updated", version=version, interrupted=len(pending))
                 return len(pending)
 
@@ -207,7 +236,10 @@ class SGLangEngine(Engine):
                 if late:
                     log.warning("abort_drain_timeout", late=len(late))
             paused = time.perf_counter()
-            if self.config.weight_sync == "nccl":
+            if is_adapter_dir(model_dir):
+                await self.adapters.load(model_dir, version)
+                self._version = version
+            elif self.config.weight_sync == "nccl":
                 await self._apply_distributed(model_dir, version)
             else:
                 await self._apply_from_disk(model_dir, version)
@@ -235,10 +267,12 @@ class SGLangEngine(Engine):
                 if out_ids and full:
                     break  # the resumed sample fills the model's context: "length"
                 rid = wire_rid(req.rid, segment, next(self._rid_seq))
-                body = generate_body(req, rid, out_ids, stop_ids, self.context_len)
+                body = functools.partial(
+                    generate_body, req, rid, out_ids, stop_ids, self.context_len
+                )
                 segment += 1
                 try:
-                    ids, seg_lps, finish, meta, served = await self._generate_segment(rid, body)
+                    ids, seg_lps, finish, version = await self._generate_segment(rid, body)
                 except aiohttp.ClientConnectionError as exc:
                     # The server died (a managed child is being restarted) or the network
                     # failed: resubmit prompt + the tokens we have once it answers again.
@@ -252,7 +286,7 @@ class SGLangEngine(Engine):
                 lost_since = None
                 out_ids += ids
                 lps += seg_lps
-                versions += [self._segment_version(meta, served)] * len(ids)
+                versions += [version] * len(ids)
                 if finish != "abort":
                     break
                 if ids and ids[-1] in stop_ids:
@@ -273,12 +307,15 @@ class SGLangEngine(Engine):
             self._running -= 1
 
     # ---------------------------------------------------------------- generation
-    async def _generate_segment(self, rid: str, body: dict):
-        """One /generate call. Returns (ids, logprobs, finish, meta, version served when the
-        answer arrived). An abort is a result only when a weight update caused it."""
+    async def _generate_segment(self, rid: str, build):
+        """One /generate call, its body `build(adapter=...)` once no update runs. Returns (ids,
+        logprobs, finish, the version that generated them). An abort is a result only when a
+        weight update caused it."""
         while not self._serving.is_set() or self._server_waiting():
             await self._serving.wait()
             await self._wait_server()
+        body = build(adapter=self.adapters.current)
+        adapter_version = self.adapters.version
         updates = self._updates
         done = asyncio.get_running_loop().create_future()
         self._inflight[rid] = done
@@ -311,7 +348,9 @@ class SGLangEngine(Engine):
         if finish == "abort" and self._serving.is_set() and self._updates == updates:
             reason = (meta.get("finish_reason") or {}).get("message", "aborted by the server")
             raise SGLangError(f"/generate {rid}: aborted outside a weight update: {reason}")
-        return ids, lps, finish, meta, served
+        if adapter_version is not None:
+            return ids, lps, finish, adapter_version
+        return ids, lps, finish, self._segment_version(meta, served)
 
     def _segment_version(self, meta: dict, served: int) -> int:
         reported = meta.get("weight_version")
@@ -348,13 +387,15 @@ class SGLangEngine(Engine):
         log.info("sglang_launched", url=self.process.url, model=model_dir, version=version)
 
     async def _reapply(self) -> None:
-        """After a restart: the child serves its launch model; put the current weights back."""
+        """After a restart: the child serves its launch model and no adapter; put the current
+        weights (and adapter) back."""
         self._group_ready = False  # the collective group died with the old server
         launched = (self.launch_cfg.model_path, self.launch_cfg.weight_version)
         if self._weights and self._weights != launched:
             model_dir, version = self._weights
             await self._update_from_disk(model_dir, version)
             log.info("weights_reapplied", model=model_dir, version=version)
+        await self.adapters.reload()
 
     def _server_waiting(self) -> bool:
         """True when the server is (or may be) down and `_wait_server` would block."""

@@ -22,10 +22,12 @@ from dataclasses import dataclass, field, replace
 
 import aiohttp
 
-from asyncrl.logging import get_logger
+from asyncrl.logging import get_logger, keep_running
 from asyncrl.net import free_port
 
 log = get_logger(component="sglang_process")
+WATCH_RETRY_S = 1.0
+"""Pause before the watcher's next pass after one that raised (`keep_running`)."""
 
 SGLANG_MISSING = (
     "sglang is not installed: pip install 'sglang[all]' on a CUDA machine, or use --sglang-url "
@@ -92,10 +94,33 @@ def sglang_launchable() -> bool:
     return installed_sglang_version() is not None and importlib.util.find_spec("triton") is not None
 
 
+@dataclass(frozen=True)
+class LoraLaunch:
+    """The LoRA flags of a server that serves adapters: `--enable-lora --max-lora-rank R
+    --lora-target-modules M... --max-loras-per-batch N` (SGLang sizes its adapter memory pool
+    by them at launch; an adapter of a higher rank or other modules is refused at load)."""
+
+    max_rank: int
+    target_modules: tuple[str, ...]
+    max_per_batch: int = 8
+    """Adapters in one running batch, the base counting as one (SGLang's default 8)."""
+
+    def argv(self) -> list[str]:
+        return [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(self.max_rank),
+            "--lora-target-modules",
+            *self.target_modules,
+            "--max-loras-per-batch",
+            str(self.max_per_batch),
+        ]
+
+
 @dataclass
 class LaunchConfig:
     """How to start the SGLang server (the `--engine-opt` launch options are its fields, but
-    `weight_version`, which the engine sets)."""
+    `weight_version` and `lora`, which the engine sets)."""
 
     model_path: str = ""
     """HuggingFace model directory served first; empty: launch on the experiment's first
@@ -112,6 +137,8 @@ class LaunchConfig:
     """`--random-seed`."""
     weight_version: int | None = None
     """Version label of `model_path` (`--weight-version`, SGLang >= 0.5.1)."""
+    lora: LoraLaunch | None = None
+    """LoRA serving, from the bound experiment's `trainer.lora` (`SGLangEngine.serve_lora`)."""
     extra_args: list[str] = field(default_factory=list)
     """More `sglang.launch_server` flags, passed through verbatim."""
     launch_cmd: list[str] | None = None
@@ -143,6 +170,8 @@ def build_command(cfg: LaunchConfig, sglang_version: tuple[int, int, int]) -> li
     ]
     if cfg.weight_version is not None and sglang_version >= (0, 5, 1):
         cmd += ["--weight-version", str(cfg.weight_version)]
+    if cfg.lora is not None:
+        cmd += cfg.lora.argv()
     return cmd + list(cfg.extra_args)
 
 
@@ -274,30 +303,42 @@ class SGLangProcess:
                 pass
 
     async def _watch(self) -> None:
-        """Restart the child whenever it dies; give up after max_restarts failed starts."""
-        while not self._stopping:
-            code = await self._proc.wait()
-            if self._stopping:
-                return
-            self.ready.clear()
-            log.warning("sglang_died", code=code, url=self.url)
-            await self._kill(graceful=False)
-            failures = 0
-            while True:
-                self.restarts += 1
-                try:
-                    await self._spawn_until_healthy()
-                    if self.on_restart:
-                        await self.on_restart()
-                    break
-                except Exception as exc:  # noqa: BLE001 - retried, then reported via failure
-                    failures += 1
-                    log.warning("sglang_restart_failed", attempt=failures, error=str(exc))
-                    await self._kill(graceful=False)
-                    if failures >= self.max_restarts:
-                        self.failure = exc
-                        self.ready.set()  # wake waiters; they check `failure`
-                        return
-                    await asyncio.sleep(min(2.0**failures, 30.0))
-            log.info("sglang_restarted", restarts=self.restarts, pid=self.pid)
-            self.ready.set()
+        """Restart the child whenever it dies (`_watch_once`), until stopped or given up; an
+        error a pass did not handle is logged and the next pass runs, never ending the
+        supervision in silence."""
+        await keep_running(
+            "sglang_watch",
+            self._watch_once,
+            log,
+            retry_s=WATCH_RETRY_S,
+            until=lambda: self._stopping or self.failure is not None,
+        )
+
+    async def _watch_once(self) -> None:
+        """Wait for the child to die (it is dead already when a pass before failed midway),
+        then restart it; give up after max_restarts failed starts."""
+        code = await self._proc.wait() if self._proc is not None else None
+        if self._stopping:
+            return
+        self.ready.clear()
+        log.warning("sglang_died", code=code, url=self.url)
+        await self._kill(graceful=False)
+        failures = 0
+        while True:
+            self.restarts += 1
+            try:
+                await self._spawn_until_healthy()
+                if self.on_restart:
+                    await self.on_restart()
+                break
+            except Exception as exc:  # noqa: BLE001 - retried, then reported via failure
+                failures += 1
+                log.warning("sglang_restart_failed", attempt=failures, error=str(exc))
+                await self._kill(graceful=False)
+                if failures >= self.max_restarts:
+                    self.failure = exc
+                    self.ready.set()  # wake waiters; they check `failure`
+                    return
+                await asyncio.sleep(min(2.0**failures, 30.0))
+        log.info("sglang_restarted", restarts=self.restarts, pid=self.pid)
+        self.ready.set()

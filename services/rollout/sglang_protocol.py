@@ -13,6 +13,11 @@ What the server refuses, and what this module does about it (SGLang 0.5.23):
   reports (`GET /v1/models` -> `max_model_len`), `max_new_tokens` is clamped so that
   prompt + max_new_tokens <= context (the sample then ends with "length"); a prompt that does
   not fit at all (prompt >= context) fails with `PromptTooLong`, giving both lengths.
+- LoRA (`--enable-lora`): an adapter is loaded under a name (`/load_lora_adapter`), named per
+  request (`lora_path`), unloaded by name; a name in use is refused ("already loaded"), so every
+  load gets a new one (`adapter_name`). A request naming an adapter that was unloaded makes the
+  server load it again from its path (`_resolve_lora_path`): the engine names only the adapter
+  it serves, chosen after any update has finished.
 - `/abort_request` matches request ids by prefix: aborting `g:1` aborts `g:10` too. Every id
   we send is `wire_rid(...)`: length-prefixed and numbered per engine, so no id we send is a
   prefix of another.
@@ -95,6 +100,20 @@ def wire_rid(rid: str, segment: int, seq: int) -> str:
     return f"{len(body)}:{body}"
 
 
+def adapter_name(version: int, load: int) -> str:
+    """The name adapter `version` is loaded under, `load` being the engine's count of adapter
+    loads: a version published again (after a rewind) never meets its old name."""
+    return f"asyncrl-v{version}-{load}"
+
+
+def lora_load_body(name: str, path: str) -> dict:
+    return {"lora_name": name, "lora_path": path}
+
+
+def lora_unload_body(name: str) -> dict:
+    return {"lora_name": name}
+
+
 def sglang_top_k(top_k: int) -> int:
     """The spec's top_k as SGLang takes it: 0 and -1 both mean "no top-k filter" (-1)."""
     return -1 if top_k <= 0 else top_k
@@ -123,14 +142,21 @@ def max_new_within(prompt_len: int, max_new: int, context: int | None) -> int:
 
 
 def generate_body(
-    req, rid: str, done: list[int], stop_ids: list[int], context: int | None = None
+    req,
+    rid: str,
+    done: list[int],
+    stop_ids: list[int],
+    context: int | None = None,
+    adapter: str | None = None,
 ) -> dict:
     """The /generate request of the segment of `req` (a GenRequest) that continues after the
-    tokens `done`, `rid` being its wire id (`wire_rid`)."""
+    tokens `done`, `rid` being its wire id (`wire_rid`), under the LoRA adapter loaded as
+    `adapter` (None: the base)."""
     p = req.params
     check_stops(p)
     input_ids = list(req.input_ids) + done
     return {
+        **({"lora_path": adapter} if adapter else {}),
         "input_ids": input_ids,
         "rid": rid,
         "return_logprob": True,
@@ -244,7 +270,8 @@ def parse_json(text: str) -> Any:
 
 def error_message(status: int, body: str) -> str:
     """The human part of an SGLang error answer: {"message"}, {"error": {"message"}},
-    {"error": "..."} (the /generate schema check) or FastAPI's {"detail": [...]} (a 422)."""
+    {"error": "..."} (the /generate schema check), {"error_message"} (the LoRA routes'
+    LoRAUpdateOutput) or FastAPI's {"detail": [...]} (a 422)."""
     try:
         data = json.loads(body)
     except ValueError:
@@ -257,6 +284,8 @@ def error_message(status: int, body: str) -> str:
             return error
         if "message" in data:
             return str(data["message"])
+        if data.get("error_message"):
+            return str(data["error_message"])
         if isinstance(data.get("detail"), list):
             return "; ".join(_detail(d) for d in data["detail"])
     return str(data)

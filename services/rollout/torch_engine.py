@@ -60,7 +60,7 @@ import torch
 from transformers import DynamicCache
 
 from asyncrl import fingerprint
-from asyncrl.logging import get_logger
+from asyncrl.logging import get_logger, keep_running
 from asyncrl.spec import SamplingParams
 from asyncrl.types import Completion
 from asyncrl.weights import load_state_dict_files
@@ -70,6 +70,8 @@ from services.rollout.kv_pool import ATTENTION, KVPool, prefill_buckets
 from services.rollout.torch_slots import EngineCounters, Op, Slot
 
 log = get_logger(component="torch_engine")
+LOOP_RETRY_S = 0.1
+"""Pause before the loop's next pass after one that raised (`keep_running`)."""
 
 PREFILL_TOKENS = 8192
 """Padded tokens per prefill forward (a longer request is prefilled alone)."""
@@ -210,7 +212,9 @@ class TorchEngine(Engine):
 
     async def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="torch-engine-loop")
+            # an error a pass did not handle is logged, and the next pass runs (never silent)
+            loop = keep_running("torch_engine", self._pass, log, retry_s=LOOP_RETRY_S)
+            self._task = asyncio.create_task(loop, name="torch-engine-loop")
 
     async def stop(self) -> None:
         self._news = True  # a run in the worker thread ends at its next token boundary
@@ -310,42 +314,42 @@ class TorchEngine(Engine):
         if slot in self._waiting:
             self._waiting.remove(slot)
 
-    async def _loop(self) -> None:
-        while True:
-            await self._wake.wait()
-            while self._ops:  # token boundary: apply model changes first
-                await self._apply(self._ops.pop(0))
-            while self._waiting and len(self._slots) < self.max_batch:
-                slot = self._waiting.pop(0)
-                slot.version = self.version_of(slot.req.lane)
-                self._slots[slot.req.rid] = slot
-            if not self._slots:
-                if not self._ops and not self._waiting:
-                    self._wake.clear()
-                continue
-            batch = list(self._slots.values())
-            self._news = False
-            try:
-                finished = await asyncio.to_thread(self._run, batch)
-            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests
-                log.exception("step_failed", n=len(batch))
-                for slot in batch:
-                    self._discard(slot)
-                    if not slot.future.done():
-                        slot.future.set_exception(exc)
-                continue
-            for slot, reason in finished:
+    async def _pass(self) -> None:
+        """One pass of the engine's loop (`start`): model changes, admissions, a run of steps."""
+        await self._wake.wait()
+        while self._ops:  # token boundary: apply model changes first
+            await self._apply(self._ops.pop(0))
+        while self._waiting and len(self._slots) < self.max_batch:
+            slot = self._waiting.pop(0)
+            slot.version = self.version_of(slot.req.lane)
+            self._slots[slot.req.rid] = slot
+        if not self._slots:
+            if not self._ops and not self._waiting:
+                self._wake.clear()
+            return
+        batch = list(self._slots.values())
+        self._news = False
+        try:
+            finished = await asyncio.to_thread(self._run, batch)
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests
+            log.exception("step_failed", n=len(batch))
+            for slot in batch:
                 self._discard(slot)
                 if not slot.future.done():
-                    slot.future.set_result(
-                        Completion(
-                            output_ids=slot.output_ids,
-                            logprobs=slot.logprobs,
-                            versions=slot.versions,
-                            finish_reason=reason,
-                            interruptions=slot.interruptions,
-                        )
+                    slot.future.set_exception(exc)
+            return
+        for slot, reason in finished:
+            self._discard(slot)
+            if not slot.future.done():
+                slot.future.set_result(
+                    Completion(
+                        output_ids=slot.output_ids,
+                        logprobs=slot.logprobs,
+                        versions=slot.versions,
+                        finish_reason=reason,
+                        interruptions=slot.interruptions,
                     )
+                )
 
     async def _apply(self, op: Op) -> None:
         try:

@@ -141,10 +141,9 @@ class CommitHandler:
         if self.lifecycle.stopping:
             return
         self.hooks.enter(Phase.FINISHING, reason=reason)
-        fleet, batch = self.fleet, self.spec.trainer.batch_size
-        untrained = self.dispatcher.staleness.counts.accepted - fleet.committed_version * batch
-        self.book.left_over = max(0, untrained)
+        fleet = self.fleet
         cancelled = self.dispatcher.cancel(training_only=True)
+        self.book.left_over = self.dispatcher.left_over_at_end(self.book.trained_groups)
         self.log.info(
             "experiment_finishing", reason=reason, version=fleet.version, cancelled=cancelled
         )
@@ -153,14 +152,12 @@ class CommitHandler:
         self.hooks.changed()
 
     def outcome(self) -> tuple[Phase, str]:
-        """COMPLETED with the finish reason (and the groups left over), or FAILED when no step
-        was trained, saying what happened to the groups."""
+        """COMPLETED with the finish reason, or FAILED when no step was trained, saying what
+        happened to the groups (the run's end adds the prompts left over: `left_over_note`)."""
         counts, batch = self.dispatcher.staleness.counts, self.spec.trainer.batch_size
-        reason = finish_reason = self.lifecycle.reason  # FINISHING's
-        if self.book.left_over:
-            reason += f"; {self.book.left_over} accepted groups left over, never trained"
+        finish_reason = self.lifecycle.reason  # FINISHING's
         if self.fleet.version > 0 or self.record.history:
-            return Phase.COMPLETED, reason
+            return Phase.COMPLETED, finish_reason
         told = (
             f"{counts.accepted} groups accepted (batch_size={batch}), {counts.rejected}"
             f" filtered, {counts.failed} failed"
@@ -169,3 +166,12 @@ class CommitHandler:
         if top:
             told += " (" + "; ".join(f"{n}x {why}" for why, n in top) + ")"
         return Phase.FAILED, f"trained nothing: {finish_reason}: {told}"
+
+
+def left_over_note(phase: Phase, message: str, left_over: int) -> str:
+    """The final message of a run that ends `phase` with `left_over` prompts left over (the
+    figure `status` and the ledger show): said after a completed or cancelled run's reason; a
+    failed run's message is its failure (the figure is in its progress)."""
+    if left_over and phase is not Phase.FAILED:
+        return f"{message}; {left_over} prompts left over, never trained"
+    return message

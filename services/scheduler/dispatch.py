@@ -75,9 +75,11 @@ class Dispatcher:
     ):
         self.record = record
         self.ledger = ledger
-        self._left_over = 0
-        """Groups and prompts this run wrote to the ledger as left over (`cancel`)."""
         """Where every training group's fate is recorded (asyncrl.ledger)."""
+        self._left_over: set[tuple[int, int]] = set()
+        """The prompts (epoch, index) this run wrote to the ledger as left over (`cancel`),
+        each once, as the ledger counts them: a run cancels twice (as it begins finishing and
+        as it ends), and a prompt re-queued then is still waiting the second time."""
         self.spec = spec
         self.prompts = prompts
         self.eval_prompts = eval_prompts
@@ -326,10 +328,11 @@ class Dispatcher:
                 self.staleness.on_cancel()
                 self._aborted.add(item.group_id)
         self.sender.withdraw(items)
-        cancelled = [i.group_id for i in items if how == "cancel" and i.ticket is not None]
+        cancelled = [i for i in items if how == "cancel" and i.ticket is not None]
         if cancelled:
-            self.ledger.emit("left_over", groups=cancelled, reason="in flight when the run ended")
-            self._left_over += len(cancelled)
+            groups = [i.group_id for i in cancelled]
+            self.ledger.emit("left_over", groups=groups, reason="in flight when the run ended")
+            self._left_over.update((i.ticket.epoch, i.ticket.index) for i in cancelled)
         return len(items)
 
     def _stale(self, item: InFlight) -> None:
@@ -371,16 +374,18 @@ class Dispatcher:
     def cancel(self, training_only: bool) -> int:
         """The run is over: cancel groups in flight; not counted as drops, not re-queued.
         Prompts re-queued and not dispatched again are left over too."""
-        waiting = [[t.epoch, t.index] for t in self.cursor.requeued]
+        waiting = {(t.epoch, t.index) for t in self.cursor.requeued} - self._left_over
         if waiting:
-            self.ledger.emit("left_over", prompts=waiting, reason="re-queued when the run ended")
-            self._left_over += len(waiting)
+            prompts = [list(key) for key in sorted(waiting)]
+            self.ledger.emit("left_over", prompts=prompts, reason="re-queued when the run ended")
+            self._left_over |= waiting
         return self._end(lambda i: i.ticket is not None or not training_only, "cancel")
 
     def left_over_at_end(self, trained_groups: int) -> int:
         """The prompts the ledger counts left over once the run ended: what `cancel` wrote as
-        left over, and the accepted groups never trained (the trainer writes those)."""
-        return self._left_over + max(0, self.staleness.counts.accepted - trained_groups)
+        left over, and the accepted groups never trained (the trainer writes those as it
+        stops). The one figure of left over: `status`, the final message and the ledger."""
+        return len(self._left_over) + max(0, self.staleness.counts.accepted - trained_groups)
 
     def report_dropped(self, group_ids: list[str]) -> int:
         """The trainer dropped accepted groups as too stale: free capacity, re-queue prompts.

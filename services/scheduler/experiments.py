@@ -29,7 +29,7 @@ from asyncrl.runlog import RunLog, run_dir
 from asyncrl.spec import ExperimentSpec
 from services.scheduler.authority import TrainerAuthority
 from services.scheduler.calls import BindRefused, WorkerCalls
-from services.scheduler.commits import CommitHandler, RunnerHooks
+from services.scheduler.commits import CommitHandler, RunnerHooks, left_over_note
 from services.scheduler.context import RunnerContext
 from services.scheduler.dataset import Prompt
 from services.scheduler.dispatch import Dispatcher, DispatchHooks
@@ -108,6 +108,7 @@ class ExperimentRunner:
         self.fleet = Fleet(
             self.calls, record, ctx.registry, life, moved, ctx.fleet_seconds, self.log
         )
+        hooks = {"changed": self._changed, "fence": self._fence, "freed": ctx.slot_freed}
         self.dispatcher = Dispatcher(
             record,
             spec,
@@ -115,12 +116,7 @@ class ExperimentRunner:
             eval_prompts,
             self.calls,
             ctx.registry,
-            DispatchHooks(
-                changed=self._changed,
-                fence=self._fence,
-                eval_done=self.book.add_eval,
-                freed=ctx.slot_freed,
-            ),
+            DispatchHooks(**hooks, eval_done=self.book.add_eval),
             self.log,
             lambda: self.version,
             Ledger(ctx.js, record.id),
@@ -444,6 +440,7 @@ class ExperimentRunner:
             self.registry.release(w, self.id)  # a terminal experiment must hold no worker
         await self.book.close_logs()  # complete when a client sees the end
         self.book.left_over = self.dispatcher.left_over_at_end(self.book.trained_groups)
+        message = left_over_note(phase, message, self.book.left_over)
         self._enter(phase, message=message)
         self.log.info(
             "experiment_ended", state=self.state.value, message=message, version=self.version

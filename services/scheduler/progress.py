@@ -33,7 +33,7 @@ class ProgressBook:
         self.staleness_max = saved.staleness_max
         self.stale_groups = saved.stale_groups
         self.left_over = saved.left_over
-        """Accepted groups never trained (set when the run begins finishing)."""
+        """Prompts left over (`Dispatcher.left_over_at_end`; set as the run finishes, ends)."""
         self._subscribers: set[asyncio.Queue] = set()
 
     def progress(

@@ -71,7 +71,7 @@ class Progress(GroupCounters):
     left_over: int = 0
     """Prompts left over when the run ended, as the ledger counts them: groups cancelled in
     flight, prompts re-queued and not dispatched again, accepted groups never trained
-    (`Dispatcher.left_over_at_end`; while finishing: the accepted groups never trained)."""
+    (`Dispatcher.left_over_at_end`, the one figure: the final message says it too)."""
 
 
 @dataclass

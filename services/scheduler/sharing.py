@@ -26,9 +26,10 @@ POOL = "lora:"
 
 
 def pool_key(runner: ExperimentRunner) -> str:
-    """The unit an experiment's rollouts belong to: its own id (full-parameter), or the pool of
+    """The unit an experiment's rollouts belong to: its own id (full-parameter, or LoRA on the
+    SGLang engine, whose adapters are not per experiment here), or the pool of torch-engine
     LoRA experiments on the same base model and tokenizer."""
-    if runner.spec.trainer.lora is None:
+    if runner.spec.trainer.lora is None or runner.spec.rollout.engine != "torch":
         return runner.id
     model = runner.spec.model
     return f"{POOL}{model.path}|{model.tokenizer_path or ''}"
@@ -50,7 +51,7 @@ def unit_rollouts(members: list[ExperimentRunner]) -> list[Worker]:
 def give(registry: Registry, worker: Worker, members: list[ExperimentRunner], log) -> None:
     """Bind `worker` to a unit: to its one full-parameter experiment, or shared with every
     experiment of a pool; each loads its weights (`attach_rollout`)."""
-    pooled = bool(members) and members[0].spec.trainer.lora is not None
+    pooled = bool(members) and pool_key(members[0]).startswith(POOL)
     for runner in members:
         if pooled and not registry.share(worker, runner.id):
             continue  # it fenced this rollout a moment ago

@@ -125,6 +125,28 @@ restarted scheduler holds the trainer's commit until it answers) with the newest
 weights are written (its fleet loads them; the commits in flight follow)."""
 
 
+LEDGER_WAIT_S = 2.0
+"""How long a periodic checkpoint waits for the ledger to store the steps trained."""
+
+
+async def ledger_behind(ledger: Ledger, step: int, log) -> bool:
+    """Whether the ledger has still not stored every step trained after `LEDGER_WAIT_S` (NATS
+    away): a periodic checkpoint is skipped then. One ahead of the ledger, then a crash, and
+    the steps it holds would never be recorded trained (the ledger would say their groups
+    were lost)."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(ledger.flush(), LEDGER_WAIT_S)  # the writer itself goes on
+    if not ledger.unstored:
+        return False
+    log.warning(
+        "checkpoint_skipped",
+        step=step,
+        reason=f"ledger events not stored after {LEDGER_WAIT_S:g}s (NATS away?)",
+        unstored=ledger.unstored,
+    )
+    return True
+
+
 class TrainerService:
     """State and training loop of one trainer; the gRPC servicer is a thin layer over it."""
 
@@ -448,7 +470,7 @@ class TrainerService:
             await self._wait_published()  # the last version: its answer says stop
         if not self._stop.is_set() and self.step % self.spec.trainer.checkpoint_every == 0:
             self._stage = "checkpoint"
-            await self._checkpoint()
+            await self._checkpoint(periodic=True)
         self.state = TrainerState.WAITING
 
     def _step(self, groups: list[TrajectoryGroup]) -> tuple[dict[str, float], float, dict]:
@@ -475,7 +497,8 @@ class TrainerService:
         self._observe("commit", commit_s)
         self._after = replace(self._after, commit_s=commit_s)
         fields = {"run": self.run_id, "fingerprint": fp, **sample_fingerprints(groups)}
-        await self.ledger.record("trained", step=m.step, version=m.version, **fields)
+        # stored in the background, retried while NATS is away (`ledger_behind`)
+        self.ledger.emit("trained", step=m.step, version=m.version, **fields)
         if resp.stop:
             self.log.info(
                 "scheduler_says_stop", version=m.version, fleet_version=resp.fleet_version
@@ -497,9 +520,12 @@ class TrainerService:
         self.phases.labels(self.experiment_id, phase).observe(seconds)
 
     # -- side effects ---------------------------------------------------------------------------
-    async def _checkpoint(self) -> Path:
-        """Checkpoint the step boundary, once every version trained is committed."""
+    async def _checkpoint(self, periodic: bool = False) -> Path | None:
+        """Checkpoint the step boundary once every version is committed and in the ledger."""
         await self._wait_published()
+        if periodic and await ledger_behind(self.ledger, self.step, self.log):
+            return None  # skipped: the next one is `checkpoint_every` steps on
+        await self.ledger.flush()
         state = CheckpointState(
             experiment_id=self.experiment_id,
             step=self.step,

@@ -25,6 +25,8 @@ rollout engine relies on (tests/integration/test_sglang_fake_strict.py catches e
   0.5.21 only inside a `/begin_weight_update` ... `/end_weight_update` session (a 400 outside
   one; a second begin while one is open is a 400). A control body that is missing, or lacks a
   field its io_struct type requires, is a 422.
+- LoRA (`--enable-lora`, `/load_lora_adapter`, `/unload_lora_adapter`, `lora_path` per
+  request), as tests/fakes/sglang_lora.py says.
 - Version differences: weight_version from 0.5.1, a pause `mode` body from 0.5.5,
   `/model_info` from 0.5.9 (`/get_model_info` before), the update session from 0.5.21.
 - Logprobs as SGLang computes them: temperature-scaled by default, the unscaled log-softmax
@@ -61,6 +63,7 @@ import torch
 from aiohttp import web
 
 from asyncrl.net import free_port
+from tests.fakes.sglang_lora import LoraFlags, LoraRoutes
 from tests.fakes.sglang_rules import (
     PAUSE_MODES,
     HttpError,
@@ -86,9 +89,10 @@ class _Request:
     rid: str
     started: bool = False  # past the pause gate: holds SGLang's reader lock until it answers
     aborted: bool = False
+    adapter: str | None = None  # the LoRA adapter it runs under (None: the base)
 
 
-class FakeSGLang(WeightRoutes):
+class FakeSGLang(WeightRoutes, LoraRoutes):
     def __init__(
         self,
         model_path: str | Path,
@@ -101,6 +105,7 @@ class FakeSGLang(WeightRoutes):
         return_original_logprob: bool | None = None,
         pause_poll_s: float = 1.0,
         health_timeout_s: float = 20.0,
+        lora: LoraFlags | None = None,
     ):
         self.sglang_version = sglang_version
         self.api = parse_version(sglang_version)
@@ -134,6 +139,7 @@ class FakeSGLang(WeightRoutes):
         self._gate = asyncio.Condition()
         self._runner: web.AppRunner | None = None
         self._loading: asyncio.Task | None = None
+        self._lora_init(lora)
 
     # ---------------------------------------------------------------- lifecycle
     def app(self) -> web.Application:
@@ -156,6 +162,8 @@ class FakeSGLang(WeightRoutes):
             r.add_post("/begin_weight_update", self.begin_weight_update)
             r.add_post("/end_weight_update", self.end_weight_update)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/load_lora_adapter", self.load_lora_adapter)
+        r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
         r.add_get("/fake_stats", self.fake_stats)
         r.add_get("/fake_weights", self.fake_weights)
         r.add_get("/fake_calls", self.fake_calls)
@@ -277,21 +285,27 @@ class FakeSGLang(WeightRoutes):
             raise HttpError(400, "this fake serves one sample per request (no batch, n=1)")
         if self.model is None:
             raise HttpError(503, "the server is still starting")
-        answer = await self._one(ids, sp, body.get("rid"), bool(body.get("return_logprob")))
+        adapter = await self.resolve_adapter(body.get("lora_path"))
+        answer = await self._one(
+            ids, sp, body.get("rid"), bool(body.get("return_logprob")), adapter
+        )
         if self.mangle is not None:
             answer = self.mangle(answer)
             if isinstance(answer, str):
                 return web.Response(text=answer)
         return web.json_response(answer)
 
-    async def _one(self, ids: list[int], sp: dict, rid: str | None, logprob: bool) -> dict:
+    async def _one(
+        self, ids: list[int], sp: dict, rid: str | None, logprob: bool, adapter: str | None
+    ) -> dict:
         if not ids:
             raise HttpError(400, "input_ids is empty")
         if rid is not None and any(r.rid == rid for r in self.requests):
             raise HttpError(400, f"Duplicate request ID detected: {rid}")
-        req = _Request(rid or uuid.uuid4().hex)
+        req = _Request(rid or uuid.uuid4().hex, adapter=adapter)
         self.requests.append(req)
         self.stats["requests"] += 1
+        self.adapter_users[adapter] += 1
         try:
             await self._wait_for(lambda: req.aborted or not (self.paused or self.updating))
             max_new = 128 if sp.get("max_new_tokens") is None else int(sp["max_new_tokens"])
@@ -302,17 +316,17 @@ class FakeSGLang(WeightRoutes):
         finally:
             req.started = False
             self.requests.remove(req)
+            self.adapter_users[adapter] -= 1
             await self._changed()
         if req.aborted:  # the answer travels back after the scheduler dropped the request
             await asyncio.sleep(self.abort_delay_s)
         return answer
 
     async def _decode(self, req: _Request, ids: list[int], sp: dict, logprob: bool) -> dict:
-        model = self.model  # no swap while a request runs
         max_new = sp["max_new_tokens"]
         stop_ids = set(sp.get("stop_token_ids") or [])
         if not sp.get("ignore_eos", False):
-            eos = model.config.eos_token_id
+            eos = self.model.config.eos_token_id  # no swap while a request runs
             stop_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         stops = sp["stop"]
         seed = int(sp.get("sampling_seed") or self.random_seed)
@@ -329,7 +343,8 @@ class FakeSGLang(WeightRoutes):
                 finish = {"type": "abort", "message": "Abort before or during generation."}
                 break
             with torch.inference_mode():
-                res = model(input_ids=torch.tensor([feed]), past_key_values=cache, use_cache=True)
+                inputs = {"input_ids": torch.tensor([feed]), "past_key_values": cache}
+                res = self.forward(req.adapter, **inputs, use_cache=True)
             cache = res.past_key_values
             token, lp = sample(res.logits[0, -1].float(), sp, gen, self.original_logprob)
             out.append(token)
@@ -503,6 +518,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--abort-delay-s", type=float, default=0.0)
     p.add_argument("--pause-poll-s", type=float, default=1.0)
     p.add_argument("--health-timeout-s", type=float, default=20.0)
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-lora-rank", type=int)
+    p.add_argument("--lora-target-modules", nargs="*", default=[])
     args, ignored = p.parse_known_args(argv)  # --tp-size, --mem-fraction-static, ...
     logging.basicConfig(level=logging.INFO, format="fake_sglang %(message)s")
     log.info("starting on %s:%s (ignoring %s)", args.host, args.port, " ".join(ignored))
@@ -518,6 +536,9 @@ def main(argv: list[str] | None = None) -> None:
             random_seed=args.random_seed,
             pause_poll_s=args.pause_poll_s,
             health_timeout_s=args.health_timeout_s,
+            lora=LoraFlags(args.max_lora_rank, tuple(args.lora_target_modules))
+            if args.enable_lora
+            else None,
         )
         await fake.start(args.host, args.port)
         stop = asyncio.Event()

@@ -84,6 +84,7 @@ class WeightRoutes:
 
         async def swap():
             self.model, self.model_path = new, path
+            self.base_swapped()  # LoRA adapters go onto the new base
 
         await self._exclusive(body, swap)
         self.stats["updates"] += 1

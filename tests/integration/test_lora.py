@@ -12,16 +12,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl import fingerprint
-from asyncrl.spec import LoraSpec, SamplingParams
+from asyncrl.spec import LoraSpec
 from asyncrl.tiny import build_tiny_model
 from services.rollout.adapters import AdapterBank, read_adapter
-from services.rollout.engine import GenRequest
 from services.rollout.torch_engine import TorchEngine
 from services.trainer import lora
-from services.trainer.publish import write_version
-
-EXP = "exp-lora"
-LORA = LoraSpec(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
+from tests.lora_models import EXP, LORA, greedy, peft_greedy, peft_model, publish
 
 
 @pytest.fixture(scope="module")
@@ -29,26 +25,6 @@ def base(tmp_path_factory):
     d = tmp_path_factory.mktemp("base") / "model"
     build_tiny_model(d, seed=0)
     return d
-
-
-def peft_model(base, seed: int, std: float = 0.5, spec: LoraSpec = LORA):
-    """The base with a LoRA adapter whose B is random (peft starts B at zero: no change)."""
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    model = lora.wrap(model, spec)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
-    return model
-
-
-def publish(root, base, version: int, model) -> tuple[str, str]:
-    """The adapter as the trainer publishes a version: (directory, manifest fingerprint)."""
-    uri = write_version(root, EXP, version, lora.adapter_files(model), base, keep=8)
-    d = root / EXP / f"v{version:06d}"
-    assert uri == d.as_uri()
-    return str(d), fingerprint.read_manifest(d)
 
 
 def test_version_is_the_adapter_alone_and_its_fingerprint_is_the_engines(tmp_path, base):
@@ -116,18 +92,6 @@ def test_read_adapter_refuses_what_the_bank_cannot_apply(tmp_path, base):
     )
     with pytest.raises(ValueError, match="use_dora=True is not supported"):
         read_adapter(d)
-
-
-def greedy(rid: str, prompt: list[int], n: int = 8) -> GenRequest:
-    return GenRequest(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=n))
-
-
-@torch.no_grad()
-def peft_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 async def test_adapter_update_changes_what_the_engine_samples(tmp_path, base):

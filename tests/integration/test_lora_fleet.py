@@ -86,7 +86,7 @@ async def test_adapter_never_applied_is_fenced_the_honest_rollout_serves_it(
     ("section", "value", "named"),
     [
         ("trainer", {"backend": "megatron"}, "'megatron'"),
-        ("rollout", {"engine": "sglang"}, "'sglang'"),
+        ("trainer", {"weight_sync": "nccl", "nccl_master": "h:1", "nccl_world_size": 2}, "'nccl'"),
     ],
 )
 async def test_submit_lora_where_it_cannot_run_is_invalid_argument(

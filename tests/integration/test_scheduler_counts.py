@@ -47,4 +47,53 @@ async def test_cancelled_run_left_over_in_status_is_the_ledgers(cluster, files):
     ledger = await fetch_report(exp_id, cluster.nats_url)
     assert ledger.totals["left_over"] == running > 0
     assert exp.progress.left_over == ledger.totals["left_over"]
+    assert exp.message == f"cancelled by user; {running} prompts left over, never trained"
     assert exp.progress.trained_groups == ledger.trained_groups == 0
+
+
+async def test_finished_run_left_over_in_message_status_and_ledger_is_one_figure(cluster, files):
+    """A run that reaches total_steps with its groups still held: the final message, `status`
+    and the ledger say the same number of prompts left over (the message said none: it
+    counted only accepted groups never trained, as the finish began)."""
+    scheduler = await cluster.start_scheduler()
+    exp_id = await running_experiment(
+        cluster,
+        files,
+        FakeRollout(hold=True),
+        dataset={"max_prompts": 8},
+        trainer={"total_steps": 1},
+    )
+    runner = scheduler.get(exp_id)
+    await wait_until(lambda: runner.staleness.counts.running >= 2)
+    await cluster.commit(exp_id, 1)  # total_steps: the held groups are cancelled
+    await wait_until(lambda: runner.terminal)
+    exp = await cluster.experiment(exp_id)
+    ledger = await fetch_report(exp_id, cluster.nats_url)
+    assert ledger.totals["left_over"] == 2  # the two held groups (eta 0, batch 2)
+    assert exp.progress.left_over == 2
+    assert exp.message == "reached total_steps=1; 2 prompts left over, never trained"
+
+
+async def test_finished_run_counts_prompts_waiting_at_the_finish_once(cluster, files):
+    """A run reaching total_steps with its prompts re-queued (its rollout fenced): those were
+    counted left over as the finish began and again as the run ended: `status` said twice the
+    ledger's figure (4 here, the ledger 2), the message none."""
+    scheduler = await cluster.start_scheduler()
+    exp_id = await running_experiment(
+        cluster,
+        files,
+        FakeRollout(hold=True),
+        dataset={"max_prompts": 8},
+        trainer={"total_steps": 1},
+    )
+    runner = scheduler.get(exp_id)
+    await wait_until(lambda: runner.staleness.counts.running >= 2)
+    [worker] = runner.rollouts()
+    runner.release_rollout(worker, "fenced by the test", cooldown_s=60)  # 2 prompts re-queued
+    await cluster.commit(exp_id, 1)  # total_steps
+    await wait_until(lambda: runner.terminal)
+    exp = await cluster.experiment(exp_id)
+    ledger = await fetch_report(exp_id, cluster.nats_url)
+    assert ledger.totals["left_over"] == 2
+    assert exp.progress.left_over == 2
+    assert exp.message == "reached total_steps=1; 2 prompts left over, never trained"

@@ -633,7 +633,7 @@ async def test_left_over_groups_reported_at_dataset_end(cluster, files):
     exp = await cluster.experiment(exp_id)
     assert exp.state == COMPLETED
     assert exp.progress.left_over == 1
-    assert "1 accepted groups left over" in exp.message
+    assert exp.message == "dataset exhausted; 1 prompts left over, never trained"
 
 
 async def test_submit_oversized_name_invalid_argument(cluster, files):

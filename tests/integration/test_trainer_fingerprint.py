@@ -37,10 +37,9 @@ async def _ledger_until(js, done, timeout: float = 30.0) -> list[dict]:
 
 
 def _stamped(tiny, gid: str, fp: str | None):
-    """A group generated at version 1; its samples claim weights `fp` (None: no field)."""
+    """A group generated at version 1; it claims weights `fp` (None: no field)."""
     group = _group(tiny, gid, 1)
-    for s in group.samples:
-        s.fingerprints = {} if fp is None else {1: fp}
+    group.fingerprints = {} if fp is None else {1: fp}
     return group
 
 
@@ -68,8 +67,7 @@ async def test_wrong_weights_quarantined_right_and_unverified_trained(
     assert (m.groups, m.quarantined) == (2, 1)
     [letter] = await _dead_letters(js, 1)
     assert letter.headers["Asyncrl-Reason"] == (
-        f"sample 0: weights fingerprint sha256:{'0' * 64} for version 1"
-        f" is not the trainer's {v1.fingerprint}"
+        f"weights fingerprint sha256:{'0' * 64} for version 1 is not the trainer's {v1.fingerprint}"
     )
 
     events = await _ledger_until(js, lambda es: sum(e["event"] == "trained" for e in es) >= 2)

@@ -13,6 +13,7 @@ from asyncrl.spec import ExperimentSpec, ModelSpec, RolloutSpec, spec_to_json
 from asyncrl.v1 import rollout_pb2, trainer_pb2
 from asyncrl.weights_nats import (
     CHUNK_SIZE,
+    CONTENT_KEY,
     MANIFEST,
     NatsReceiver,
     WeightsFetchError,
@@ -61,7 +62,8 @@ def _version_dir(root: Path, version: int, size: int = 3 * CHUNK_SIZE + 1234) ->
 
 
 def _files(d: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+    """The version's files (not the cache's content key next to them)."""
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name != CONTENT_KEY}
 
 
 async def test_upload_fetch_multi_chunk_version_byte_identical(trainer, rollout, tmp_path):
@@ -262,3 +264,23 @@ async def test_resumed_trainer_uploads_its_version_again_when_bucket_lost_it(
     assert (resp.version, resp.resumed, resp.uri) == (1, True, version_uri(EXP, 1))
     got = await fetch_version(rollout, resp.uri, tmp_path / "cache")
     assert _files(got) == _files(tmp_path / "weights" / EXP / "v000001")
+
+
+async def test_fetch_after_a_rewind_republished_the_version_gets_its_new_bytes(
+    trainer, rollout, tmp_path
+):
+    """A trainer resumed from an older checkpoint publishes version 3 again with other weights
+    of the same sizes: a rollout that cached the old lineage's v3 must load the new bytes (it
+    kept serving the cached old ones), and fetching the same content again is a cache hit."""
+    cache = tmp_path / "cache"
+    old = _version_dir(tmp_path / "old", 3)
+    uri = await upload_version(trainer, old, EXP, 3)
+    assert _files(await fetch_version(rollout, uri, cache)) == _files(old)
+    new = _version_dir(tmp_path / "new", 3)  # same names and sizes, other bytes
+    assert uri == await upload_version(trainer, new, EXP, 3)
+    got = await fetch_version(rollout, uri, cache)
+    assert got == cache / EXP / "v000003"
+    assert _files(got) == _files(new) != _files(old)
+    assert [p.name for p in (cache / EXP).iterdir()] == ["v000003"]  # nothing stale left
+    inode = (got / "model.safetensors").stat().st_ino
+    assert (await fetch_version(rollout, uri, cache) / "model.safetensors").stat().st_ino == inode

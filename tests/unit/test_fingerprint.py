@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save
 
 from asyncrl import fingerprint
-from asyncrl.convert import sample_from_proto, sample_to_proto
+from asyncrl.convert import group_from_bytes, group_to_bytes
 from asyncrl.types import Sample, TrajectoryGroup
 from asyncrl.v1 import trajectory_pb2
 from services.trainer.publish import write_version
@@ -108,20 +108,16 @@ def test_stamp_names_each_version_of_a_sample_once():
     assert fingerprint.stamp([2, 1, 1, 3], known) == {1: "sha256:one", 2: "sha256:two", 3: ""}
 
 
-def test_sample_fingerprints_round_trip_and_old_messages_read_as_none():
-    s = Sample(output_ids=[4], logprobs=[-1.0], versions=[2], fingerprints={2: "sha256:two"})
-    wire = sample_to_proto(s).SerializeToString()
-    assert sample_from_proto(trajectory_pb2.Sample.FromString(wire)).fingerprints == {
-        2: "sha256:two"
-    }
-    old = trajectory_pb2.Sample(output_ids=[4], logprobs=[-1.0], versions=[2])
-    assert sample_from_proto(old).fingerprints == {}
+def test_group_fingerprints_round_trip_and_old_messages_read_as_none():
+    g = _group({2: "sha256:two"})
+    wire = group_to_bytes(g)
+    assert group_from_bytes(wire).fingerprints == {2: "sha256:two"}
+    old = trajectory_pb2.TrajectoryGroup(experiment_id="e", group_id="g")
+    assert group_from_bytes(old.SerializeToString()).fingerprints == {}
 
 
 def _group(fingerprints: dict[int, str]) -> TrajectoryGroup:
-    ok = Sample(output_ids=[4], logprobs=[-1.0], versions=[2], fingerprints={2: "sha256:two"})
-    other = Sample(output_ids=[4, 5], logprobs=[-1.0, -1.0], versions=[1, 2])
-    other.fingerprints = fingerprints
+    """Sample 0 generated at version 2, sample 1 at versions 1 and 2; one engine's stamp."""
     return TrajectoryGroup(
         experiment_id="e",
         group_id="g",
@@ -129,12 +125,16 @@ def _group(fingerprints: dict[int, str]) -> TrajectoryGroup:
         prompt="q",
         answer="a",
         prompt_ids=[1],
-        samples=[ok, other],
+        samples=[
+            Sample(output_ids=[4], logprobs=[-1.0], versions=[2]),
+            Sample(output_ids=[4, 5], logprobs=[-1.0, -1.0], versions=[1, 2]),
+        ],
         start_version=1,
+        fingerprints=fingerprints,
     )
 
 
-def test_triage_quarantines_a_sample_whose_weights_are_not_the_trainers():
+def test_triage_quarantines_a_group_whose_weights_are_not_the_trainers():
     a = Admission(
         experiment_id="e",
         vocab_size=10,
@@ -145,7 +145,7 @@ def test_triage_quarantines_a_sample_whose_weights_are_not_the_trainers():
     assert triage(_group({1: "sha256:one", 2: "sha256:two"}), a, set()) == (Verdict.TRAIN, "")
     assert triage(_group({1: "sha256:old", 2: "sha256:two"}), a, set()) == (
         Verdict.BAD,
-        "sample 1: weights fingerprint sha256:old for version 1 is not the trainer's sha256:one",
+        "weights fingerprint sha256:old for version 1 is not the trainer's sha256:one",
     )
     # unverified: no fingerprint from the rollout (an old one), or none recorded by the trainer
     assert triage(_group({}), a, set()) == (Verdict.TRAIN, "")
@@ -158,6 +158,6 @@ def test_fingerprint_tally_counts_samples_proven_for_every_version():
     known = {1: "sha256:one", 2: "sha256:two"}
     group = _group({1: "sha256:one", 2: "sha256:two"})  # both samples proven
     assert fingerprint_tally(group, known) == {"verified": 2, "unverified": 0}
-    group = _group({2: "sha256:two"})  # version 1 of sample 1 carries none
+    group = _group({2: "sha256:two"})  # version 1 (sample 1's first) carries none
     assert fingerprint_tally(group, known) == {"verified": 1, "unverified": 1}
     assert fingerprint_tally(_group({}), {}) == {"verified": 0, "unverified": 2}

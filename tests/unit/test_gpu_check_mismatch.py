@@ -58,3 +58,21 @@ def test_n_params_of_the_published_models():
     # transformers counts for these configs (sum of numel over a meta-device model)
     assert n_params("smollm2-135m") == 134_515_008
     assert n_params("qwen2-0.5b") == 494_032_768
+
+
+def test_trainer_diff_is_token_weighted_over_the_steps_that_measured_it():
+    from bench.gpu.stack import _trainer_diff
+
+    history = [
+        {"step": 1},  # no token at the trainer's version this step
+        {"logprob_diff_mean": 0.01, "logprob_diff_max": 0.05, "logprob_diff_tokens": 100},
+        {"logprob_diff_mean": 0.04, "logprob_diff_max": 0.02, "logprob_diff_tokens": 300},
+    ]
+    # (0.01 * 100 + 0.04 * 300) / 400 = 13 / 400 = 0.0325; max of the maxima
+    assert _trainer_diff(history) == {
+        "steps": 2,
+        "tokens": 400,
+        "mean_abs": pytest.approx(0.0325, abs=1e-12),
+        "max_abs": 0.05,
+    }
+    assert _trainer_diff([{"step": 1}]) == {"steps": 0, "tokens": 0}

@@ -190,10 +190,8 @@ def test_trained_event_names_each_samples_versions_and_their_fingerprints():
     g0 = TrajectoryGroup(
         **keys,
         group_id="g0",
-        samples=[
-            Sample(versions=[3, 3, 4], fingerprints={3: fp3, 4: fp4}),  # updated mid-way
-            Sample(versions=[4], fingerprints={4: fp4}),
-        ],
+        samples=[Sample(versions=[3, 3, 4]), Sample(versions=[4])],  # updated mid-way
+        fingerprints={3: fp3, 4: fp4},
     )
     g1 = TrajectoryGroup(**keys, group_id="g1", samples=[Sample(versions=[5])])
     fields = sample_fingerprints([g0, g1])

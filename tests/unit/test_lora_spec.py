@@ -1,5 +1,5 @@
 """`trainer.lora` in the spec: its defaults and bounds, and the parts that refuse it with a
-SpecError naming `trainer.lora` (megatron backend, sglang engine) on every path a spec takes in
+SpecError naming `trainer.lora` (megatron backend, NCCL weight sync) on every path a spec takes in
 (`validate_spec` for files and the CLI, `spec_from_json` for the wire)."""
 
 from __future__ import annotations
@@ -55,7 +55,10 @@ def test_bad_lora_field_is_named(lora, field):
     ("sections", "named"),
     [
         ({"trainer": {"backend": "megatron"}}, "'megatron'"),
-        ({"rollout": {"engine": "sglang"}}, "'sglang'"),
+        (
+            {"trainer": {"weight_sync": "nccl", "nccl_master": "h:1", "nccl_world_size": 2}},
+            "'nccl'",
+        ),
     ],
 )
 def test_lora_refused_where_it_cannot_run_on_every_way_in(sections, named):

@@ -92,3 +92,19 @@ def test_storage_full_is_found_through_the_exception_chain():
         assert is_storage_full(text)  # the scheduler reads it back from a status message
     assert not is_storage_full(RuntimeError("nats: timeout"))
     assert not is_storage_full(OSError(errno.EACCES, "Permission denied"))
+
+
+async def test_keep_running_ends_when_until_says_so_after_a_pass_that_raised():
+    """`until` is read before each pass: a loop ends when its owner says it is done (the SGLang
+    watcher once stopping or given up); a pass that raised does not end it before that."""
+    passes = []
+
+    async def body():
+        passes.append(len(passes))
+        if len(passes) == 1:
+            raise RuntimeError("first pass fails")
+
+    await asyncio.wait_for(
+        keep_running("test", body, get_logger(), retry_s=0.01, until=lambda: len(passes) == 3), 5
+    )
+    assert passes == [0, 1, 2]

@@ -78,6 +78,7 @@ class _Runner:
         self.spec = SimpleNamespace(
             trainer=SimpleNamespace(lora=lora_spec),
             model=SimpleNamespace(path="/base", tokenizer_path=None),
+            rollout=SimpleNamespace(engine="torch"),
             share=share,
         )
         self.dispatcher = SimpleNamespace(slots=None)

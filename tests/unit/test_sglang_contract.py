@@ -18,17 +18,21 @@ import pytest
 from asyncrl.spec import SamplingParams, SpecError, spec_from_json
 from asyncrl.tiny import build_tiny_model
 from services.rollout.engine import GenRequest
-from services.rollout.sglang_process import LaunchConfig, build_command, parse_version
+from services.rollout.sglang_process import LaunchConfig, LoraLaunch, build_command, parse_version
 from services.rollout.sglang_protocol import (
     MAX_STOP_STRINGS,
     InvalidSampling,
     PromptTooLong,
     ServerApi,
     abort_body,
+    adapter_name,
     continue_body,
     disk_update_body,
+    error_message,
     generate_body,
     init_group_body,
+    lora_load_body,
+    lora_unload_body,
     parse_context_length,
     parse_generate_response,
     session_body,
@@ -264,3 +268,48 @@ def test_fake_rules_track_sglang():
     sg.require("await asyncio.sleep(1.0)" in pause, "the abort pause no longer polls every 1 s")
     timeout = 'HEALTH_CHECK_TIMEOUT = int(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", 20))'
     sg.require(timeout in (sg.root() / sg.HTTP_SERVER).read_text(), "health timeout moved")
+
+
+# ------------------------------------------------------------------------------- LoRA
+def test_lora_bodies_pass_sglang_checks(model):
+    """A segment naming an adapter, and the load / unload of one, as sglang takes them."""
+    tokenizer, vocab, context = model
+    req = GenRequest("g:1", list(range(3, 9)), SamplingParams(), [2])
+    name = adapter_name(7, 3)
+    body = generate_body(req, wire_rid("g:1", 0, 1), [], [2], context, adapter=name)
+    assert body["lora_path"] == name
+    sg.check_generate(body, tokenizer, vocab, context)
+    sg.check_control("/load_lora_adapter", lora_load_body(name, "/w/v000007"))
+    sg.check_control("/unload_lora_adapter", lora_unload_body(name))
+    assert sg.route("/load_lora_adapter")[1] == "LoadLoRAAdapterReqInput"
+    assert sg.route("/unload_lora_adapter")[1] == "UnloadLoRAAdapterReqInput"
+    with pytest.raises(sg.ContractBroken, match="lora_path"):
+        sg.check_control("/load_lora_adapter", {"lora_name": name})  # lora_path required
+
+
+def test_lora_launch_flags_parse_with_sglang_server_args():
+    flags = LoraLaunch(max_rank=16, target_modules=("q_proj", "v_proj"), max_per_batch=3)
+    argv = build_command(LaunchConfig(model_path="/m", lora=flags), API.version)
+    fields = ["model_path", "host", "port", "tp_size", "mem_fraction_static", "random_seed"]
+    fields += ["skip_server_warmup", "enable_lora", "max_lora_rank", "lora_target_modules"]
+    fields += ["max_loras_per_batch"]
+    parsed = sg.parse_launch_args(argv[3:], fields)
+    assert parsed["enable_lora"] is True and parsed["max_lora_rank"] == 16
+    assert parsed["lora_target_modules"] == ["q_proj", "v_proj"]
+    assert parsed["max_loras_per_batch"] == 3
+    with pytest.raises(sg.ContractBroken, match="refuses"):  # not a module sglang adapts
+        sg.parse_launch_args(["--lora-target-modules", "wte"], ["lora_target_modules"])
+
+
+def test_lora_answers_and_refusals_are_what_the_engine_reads():
+    """The LoRA routes answer io_struct.LoRAUpdateOutput; a failure's reason is its
+    `error_message` (the engine shows it), and a name in use is refused by sglang, which is
+    why every load gets a new name."""
+    fields = sg.struct_fields("LoRAUpdateOutput")
+    assert {"success", "error_message", "loaded_adapters"} <= set(fields)
+    assert error_message(400, json.dumps({"success": False, "error_message": "no"})) == "no"
+    sg.require(
+        "already loaded" in sg.calls_in("srt/lora/lora_manager.py", "validate_new_adapter"),
+        "sglang no longer refuses an adapter name in use: adapter_name's rule may be moot",
+    )
+    assert adapter_name(3, 0) != adapter_name(3, 1) and "." not in adapter_name(3, 0)
