@@ -29,7 +29,7 @@ CAPACITY = 4
 SHARES = (1.0, 1.0, 2.0)
 BATCH = 8
 """Groups per step, well above a share's slots: each experiment always has work waiting."""
-STEPS = 8
+STEPS = 10
 ENDS = ("settled", "dropped", "retried", "left_over")
 
 
