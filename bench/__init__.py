@@ -24,4 +24,5 @@ BENCHMARKS: dict[str, str] = {
     "fingerprint": "bench.fingerprint",
     "scale": "bench.scale",
     "offpolicy": "bench.offpolicy",
+    "shared_fleet": "bench.shared_fleet",
 }

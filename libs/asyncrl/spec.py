@@ -308,6 +308,11 @@ class ExperimentSpec(_Section):
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
     seed: int = 1
+    share: float = Field(1.0, gt=0)
+    """This experiment's weight when LoRA experiments on the same base share rollout replicas:
+    the scheduler divides the shared replicas' group slots between the running ones in
+    proportion to it (docs/lora.md, "Sharing a fleet"). Unused by a full-parameter experiment,
+    which holds whole replicas."""
 
 
 def check_files(spec: ExperimentSpec) -> None:

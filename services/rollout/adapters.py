@@ -15,6 +15,11 @@ row (`torch.bmm` of A[index] and B[index]), the way punica/S-LoRA batch many ada
 the base itself (A = B = 0: a zero delta, exactly), so requests of different adapters and of
 none share a batch. Adapters of different ranks are zero-padded to the largest (a zero row of A
 and column of B add nothing).
+
+Adapters live in *lanes*: a lane is one experiment's versions ("" the engine's own, when one
+experiment is served), and `capacity` (or a lane's own `keep`) bounds each lane apart, so
+several LoRA experiments on one base keep eta + 1 versions each and one experiment's new
+version never unloads another's (docs/lora.md, "Sharing a fleet").
 """
 
 from __future__ import annotations
@@ -87,22 +92,25 @@ def read_adapter(model_dir: str | Path) -> Adapter:
 
 
 class AdapterBank:
-    """Up to `capacity` adapters, keyed by version, on one base model; `rows(slots)` sets
-    which adapter each row of the next forwards uses (slot 0: none)."""
+    """Up to `capacity` adapters per lane, keyed by (lane, version), on one base model;
+    `rows(slots)` sets which adapter each row of the next forwards uses (slot 0: none)."""
 
     def __init__(self, model: torch.nn.Module, capacity: int):
         self.model = model
         self.capacity = capacity
-        self.loaded: dict[int, Adapter] = {}  # version -> adapter, oldest first
+        self.loaded: dict[tuple[str, int], Adapter] = {}  # (lane, version), oldest first
         self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hooks: list = []
         self._index: torch.Tensor | None = None
         self.device = next(model.parameters()).device
 
     # -- what is loaded ---------------------------------------------------------------------
-    def add(self, version: int, adapter: Adapter) -> list[int]:
-        """Load `adapter` as `version`; the oldest beyond `capacity` are unloaded. Returns the
-        versions unloaded. ValueError when a module it adapts is not a linear of the base."""
+    def add(
+        self, version: int, adapter: Adapter, lane: str = "", keep: int | None = None
+    ) -> list[int]:
+        """Load `adapter` as `version` of `lane`; that lane's oldest beyond `keep` (default
+        `capacity`) are unloaded, no other lane's. Returns the versions unloaded. ValueError
+        when a module it adapts is not a linear of the base."""
         modules = dict(self.model.named_modules())
         for name, (a, b) in adapter.weights.items():
             layer = modules.get(name)
@@ -110,22 +118,23 @@ class AdapterBank:
                 raise ValueError(f"adapter module {name!r} is not a linear layer of the model")
             if a.shape[1] != layer.in_features or b.shape[0] != layer.out_features:
                 raise ValueError(f"adapter module {name!r}: shapes {a.shape}, {b.shape}")
-        self.loaded.pop(version, None)
-        self.loaded[version] = adapter
-        evicted = list(self.loaded)[: max(0, len(self.loaded) - self.capacity)]
-        for v in evicted:
-            del self.loaded[v]
+        self.loaded.pop((lane, version), None)
+        self.loaded[(lane, version)] = adapter
+        own = [key for key in self.loaded if key[0] == lane]
+        evicted = own[: max(0, len(own) - (keep or self.capacity))]
+        for key in evicted:
+            del self.loaded[key]
         self._restack(modules)
-        return evicted
+        return [v for _, v in evicted]
 
     def clear(self) -> None:
         self.loaded.clear()
         self._restack({})
 
-    def slot(self, version: int) -> int:
-        """The slot of `version`'s adapter in the stacks (1..), 0 when it is not loaded."""
-        for i, v in enumerate(self.loaded, start=1):
-            if v == version:
+    def slot(self, version: int, lane: str = "") -> int:
+        """The slot of `lane`'s `version` in the stacks (1..), 0 when it is not loaded."""
+        for i, key in enumerate(self.loaded, start=1):
+            if key == (lane, version):
                 return i
         return 0
 

@@ -25,6 +25,9 @@ class GenRequest:
     params: SamplingParams
     stop_token_ids: list[int] = field(default_factory=list)  # EOS etc., added by the service
     decode: Callable[[list[int]], str] | None = None  # for `params.stop` strings (torch engine)
+    lane: str = ""
+    """The adapter lane (an experiment sharing the engine's base) that samples it; "" the
+    engine's own weights (`Engine.shares_adapters`)."""
 
 
 @dataclass(frozen=True)
@@ -59,10 +62,22 @@ class Engine(ABC):
         versions), and `keep` adapter versions stay loaded."""
         self.adapter_keep = keep
 
+    shares_adapters: bool = False
+    """Whether it serves several LoRA experiments on its one base at once, each in its own
+    lane (`update_weights(..., lane=)`, `GenRequest.lane`): the torch engine does."""
+
     @property
     @abstractmethod
     def version(self) -> int:
         """The policy version currently served."""
+
+    def version_of(self, lane: str) -> int:
+        """The version `lane` serves (an engine without lanes: `version`)."""
+        return self.version
+
+    def fingerprint_of(self, lane: str) -> str:
+        """The fingerprint of what `lane` serves (an engine without lanes: `fingerprint`)."""
+        return self.fingerprint
 
     @abstractmethod
     async def start(self) -> None:

@@ -21,6 +21,8 @@ class Generation:
     engine: Engine
     codec: Codec
     throughput: Throughput
+    lane: str = ""
+    """The engine lane its requests sample in (a LoRA experiment sharing the base)."""
 
     @property
     def tokenizer(self) -> Any:
@@ -45,6 +47,7 @@ class Generation:
             params=params,
             stop_token_ids=self.stops(params),
             decode=self.decode,
+            lane=self.lane,
         )
 
     def decoded(self, completion: Completion) -> Completion:

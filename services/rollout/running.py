@@ -56,13 +56,18 @@ class RunningGroups:
         if self._groups.get(running.job.group_id) is running:
             del self._groups[running.job.group_id]
 
-    def abort_unpublished(self, group_ids: list[str], reason: str) -> list[str]:
-        """Abort the named groups that have not begun publishing (AbortGroups); each answers
-        ABORTED with `reason`. Returns the ids aborted; the others go on as they would."""
+    def abort_unpublished(
+        self, group_ids: list[str], reason: str, experiment_id: str | None = None
+    ) -> list[str]:
+        """Abort the named groups (of `experiment_id` only, when given: never another
+        experiment's) that have not begun publishing (AbortGroups); each answers ABORTED with
+        `reason`. Returns the ids aborted; the others go on as they would."""
         aborted = []
         for group_id in group_ids:
             running = self._groups.get(group_id)
             if running is None or running.publishing or running.aborted:
+                continue
+            if experiment_id is not None and running.job.experiment_id != experiment_id:
                 continue
             running.aborted, running.abort_status = reason, GroupStatus.ABORTED
             if running.task is not None and not running.task.done():

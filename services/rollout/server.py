@@ -185,7 +185,7 @@ class RolloutServicer(GroupsServicer):
             pause_s=r.phases.pause_s,
             load_s=r.phases.load_s,
             resume_s=r.phases.resume_s,
-            fingerprint=self.service.engine.fingerprint,
+            fingerprint=r.fingerprint,
         )
 
     async def GetStatus(self, request, context):

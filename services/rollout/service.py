@@ -9,6 +9,12 @@ group id *before* the summary goes back to the scheduler. A cancelled GenerateGr
 engine requests and publishes nothing; so does AbortGroups (the scheduler found the group too
 stale) for a group not yet being published, which then answers ABORTED: the scheduler learns
 that the trainer cannot have it and samples the prompt again at once.
+
+A rollout serves one experiment, or several LoRA experiments on one base at once (the
+scheduler's pool, services/scheduler/sharing.py) on an engine that `shares_adapters`: each is
+bound and loaded apart (`Loaded`: its tokenizer, its engine lane, its versions' fingerprints),
+its groups run beside the others' in the engine's batch, and its UpdateWeights moves its own
+lane only. Binding anything else (a full-parameter experiment, another base) aborts them all.
 """
 
 from __future__ import annotations
@@ -102,6 +108,38 @@ class Binding:
 
 
 @dataclass
+class Loaded:
+    """An experiment whose weights this rollout serves."""
+
+    codec: Codec
+    lane: str
+    """Its adapter lane in the engine (its id), "" when it has the engine to itself."""
+    served: dict[int, str] = field(default_factory=dict)
+    """Version -> the fingerprint of what the engine held (stamped onto samples)."""
+
+    def serve(self, version: int, fingerprint: str) -> None:
+        """The lane serves `version` now, holding weights of `fingerprint`."""
+        self.served[version] = fingerprint
+        for old in [v for v in self.served if v < version - SERVED_KEEP]:
+            del self.served[old]  # a sample this stale is dropped: "" (unverified) at worst
+
+
+def shares_base(a: ExperimentSpec, b: ExperimentSpec) -> bool:
+    """Whether two experiments can share a rollout: both LoRA, on the same base and tokenizer."""
+    lora = a.trainer.lora is not None and b.trainer.lora is not None
+    return lora and (a.model.path, a.model.tokenizer_path) == (b.model.path, b.model.tokenizer_path)
+
+
+async def engine_update(engine: Engine, binding: Binding, lane: str, path: Path, version: int):
+    """`engine.update_weights` to `version` at `path`, in the experiment's lane when it has one
+    (eta + 1 of its adapter versions stay loaded); how many requests it moved."""
+    if not lane:
+        return await engine.update_weights(str(path), version)
+    keep = binding.spec.rollout.max_head_offpolicyness + 1
+    return await engine.update_weights(str(path), version, lane=lane, keep=keep)
+
+
+@dataclass
 class GroupSummary:
     group_id: str
     status: GroupStatus
@@ -132,6 +170,8 @@ class WeightsResult:
     seconds: float
     interrupted: int
     phases: UpdatePhases = field(default_factory=UpdatePhases)
+    fingerprint: str = ""
+    """Of the weights the experiment's lane holds now (what the scheduler checks)."""
     """Where an interrupting update's time went (zeros for a first load or a retry, but for
     the fetch of a `nats-obj://` version, in `read_s`)."""
 
@@ -162,14 +202,12 @@ class RolloutService:
         self.js = js
         self.engine_kind = engine_kind or engine.name
         self._worker = worker
-        self.binding: Binding | None = None
-        self.experiment_id = ""
-        """The experiment whose model is loaded (set once UpdateWeights loaded it)."""
-        self.codec: Codec | None = None
-        """The tokenizer's EOS (a transformers property costs ~5 µs a read: read once)."""
+        self.bindings: dict[str, Binding] = {}
+        """The experiments bound (several: LoRA ones sharing the base), as they were sent."""
+        self.loaded: dict[str, Loaded] = {}
+        """The bound experiments whose weights are loaded (set by their first UpdateWeights)."""
         self.rewards = RewardClient()
         self.throughput = Throughput()
-        self.served: dict[int, str] = {}  # version -> fingerprint of what the engine held
         self._tally = Tally("groups_done", log)
         """Groups finished, by status, and their tokens: a line per group was ~15 CPU-µs of the
         ~240 a group costs the rollout (bench control_plane). Each group's line is still there
@@ -194,10 +232,15 @@ class RolloutService:
         """This worker's registered id (its address until it registers)."""
         return self._worker()
 
-    # ---------------------------------------------------------------- binding, weights
+    @property
+    def experiment_id(self) -> str:
+        """The experiments whose weights are loaded, comma-separated ("" none)."""
+        return ",".join(self.loaded)
+
     async def bind(self, experiment_id: str, spec_json: str) -> None:
-        """Serve `experiment_id` from now on (its model loads with the next UpdateWeights).
-        Binding another experiment aborts the groups of the previous one."""
+        """Serve `experiment_id` from now on (its model loads with the next UpdateWeights):
+        beside the bound ones if all are LoRA on its base (`shares_base`) and the engine
+        shares adapters; else instead of them, their groups aborted."""
         binding = Binding.create(experiment_id, spec_json)
         if binding.spec.rollout.engine != self.engine_kind:
             raise Conflict(
@@ -205,25 +248,32 @@ class RolloutService:
                 f"the experiment asks for {binding.spec.rollout.engine!r}"
             )
         async with self._weights_lock:
-            previous = self.binding.experiment_id if self.binding else ""
-            self.binding = binding
-            if experiment_id != previous:
-                self.experiment_id, self.codec = "", None  # no groups until loaded
+            others = [e for e in self.bindings if e != experiment_id]
+            beside = not others or (
+                self.engine.shares_adapters
+                and all(shares_base(self.bindings[e].spec, binding.spec) for e in others)
+            )
+            if not beside:
+                previous = ",".join(self.bindings)
+                self.bindings.clear()
+                self.loaded.clear()  # no groups until loaded
                 await self.groups.abort_all(
                     f"aborted: rollout switched from experiment {previous!r} to {experiment_id!r}"
                 )
-        log.info("experiment_bound", experiment=experiment_id, previous=previous)
+            self.bindings[experiment_id] = binding
+        log.info("experiment_bound", experiment=experiment_id, beside=others if beside else [])
 
     async def update_weights(
         self, experiment_id: str, version: int, uri: str, fp: str = ""
     ) -> WeightsResult:
-        """First load of the bound experiment (model + tokenizer), or an interrupting weight
-        update of the served one (again if it holds other weights than fingerprint `fp`)."""
-        if self.binding is None or self.binding.experiment_id != experiment_id:
-            bound = self.binding.experiment_id if self.binding else "nothing"
+        """First load of a bound experiment (model + tokenizer, or its lane on the shared
+        base), or an interrupting weight update of its lane (again if it holds other weights
+        than fingerprint `fp`). Another experiment's requests are not touched."""
+        binding = self.bindings.get(experiment_id)
+        if binding is None:
             raise Conflict(
-                f"experiment_id: this rollout is bound to {bound!r}, not {experiment_id!r}"
-                " (BindExperiment first)"
+                f"experiment_id: this rollout is bound to {','.join(self.bindings) or 'nothing'!r},"
+                f" not {experiment_id!r} (BindExperiment first)"
             )
         start = time.perf_counter()
         phases = UpdatePhases()
@@ -232,20 +282,19 @@ class RolloutService:
             adapter = is_adapter_dir(path)  # a LoRA version: the base is the spec's model
             if not adapter and not (path / "config.json").is_file():
                 raise BadRequest("uri", f"no HuggingFace config.json in {path}")
-            if self.tokenizer is None or experiment_id != self.experiment_id:
-                base = Path(self.binding.spec.model.path) if adapter else path
-                await self._load(self.binding, base, 0 if adapter else version)
+            loaded = self.loaded.get(experiment_id)
+            if loaded is None:
+                loaded = await self._load(binding, path, version, adapter)
                 interrupted = 0  # nothing of this experiment ran before
-                if adapter:
-                    await self.engine.update_weights(str(path), version)
-            elif version == self.engine.version and not differs(fp, self.engine.fingerprint):
+            elif version == self.engine.version_of(loaded.lane) and not differs(
+                fp, self.engine.fingerprint_of(loaded.lane)
+            ):
                 interrupted = 0  # a retried UpdateWeights: already served
             else:
-                interrupted = await self.engine.update_weights(str(path), version)
+                interrupted = await engine_update(self.engine, binding, loaded.lane, path, version)
                 phases = self.engine.last_update
-            self.served[self.engine.version] = self.engine.fingerprint
-            for old in [v for v in self.served if v < self.engine.version - SERVED_KEEP]:
-                del self.served[old]  # a sample this stale is dropped: "" (unverified) at worst
+            now = self.engine.version_of(loaded.lane)
+            loaded.serve(now, self.engine.fingerprint_of(loaded.lane))
             if fetch_s or phases is self.engine.last_update:  # fetched, or an engine update
                 phases = replace(phases, read_s=phases.read_s + fetch_s)  # fetched, then read
                 self._observe(experiment_id, phases)
@@ -260,7 +309,7 @@ class RolloutService:
             seconds=round(seconds, 3),
             **{k: round(v, 4) for k, v in asdict(phases).items()},
         )
-        return WeightsResult(self.engine.version, seconds, interrupted, phases)
+        return WeightsResult(now, seconds, interrupted, phases, loaded.served[now])
 
     async def _local_dir(self, version: int, uri: str) -> tuple[Path, float]:
         """The version's directory on this host (`self.receiver`) and the seconds it took to
@@ -277,7 +326,9 @@ class RolloutService:
         for name, seconds in asdict(phases).items():
             self.update_seconds.labels(experiment_id, name.removesuffix("_s")).observe(seconds)
 
-    async def _load(self, binding: Binding, path: Path, version: int) -> None:
+    async def _load(self, binding: Binding, path: Path, version: int, adapter: bool) -> Loaded:
+        """The experiment's first version: the model (a LoRA one: the base from the spec, once
+        for every experiment sharing it, then its version in its own lane) and tokenizer."""
         from transformers import AutoTokenizer
 
         model = binding.spec.model
@@ -286,18 +337,25 @@ class RolloutService:
         )
         if binding.spec.rollout.workflow.chat_template and not tokenizer.chat_template:
             raise SpecError("rollout.workflow.chat_template", "the tokenizer has no chat template")
-        keep = binding.spec.rollout.max_head_offpolicyness + 1  # adapter versions kept loaded
-        self.engine.serve_lora(binding.spec.trainer.lora, keep)
-        await self.engine.load(str(path), version)
-        self.codec = Codec(tokenizer)
-        self.experiment_id = binding.experiment_id
+        lora = binding.spec.trainer.lora
+        lane = binding.experiment_id if lora is not None and self.engine.shares_adapters else ""
+        if not lane or not any(other.lane for other in self.loaded.values()):
+            keep = binding.spec.rollout.max_head_offpolicyness + 1  # adapter versions kept
+            self.engine.serve_lora(lora, keep)
+            base = Path(model.path) if adapter else path  # no lane holds the base yet
+            await self.engine.load(str(base), 0 if adapter else version)
+        if lane or adapter:
+            await engine_update(self.engine, binding, lane, path, version)
+        loaded = self.loaded[binding.experiment_id] = Loaded(Codec(tokenizer), lane)
         freeze_heap()  # the model and tokenizer: never scanned by the collector again
-        log.info("experiment_loaded", experiment=binding.experiment_id, version=version)
+        log.info("experiment_loaded", experiment=binding.experiment_id, version=version, lane=lane)
+        return loaded
 
     @property
     def tokenizer(self):
-        """The loaded model's tokenizer (None until one is loaded)."""
-        return self.codec.tokenizer if self.codec is not None else None
+        """The loaded model's tokenizer (None until one is loaded; the experiments sharing the
+        base share it)."""
+        return next(iter(self.loaded.values())).codec.tokenizer if self.loaded else None
 
     # ---------------------------------------------------------------- groups
     @property
@@ -307,8 +365,8 @@ class RolloutService:
     async def generate_group(self, job: GroupJob) -> GroupSummary:
         if not job.group_id:
             raise BadRequest("group_id", "required")
-        binding = self.binding
-        if self.tokenizer is None or binding is None or job.experiment_id != self.experiment_id:
+        binding = self.bindings.get(job.experiment_id)
+        if binding is None or job.experiment_id not in self.loaded:
             raise Conflict(
                 f"experiment_id: this rollout serves {self.experiment_id or 'nothing'!r},"
                 f" not {job.experiment_id!r} (BindExperiment and UpdateWeights first)"
@@ -323,15 +381,15 @@ class RolloutService:
         """Abort the named groups of `experiment_id` that have not begun publishing (AbortGroups:
         the scheduler found them too stale to train); each answers ABORTED with `reason` and
         publishes nothing. Returns the ids aborted; the others go on as they would."""
-        if experiment_id != self.experiment_id:
+        if experiment_id not in self.loaded:
             return []
-        return self.groups.abort_unpublished(group_ids, reason)
+        return self.groups.abort_unpublished(group_ids, reason, experiment_id)
 
     async def _run_group(
         self, job: GroupJob, binding: Binding, running: RunningGroup
     ) -> GroupSummary:
         t0 = time.perf_counter()
-        version_at_start = self.engine.version
+        version_at_start = self.engine.version_of(self.loaded[job.experiment_id].lane)
         prompt_ids, chat_prompt = self._prompt(job, binding)
         running.task = asyncio.create_task(self._samples(job, binding, prompt_ids, chat_prompt))
         try:
@@ -350,7 +408,7 @@ class RolloutService:
             return self._summary(
                 job, GroupStatus.FAILED, f"generation failed: {exc}", [], version_at_start, t0
             )
-        self._generation().fill_text(samples)
+        self._generation(job.experiment_id).fill_text(samples)
         await self._score(job, binding, [s for s in samples if s.reward is None])
         if running.aborted:  # while it was being scored: nothing is published
             return self._summary(
@@ -381,20 +439,21 @@ class RolloutService:
     def _prompt(self, job: GroupJob, binding: Binding) -> tuple[list[int], str | None]:
         """The group's prompt tokens, and the chat-templated text when the spec asks for it."""
         chat_prompt = None
+        codec = self.loaded[job.experiment_id].codec
         if binding.spec.rollout.workflow.chat_template:
-            chat_prompt = self.tokenizer.apply_chat_template(
+            chat_prompt = codec.tokenizer.apply_chat_template(
                 [{"role": "user", "content": job.prompt}],
                 add_generation_prompt=True,
                 tokenize=False,
             )
-        return self.codec.encode(chat_prompt or job.prompt), chat_prompt
+        return codec.encode(chat_prompt or job.prompt), chat_prompt
 
     async def _samples(
         self, job: GroupJob, binding: Binding, prompt_ids: list[int], chat_prompt: str | None
     ) -> list[Sample]:
         """The group's n trajectories: the workflow's `run_group` with one context per sample
         (by default a run per sample, concurrently; one failure cancels the others)."""
-        generation = self._generation()
+        generation = self._generation(job.experiment_id)
         contexts = [
             self._context(job, binding, generation, prompt_ids, i, chat_prompt)
             for i in range(binding.n(job.eval))
@@ -431,23 +490,28 @@ class RolloutService:
             generate=generation.generate,
             generate_many=generation.generate_many,
             score=score,
-            version=lambda: self.engine.version,
+            version=lambda: self.engine.version_of(generation.lane),
             request_id=f"{job.group_id}:{index}",
             chat_prompt=chat_prompt,
             openai_session=self.openai.session,
         )
 
-    def _generation(self) -> Generation:
+    def _generation(self, experiment_id: str = "") -> Generation:
+        """How `experiment_id`'s samples are generated (its codec, its engine lane); by default
+        the first loaded experiment's."""
+        loaded = self.loaded[experiment_id] if experiment_id else next(iter(self.loaded.values()))
         return Generation(
             engine=self.engine,
-            codec=self.codec,
+            codec=loaded.codec,
             throughput=self.throughput,
+            lane=loaded.lane,
         )
 
     async def _publish(
         self, job: GroupJob, prompt_ids: list[int], samples: list[Sample], summary: GroupSummary
     ) -> None:
         """To JetStream with Nats-Msg-Id = group id, before the summary goes back."""
+        served = self.loaded[job.experiment_id].served
         group = TrajectoryGroup(
             experiment_id=job.experiment_id,
             group_id=job.group_id,
@@ -461,7 +525,7 @@ class RolloutService:
             created_unix_ms=int(time.time() * 1000),
             rollout_worker=self.worker,
             epoch=job.epoch,
-            fingerprints=stamp((v for s in samples for v in s.versions), self.served),
+            fingerprints=stamp((v for s in samples for v in s.versions), served),
         )
         _, summary.duplicate = await publish_group(self.js, group)
         summary.published = True
@@ -499,7 +563,7 @@ class RolloutService:
             failed_samples=failed_samples(samples),
             tokens=sum(len(s.output_ids) for s in samples),
             start_version=min(versions, default=version_at_start),
-            end_version=max(versions, default=self.engine.version),
+            end_version=max(versions, default=version_at_start),
             duration_s=time.perf_counter() - t0,
             worker=self.worker,
         )
@@ -509,7 +573,7 @@ class RolloutService:
         return StatusInfo(
             worker_id=self.worker,
             experiment_id=self.experiment_id,
-            version=self.engine.version,
+            version=self.engine.version_of(self._generation().lane) if self.loaded else 0,
             running_groups=self.running_groups,
             running_samples=self.engine.running,
             tokens_generated=self.throughput.total,

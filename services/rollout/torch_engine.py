@@ -27,10 +27,13 @@ the boundary (the step in progress ends), the copy, and the resume (dropping the
 recomputation is part of the next step).
 
 LoRA versions (`trainer.lora`) go into an `adapters.AdapterBank` on the base: the newest
-`adapter_keep` (eta + 1) stay loaded, each request samples under its own `_Slot.version`'s
+`adapter_keep` (eta + 1) stay loaded, each request samples under its own `Slot.version`'s
 adapter, one batch mixing them. `adapter_update="interrupt"` (default) moves every in-flight
 request to the new adapter as a full update does; `"finish"` lets each finish under its
 version unless that adapter is unloaded (then it is interrupted, resumed under the newest).
+Several LoRA experiments on the base share the engine in *lanes* (`update_weights(...,
+lane=experiment)`, `GenRequest.lane`): each lane has its own version, fingerprint and
+`keep` adapters, and a lane's update moves only that lane's requests; the others' go on.
 
 Stop strings (`params.stop`) are matched on the decoded tail of the output after every token,
 with the tokenizer's decode that the service passes in the request.
@@ -50,8 +53,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -61,9 +64,10 @@ from asyncrl.logging import get_logger, keep_running
 from asyncrl.spec import SamplingParams
 from asyncrl.types import Completion
 from asyncrl.weights import load_state_dict_files
-from services.rollout.adapters import Adapter, AdapterBank, is_adapter_dir, read_adapter
+from services.rollout.adapters import AdapterBank, is_adapter_dir, read_adapter
 from services.rollout.engine import Engine, GenRequest, UpdatePhases
 from services.rollout.kv_pool import ATTENTION, KVPool, prefill_buckets
+from services.rollout.torch_slots import EngineCounters, Op, Slot
 
 log = get_logger(component="torch_engine")
 LOOP_RETRY_S = 0.1
@@ -75,68 +79,6 @@ MAX_RUN = 64
 """Steps one hop to the worker thread may run while nothing changes."""
 POOLED_LAYERS = {"full_attention", "sliding_attention"}
 """Layer types the KV pool serves; a model with others decodes without a cache."""
-
-
-@dataclass
-class EngineCounters:
-    """Cumulative work of the batch loop, for fitting its cost: a step samples one token for
-    each of its active streams (`tokens_generated` sums them over steps)."""
-
-    step_seconds: float = 0.0
-    """Time in steps, prefills included."""
-    context_tokens: int = 0
-    """Sum over decode steps of the active streams' own context lengths (attended tokens)."""
-    prefill_seconds: float = 0.0
-    """Prefilling new requests' prompts and re-prefilling interrupted requests."""
-    prefill_tokens: int = 0
-    """Tokens (re)computed by prefills."""
-    prefill_forwards: int = 0
-    """Prefill forwards (one per length bucket)."""
-
-
-@dataclass
-class _Slot:
-    """One in-flight request."""
-
-    req: GenRequest
-    future: asyncio.Future
-    gen: torch.Generator
-    stop_ids: frozenset[int]
-    stop_strings: tuple[str, ...] = ()
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    interruptions: int = 0
-    version: int = 0  # the version (a LoRA one: its adapter) that samples its next token
-    row: int = -1  # in the KV pool
-    cached: int = 0  # tokens in the pool: all but the last one once up to date, 0 to recompute
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.req.input_ids + self.output_ids
-
-    @property
-    def length(self) -> int:
-        return len(self.req.input_ids) + len(self.output_ids)
-
-    @property
-    def last(self) -> int:
-        return self.output_ids[-1] if self.output_ids else self.req.input_ids[-1]
-
-
-@dataclass
-class _Op:
-    """A model change the loop applies between two steps."""
-
-    kind: str  # load | update | adapter
-    model_dir: str
-    version: int
-    future: asyncio.Future
-    state: dict[str, torch.Tensor] | Adapter | None = None
-    read_s: float = 0.0
-    fingerprint: str = ""
-    """Of `state` (an update) as read; a load computes it over the files it loads."""
-    submitted: float = field(default_factory=time.perf_counter)
 
 
 def _read_state(model_dir: str) -> tuple[dict[str, torch.Tensor], str]:
@@ -182,7 +124,7 @@ def swap_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None
     model.load_state_dict(state, strict=False)  # in-place copies keep tied weights tied
 
 
-def hits_stop_string(slot: _Slot) -> bool:
+def hits_stop_string(slot: Slot) -> bool:
     """Did the newest token complete one of the stop strings? Only a tail of the output is
     decoded (enough tokens to hold the longest string): an earlier match would already
     have ended the sample, so any match in the tail is new. Like SGLang, the tokens up to
@@ -205,6 +147,7 @@ class TorchEngine(Engine):
     module docstring); the default recomputes them under the new weights."""
 
     name = "torch"
+    shares_adapters = True
 
     def __init__(
         self,
@@ -228,11 +171,17 @@ class TorchEngine(Engine):
         self.max_batch = max_batch
         self.model = None
         self.model_dir: str | None = None
+        self.model_dir_base = ""
+        """Where the model was loaded from (`load`): what a lane on the base names."""
         self.max_positions: int | None = None
         self._version = 0
-        self._slots: dict[str, _Slot] = {}
-        self._waiting: list[_Slot] = []
-        self._ops: list[_Op] = []
+        self._lanes: dict[str, tuple[int, str]] = {}
+        """Lane -> (version, fingerprint) it serves (LoRA experiments sharing the base)."""
+        self._base_fp = ""
+        """The fingerprint of the base as loaded (what a lane on the base serves)."""
+        self._slots: dict[str, Slot] = {}
+        self._waiting: list[Slot] = []
+        self._ops: list[Op] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.tokens_generated = 0
@@ -247,6 +196,12 @@ class TorchEngine(Engine):
     @property
     def version(self) -> int:
         return self._version
+
+    def version_of(self, lane: str) -> int:
+        return self._lanes[lane][0] if lane in self._lanes else self._version
+
+    def fingerprint_of(self, lane: str) -> str:
+        return self._lanes[lane][1] if lane in self._lanes else self.fingerprint
 
     @property
     def running(self) -> int:
@@ -283,23 +238,30 @@ class TorchEngine(Engine):
     async def load(self, model_dir: str, version: int) -> None:
         """Load a model from scratch (first load or experiment switch) at a token boundary.
         Requests still in flight fail: the caller cancels them first."""
-        await self._submit_op(_Op("load", str(model_dir), version, self._new_future()))
+        await self._submit_op(Op("load", str(model_dir), version, self._new_future()))
 
-    async def update_weights(self, model_dir: str, version: int) -> int:
+    async def update_weights(
+        self, model_dir: str, version: int, lane: str = "", keep: int | None = None
+    ) -> int:
         """Swap in the weights of `model_dir` at the next token boundary; in-flight requests
-        continue under `version`. Returns how many were interrupted."""
+        (of `lane`, when given) continue under `version`. In a lane, `model_dir` is an adapter
+        (`keep` of the lane's stay loaded) or the base itself. Returns how many moved."""
         if self.model is None:
             raise RuntimeError("update_weights before load")
         t0 = time.perf_counter()
         if is_adapter_dir(model_dir):
             kind, state = "adapter", await asyncio.to_thread(read_adapter, model_dir)
             fp = state.fingerprint
+        elif lane:
+            if Path(model_dir).resolve() != Path(self.model_dir_base).resolve():
+                raise ValueError(f"model_dir: {model_dir} is neither an adapter nor the base")
+            kind, state, fp = "base", None, self._base_fp
         else:
             kind, (state, fp) = "update", await asyncio.to_thread(_read_state, model_dir)
         read_s = time.perf_counter() - t0
-        return await self._submit_op(
-            _Op(kind, str(model_dir), version, self._new_future(), state, read_s, fp)
-        )
+        op = Op(kind, str(model_dir), version, self._new_future(), state, read_s, fp, lane=lane)
+        op.keep = keep
+        return await self._submit_op(op)
 
     async def generate(self, req: GenRequest) -> Completion:
         [slot] = self._queue([req])
@@ -319,42 +281,26 @@ class TorchEngine(Engine):
                 self._discard(slot)
             raise
 
-    def _queue(self, reqs: list[GenRequest]) -> list[_Slot]:
+    def _queue(self, reqs: list[GenRequest]) -> list[Slot]:
         """Check every request (ValueError: none is queued), then queue them all."""
         if self.model is None:
             raise RuntimeError("no model loaded")
         if self._task is None:
             raise RuntimeError("engine not started")
-        slots = [self._slot(req) for req in reqs]
+        slots = [
+            Slot.create(req, self._new_future(), self.seed, self.device, self.max_positions)
+            for req in reqs
+        ]
         self._waiting.extend(slots)
         self._news = True
         self._wake.set()
         return slots
 
-    def _slot(self, req: GenRequest) -> _Slot:
-        if not req.input_ids:
-            raise ValueError("input_ids: empty prompt")
-        if any(req.params.stop) and req.decode is None:
-            raise ValueError("params.stop: stop strings need GenRequest.decode (a tokenizer)")
-        if self.max_positions and len(req.input_ids) >= self.max_positions:
-            raise ValueError(
-                f"input_ids: prompt of {len(req.input_ids)} tokens does not fit the "
-                f"model's {self.max_positions} positions"
-            )
-        seed = (self.seed * 1_000_003 + zlib.crc32(req.rid.encode())) % (2**63)
-        return _Slot(
-            req=req,
-            future=self._new_future(),
-            gen=torch.Generator(device=self.device).manual_seed(seed),  # on the logits' device
-            stop_ids=frozenset(req.stop_token_ids) | frozenset(req.params.stop_token_ids),
-            stop_strings=tuple(s for s in req.params.stop if s),
-        )
-
     # ---------------------------------------------------------------- the loop
     def _new_future(self) -> asyncio.Future:
         return asyncio.get_running_loop().create_future()
 
-    async def _submit_op(self, op: _Op):
+    async def _submit_op(self, op: Op):
         if self._task is None:
             raise RuntimeError("engine not started")
         self._ops.append(op)
@@ -362,7 +308,7 @@ class TorchEngine(Engine):
         self._wake.set()
         return await op.future
 
-    def _discard(self, slot: _Slot) -> None:
+    def _discard(self, slot: Slot) -> None:
         self._news = True
         self._slots.pop(slot.req.rid, None)
         if slot in self._waiting:
@@ -375,7 +321,7 @@ class TorchEngine(Engine):
             await self._apply(self._ops.pop(0))
         while self._waiting and len(self._slots) < self.max_batch:
             slot = self._waiting.pop(0)
-            slot.version = self._version
+            slot.version = self.version_of(slot.req.lane)
             self._slots[slot.req.rid] = slot
         if not self._slots:
             if not self._ops and not self._waiting:
@@ -405,7 +351,7 @@ class TorchEngine(Engine):
                     )
                 )
 
-    async def _apply(self, op: _Op) -> None:
+    async def _apply(self, op: Op) -> None:
         try:
             if op.kind == "load":
                 for slot in [*self._slots.values(), *self._waiting]:
@@ -415,12 +361,17 @@ class TorchEngine(Engine):
                 self._waiting.clear()
                 await asyncio.to_thread(self._load_model, op.model_dir)
                 op.fingerprint = await asyncio.to_thread(fingerprint.of_dir, op.model_dir)
+                self._base_fp, self.model_dir_base = op.fingerprint, op.model_dir
+                self._lanes.clear()
                 result = 0
             else:
                 result = await self._update(op)
-            self._version = op.version
-            self.model_dir = op.model_dir
-            self.fingerprint = op.fingerprint  # what was applied just now
+            if op.lane:
+                self._lanes[op.lane] = (op.version, op.fingerprint)
+            else:
+                self._version = op.version
+                self.model_dir = op.model_dir
+                self.fingerprint = op.fingerprint  # what was applied just now
             log.info(  # with the loop's counters so far: a run's logs can fit its cost
                 "weights_applied",
                 kind=op.kind,
@@ -432,18 +383,22 @@ class TorchEngine(Engine):
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             op.future.set_exception(exc)
 
-    async def _update(self, op: _Op) -> int:
+    async def _update(self, op: Op) -> int:
         """A full update (every in-flight request moves to `op.version`) or a LoRA one (into
         the bank; which requests move: the module docstring). Returns how many moved."""
         paused = time.perf_counter()
+        lane = [s for s in self._slots.values() if s.req.lane == op.lane]  # no other lane moves
+        every = self.adapter_update == "interrupt"
         if op.kind == "adapter":
             self.adapters.capacity = self.adapter_keep
-            evicted = self.adapters.add(op.version, op.state)
-            every = self.adapter_update == "interrupt"
-            moving = [s for s in self._slots.values() if every or s.version in evicted]
+            evicted = self.adapters.add(op.version, op.state, op.lane, op.keep)
+            moving = [s for s in lane if every or s.version in evicted]
+        elif op.kind == "base":  # the lane samples the base: nothing to load
+            moving = lane if every else []
         else:
             await asyncio.to_thread(swap_weights, self.model, op.state)
             self.adapters.clear()  # adapters of another base
+            self._lanes.clear()
             moving = list(self._slots.values())
         loaded = time.perf_counter()
         for slot in moving:
@@ -459,9 +414,9 @@ class TorchEngine(Engine):
         )
         return len(moving)
 
-    def _rows(self, batch: list[_Slot]):
+    def _rows(self, batch: list[Slot]):
         """The adapters of `batch`'s rows for the forwards inside (none without LoRA)."""
-        return self.adapters.rows([self.adapters.slot(s.version) for s in batch])
+        return self.adapters.rows([self.adapters.slot(s.version, s.req.lane) for s in batch])
 
     # ---------------------------------------------------------------- model work (thread)
     def _load_model(self, model_dir: str) -> None:
@@ -483,7 +438,7 @@ class TorchEngine(Engine):
         sliding = "sliding_attention" in types
         self._sliding_window = getattr(config, "sliding_window", None) if sliding else None
 
-    def _run(self, batch: list[_Slot]) -> list[tuple[_Slot, str]]:
+    def _run(self, batch: list[Slot]) -> list[tuple[Slot, str]]:
         """Steps of `batch` in the worker thread until one finishes a request, the loop has
         news (a request arrived or left, a model change is due) or `MAX_RUN` steps: one
         thread hop for many tokens when nothing changes. Returns the finished slots."""
@@ -496,7 +451,7 @@ class TorchEngine(Engine):
         return []
 
     @torch.no_grad()
-    def _step(self, batch: list[_Slot]) -> list[tuple[_Slot, str]]:
+    def _step(self, batch: list[Slot]) -> list[tuple[Slot, str]]:
         """One token for every slot. Returns the slots that finished, with the reason."""
         t0 = time.perf_counter()
         logits = self._next_logits(batch)
@@ -515,7 +470,7 @@ class TorchEngine(Engine):
         self.counters.step_seconds += time.perf_counter() - t0
         return finished
 
-    def _next_logits(self, batch: list[_Slot]) -> torch.Tensor:
+    def _next_logits(self, batch: list[Slot]) -> torch.Tensor:
         if not self._pooled:
             return self._full_forward(batch)
         if self._pool is None:
@@ -526,7 +481,7 @@ class TorchEngine(Engine):
         order = torch.tensor([s.row for s in batch], device=self.device)
         return logits[order]
 
-    def _prefill(self, slots: list[_Slot]) -> None:
+    def _prefill(self, slots: list[Slot]) -> None:
         """Cache all but the last token of new or interrupted requests (the last one goes
         through the batched decode with everyone else): forwards of similar lengths, each
         right-padded (under causal attention real tokens never see the padding)."""
@@ -550,7 +505,7 @@ class TorchEngine(Engine):
         self.counters.prefill_tokens += sum(lengths)
         self.counters.prefill_seconds += time.perf_counter() - t0
 
-    def _decode(self, batch: list[_Slot]) -> torch.Tensor:
+    def _decode(self, batch: list[Slot]) -> torch.Tensor:
         """Feed each slot's last token, batch in row order: keys written in place at the
         slot's own position, attention over its own positions (a per-row mask)."""
         cached = [s.cached for s in batch]
@@ -559,7 +514,7 @@ class TorchEngine(Engine):
             seen = torch.arange(width, device=self.device)[None, :] <= positions[:, None]
             out = self.model(
                 input_ids=torch.tensor([[s.last] for s in batch], device=self.device),
-                attention_mask=self._masks(seen, positions),
+                attention_mask=attention_masks(seen, positions, self._sliding_window),
                 position_ids=positions[:, None],
                 past_key_values=self._pool,
                 use_cache=True,
@@ -569,27 +524,31 @@ class TorchEngine(Engine):
         self.counters.context_tokens += sum(cached) + len(batch)
         return out.logits[:, -1]
 
-    def _masks(self, seen: torch.Tensor, positions: torch.Tensor):
-        """The 4D boolean mask [a, 1, 1, width] (sdpa: True attends); a dict by layer type
-        when the model has sliding-window layers, which see only the window's last tokens."""
-        mask = seen[:, None, None, :]
-        if self._sliding_window is None:
-            return mask
-        width = seen.shape[1]
-        recent = torch.arange(width, device=self.device)[None, :] > (
-            positions[:, None] - self._sliding_window
-        )
-        return {"full_attention": mask, "sliding_attention": (seen & recent)[:, None, None, :]}
-
-    def _full_forward(self, batch: list[_Slot]) -> torch.Tensor:
-        """No cache: right-pad every sequence and read the logits at its last position.
-        Causal attention means real tokens never see the padding, so no mask is needed."""
-        seqs = [s.tokens for s in batch]
-        width = max(len(t) for t in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long, device=self.device)
-        for i, t in enumerate(seqs):
-            ids[i, : len(t)] = torch.tensor(t)
+    def _full_forward(self, batch: list[Slot]) -> torch.Tensor:
         with self._rows(batch):
-            hidden = self.model.get_decoder()(input_ids=ids).last_hidden_state
-            last = hidden[torch.arange(len(seqs)), torch.tensor([len(t) - 1 for t in seqs])]
-            return self.model.get_output_embeddings()(last)
+            return full_forward(self.model, [s.tokens for s in batch], self.device)
+
+
+def attention_masks(seen: torch.Tensor, positions: torch.Tensor, sliding_window: int | None):
+    """The 4D boolean mask [a, 1, 1, width] (sdpa: True attends); a dict by layer type when the
+    model has sliding-window layers, which see only the window's last tokens."""
+    mask = seen[:, None, None, :]
+    if sliding_window is None:
+        return mask
+    width = seen.shape[1]
+    recent = torch.arange(width, device=seen.device)[None, :] > (
+        positions[:, None] - sliding_window
+    )
+    return {"full_attention": mask, "sliding_attention": (seen & recent)[:, None, None, :]}
+
+
+def full_forward(model, seqs: list[list[int]], device: torch.device) -> torch.Tensor:
+    """No cache: right-pad every sequence and read the logits at its last position. Causal
+    attention means real tokens never see the padding, so no mask is needed."""
+    width = max(len(t) for t in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+    for i, t in enumerate(seqs):
+        ids[i, : len(t)] = torch.tensor(t)
+    hidden = model.get_decoder()(input_ids=ids).last_hidden_state
+    last = hidden[torch.arange(len(seqs)), torch.tensor([len(t) - 1 for t in seqs])]
+    return model.get_output_embeddings()(last)

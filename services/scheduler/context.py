@@ -13,7 +13,7 @@ from asyncrl.grpcutil import channel
 from asyncrl.phases import FLEET_PHASES
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.history import HistoryLog
-from services.scheduler.registry import Registry
+from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import StateStore
 
 
@@ -69,3 +69,5 @@ class RunnerContext:
     """Call after binding changes (a worker freed or fenced) so the scheduler re-binds."""
     fleet_seconds: Histogram = field(default_factory=fleet_histogram)
     """Where the runners' fleet updates spend their time (rendered by the collector)."""
+    slot_freed: Callable[[Worker], None] = lambda worker: None
+    """A group on a shared rollout ended: the other experiments sharing it may dispatch."""

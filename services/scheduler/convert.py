@@ -85,7 +85,7 @@ def worker_to_proto(w: Worker) -> scheduler_pb2.WorkerInfo:
         kind=kind_to_proto(w.kind),
         address=w.address,
         name=w.name,
-        experiment_id=w.experiment_id or "",
+        experiment_id=w.experiment_id or ",".join(w.shared),  # a shared rollout: every one
         running=w.running,
         groups_done=w.groups_done,
         last_seen_unix=w.last_seen_unix,

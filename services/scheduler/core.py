@@ -4,8 +4,10 @@ Binding rules (`_reconcile`, run after every registry or experiment change):
 - a trainer is bound exclusively to one experiment, oldest waiting experiment first, never to one
   entering its terminal state; a trainer that says (GetStatus) it is already running an
   experiment goes back to that one;
-- an idle rollout is bound to the live experiment with a trainer that has the fewest rollouts;
-  an experiment with none takes one from an experiment that has two or more;
+- rollouts go to units (services/scheduler/sharing.py): a full-parameter experiment alone, or
+  the pool of LoRA experiments on one base, which share each of its rollouts and divide its
+  slots by their spec `share`; an idle rollout goes to the unit with the fewest, a unit with
+  none takes one from a unit that has two or more;
 - reward workers are shared: every group request carries all their addresses.
 """
 
@@ -48,6 +50,7 @@ from services.scheduler.experiments import ExperimentRunner
 from services.scheduler.history import HistoryLog
 from services.scheduler.records import CommitResult, Event, ExperimentRecord
 from services.scheduler.registry import Registry, Worker, WorkerKind
+from services.scheduler.sharing import bind_rollouts
 from services.scheduler.state import StateStore
 
 log = get_logger()
@@ -115,6 +118,7 @@ class Scheduler:
             js=self.js,
             workers_changed=self._reconcile_soon,
             fleet_seconds=self.fleet_seconds,
+            slot_freed=self._slot_freed,
         )
         for record in await self.store.load_all():
             try:
@@ -294,14 +298,15 @@ class Scheduler:
             principal=principal,
             again=not is_new,
         )
-        runner = self.runners.get(worker.experiment_id or "")
+        runners = self._runners_of(worker)
         if kind == WorkerKind.TRAINER and is_new:
             self.registry.probing(worker)
             self._spawn(self._probe_trainer(worker))
-        elif kind == WorkerKind.TRAINER and runner is not None:
-            runner.supervisor.check_soon()  # it may have restarted and forgotten the experiment
-        elif kind == WorkerKind.ROLLOUT and runner is not None:
-            runner.attach_rollout(worker)  # it may have restarted: load the weights again
+        elif kind == WorkerKind.TRAINER and runners:
+            runners[0].supervisor.check_soon()  # it may have restarted and forgot the experiment
+        elif kind == WorkerKind.ROLLOUT:
+            for runner in runners:  # it may have restarted: load the weights again
+                runner.attach_rollout(worker)
         self._reconcile()
         return worker
 
@@ -389,9 +394,9 @@ class Scheduler:
         flight are left to finish while it drains (a call that fails then is re-queued as
         always). A trainer is handled as one whose lease lapsed."""
         log.info("worker_left", worker=worker.worker_id, kind=worker.kind.value)
-        runner = self.runners.get(worker.experiment_id or "")
-        if runner is not None and worker.kind == WorkerKind.ROLLOUT:
-            runner.fleet.ready.discard(worker.worker_id)
+        if worker.kind == WorkerKind.ROLLOUT:
+            for runner in self._runners_of(worker):
+                runner.fleet.ready.discard(worker.worker_id)
         elif worker.kind == WorkerKind.TRAINER:
             await self._worker_gone(worker, "left")
         self._reconcile()
@@ -405,10 +410,9 @@ class Scheduler:
             experiment=worker.experiment_id,
             running=worker.running,
         )
-        runner = self.runners.get(worker.experiment_id or "")
-        if runner is not None:
+        for runner in self._runners_of(worker):
             if worker.kind == WorkerKind.ROLLOUT:
-                runner.rollout_lost(worker)
+                runner.release_rollout(worker, "lease expired")  # its groups are re-queued
             elif worker.kind == WorkerKind.TRAINER:
                 self.registry.unbind(worker)
                 runner.trainer_lost(worker)
@@ -446,22 +450,25 @@ class Scheduler:
             log.info("worker_bound", worker=trainer.worker_id, kind="trainer", experiment=runner.id)
 
     def _bind_rollouts(self, live: list[ExperimentRunner]) -> None:
-        eligible = [r for r in live if not r.ending and (r.trainer() is not None or r.finishing)]
-        if not eligible:
-            return
-        counts = {r.id: len(r.rollouts()) for r in eligible}
-        for runner in eligible:  # a starving experiment takes one from a rich one
-            if counts[runner.id] == 0 and not self.registry.idle(WorkerKind.ROLLOUT):
-                donor = max(eligible, key=lambda r: counts[r.id])
-                if counts[donor.id] >= 2:
-                    donor.release_rollout(donor.rollouts()[-1], f"rebalanced to {runner.id}")
-                    counts[donor.id] -= 1
-        for worker in self.registry.idle(WorkerKind.ROLLOUT):
-            runner = min(eligible, key=lambda r: (counts[r.id], r.record.created_unix_ms))
-            self.registry.bind(worker, runner.id)
-            counts[runner.id] += 1
-            log.info("worker_bound", worker=worker.worker_id, kind="rollout", experiment=runner.id)
-            runner.attach_rollout(worker)
+        """Rollouts to the experiments with a trainer (or finishing), and to those sharing
+        rollouts already (a pool experiment whose trainer restarts keeps its slots)."""
+        eligible = [
+            r
+            for r in live
+            if not r.ending
+            and (r.trainer() is not None or r.finishing or any(w.shared for w in r.rollouts()))
+        ]
+        if eligible:
+            bind_rollouts(self.registry, eligible, log)
+
+    def _runners_of(self, worker: Worker) -> list[ExperimentRunner]:
+        """The experiments `worker` is bound to or shared with."""
+        ids = list(worker.shared) or [worker.experiment_id or ""]
+        return [self.runners[i] for i in ids if i in self.runners]
+
+    def _slot_freed(self, worker: Worker) -> None:
+        for runner in self._runners_of(worker):
+            runner.wake()
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)

@@ -48,6 +48,8 @@ class DispatchHooks:
     """A worker's call failed: unbind it (its other groups come back through `requeue`)."""
     eval_done: Callable[[EvalResult], None]
     """An eval round's result (the group that completed it was settled: `changed` ran)."""
+    freed: Callable[[Worker], None] = lambda worker: None
+    """A group on a shared rollout ended: its slot may go to another experiment."""
 
 
 _STATUS_NAMES = {
@@ -98,6 +100,10 @@ class Dispatcher:
             {e.version for e in record.evals},
         )
         self.inflight: dict[str, InFlight] = {}
+        self.slots: int | None = None
+        """Groups this experiment may have in flight on a shared fleet (its part of the shared
+        rollouts' slots, `policy.divide_slots`, set by the scheduler's binding); None: the
+        rollouts are its alone."""
         self._aborted: set[str] = set()
         """Training groups the scheduler ended itself (aborted as too stale, cancelled at the
         end of the run): a drop report for one changes nothing."""
@@ -153,6 +159,8 @@ class Dispatcher:
     ) -> bool:
         """Start one group (eval first) on the least loaded of `rollouts` (those serving the
         fleet version) if one has a free slot and the rules allow it."""
+        if self.slots is not None and len(self.inflight) >= self.slots:
+            return False  # its part of a shared fleet is in use
         worker = least_loaded(rollouts)
         if not reward_addresses or worker is None:
             return False
@@ -221,6 +229,8 @@ class Dispatcher:
         if item.eval_round is not None:
             self.evaluator.running -= 1
         self.hooks.changed()
+        if len(item.worker.shared) > 1:
+            self.hooks.freed(item.worker)
         return True
 
     # ---- outcomes ----------------------------------------------------------------------------

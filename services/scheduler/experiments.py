@@ -108,6 +108,7 @@ class ExperimentRunner:
         self.fleet = Fleet(
             self.calls, record, ctx.registry, life, moved, ctx.fleet_seconds, self.log
         )
+        hooks = {"changed": self._changed, "fence": self._fence, "freed": ctx.slot_freed}
         self.dispatcher = Dispatcher(
             record,
             spec,
@@ -115,7 +116,7 @@ class ExperimentRunner:
             eval_prompts,
             self.calls,
             ctx.registry,
-            DispatchHooks(changed=self._changed, fence=self._fence, eval_done=self.book.add_eval),
+            DispatchHooks(**hooks, eval_done=self.book.add_eval),
             self.log,
             lambda: self.version,
             Ledger(ctx.js, record.id),
@@ -401,19 +402,15 @@ class ExperimentRunner:
 
     def release_rollout(self, worker: Worker, reason: str, cooldown_s: float = 0.0) -> None:
         """Unbind (fence) a rollout; its in-flight groups are cancelled and re-queued."""
-        if worker.experiment_id != self.id:
+        if not self.registry.serves(worker, self.id):
             return
-        self.registry.unbind(worker, cooldown_s)
+        self.registry.release(worker, self.id, cooldown_s)
         self.fleet.ready.discard(worker.worker_id)
         n = self.dispatcher.requeue_worker(worker)
         self.log.warning("rollout_fenced", worker=worker.worker_id, reason=reason, requeued=n)
         self._wake.set()
         self._persist()
         self.ctx.workers_changed()
-
-    def rollout_lost(self, worker: Worker) -> None:
-        """Its lease lapsed: in-flight groups count as failed RPCs (prompts re-queued)."""
-        self.release_rollout(worker, "lease expired")
 
     def trainer_lost(self, worker: Worker) -> None:
         self.log.warning("trainer_lease_expired", worker=worker.worker_id, version=self.version)
@@ -435,12 +432,12 @@ class ExperimentRunner:
             if t is not None and t is not current:
                 t.cancel()
         for w in self.rollouts():
-            self.registry.unbind(w)
+            self.registry.release(w, self.id)
         self.fleet.ready.clear()
         await self.supervisor.stop()
         await self.dispatcher.ledger.flush()
         for w in self.rollouts():  # bound while the trainer stopped (still live, finishing):
-            self.registry.unbind(w)  # a terminal experiment must hold no worker
+            self.registry.release(w, self.id)  # a terminal experiment must hold no worker
         await self.book.close_logs()  # complete when a client sees the end
         self.book.left_over = self.dispatcher.left_over_at_end(self.book.trained_groups)
         message = left_over_note(phase, message, self.book.left_over)

@@ -340,7 +340,7 @@ class Fleet:
             expected = self.fingerprints.get(version, "")
             answer = await self.calls.update_weights(worker, version, uri, timeout, expected)
             async with self.lock:
-                if worker.experiment_id != self.record.id:
+                if not self.registry.serves(worker, self.record.id):
                     return None
                 if reason := self.unproven(worker, version, answer.fingerprint):
                     self.hooks.fence(worker, f"UpdateWeights v{version}: {reason}")

@@ -130,3 +130,30 @@ def least_loaded(workers: Iterable[W]) -> W | None:
             if best is None or key < best_key:
                 best, best_key = w, key
     return best
+
+
+def divide_slots(total: int, shares: dict[str, float]) -> dict[str, int]:
+    """The group slots of a shared fleet (`total`, its rollouts' summed capacity) divided
+    between the experiments sharing it by their `share` weights (spec `share`), in the order
+    given (oldest first): every experiment gets at least 1 slot, the rest is split in
+    proportion by the largest-remainder (Hamilton) method, ties to the earlier experiment.
+
+    An experiment whose proportional part is under 1 slot gets 1 and leaves the others the
+    rest, again in proportion; with fewer slots than experiments each still gets 1 (the sum
+    then exceeds `total`: the rollouts' capacity, not the quota, holds them back)."""
+    fixed = dict.fromkeys(shares, 1) if total <= len(shares) else {}
+    while len(fixed) < len(shares):
+        rest = {eid: s for eid, s in shares.items() if eid not in fixed}
+        left = total - len(fixed)
+        weight = sum(rest.values())
+        exact = {eid: left * s / weight for eid, s in rest.items()}
+        small = [eid for eid, q in exact.items() if q < 1]
+        if small:
+            fixed |= dict.fromkeys(small, 1)
+            continue
+        quota = {eid: int(q) for eid, q in exact.items()}
+        by_remainder = sorted(rest, key=lambda eid: exact[eid] - quota[eid], reverse=True)
+        for eid in by_remainder[: left - sum(quota.values())]:
+            quota[eid] += 1
+        fixed |= quota
+    return {eid: fixed[eid] for eid in shares}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from services.scheduler.config import SchedulerConfig
@@ -33,6 +33,11 @@ class Worker:
     last_seen_unix: float
     experiment_id: str | None = None
     """Bound experiment (rollouts and trainers; reward workers are shared)."""
+    shared: list[str] = field(default_factory=list)
+    """The LoRA experiments sharing this rollout (on the same base), in the order they joined.
+    A rollout is idle, bound to one experiment (`experiment_id`), or shared: never both."""
+    fenced_for: dict[str, float] = field(default_factory=dict)
+    """Experiment -> clock time before which a rollout it fenced is not shared with it again."""
     running: int = 0
     groups_done: int = 0
     version: int = 0
@@ -135,7 +140,12 @@ class Registry:
         return ws
 
     def bound(self, experiment_id: str, kind: WorkerKind) -> list[Worker]:
-        return [w for w in self._of(kind) if w.experiment_id == experiment_id]
+        """The workers of `kind` bound to or shared with `experiment_id`."""
+        return [w for w in self._of(kind) if self.serves(w, experiment_id)]
+
+    @staticmethod
+    def serves(worker: Worker, experiment_id: str) -> bool:
+        return worker.experiment_id == experiment_id or experiment_id in worker.shared
 
     def missing(self, experiment_id: str) -> list[str]:
         """The workers an experiment waits for: its trainer, a rollout, a reward worker."""
@@ -149,15 +159,44 @@ class Registry:
     def idle(self, kind: WorkerKind) -> list[Worker]:
         """Unbound workers of `kind` that are not cooling down after being fenced."""
         now = self.clock()
-        return [w for w in self._of(kind) if w.experiment_id is None and w.cooldown_until <= now]
+        return [
+            w
+            for w in self._of(kind)
+            if w.experiment_id is None and not w.shared and w.cooldown_until <= now
+        ]
 
     def bind(self, worker: Worker, experiment_id: str) -> None:
         assert worker.experiment_id is None, f"{worker.worker_id} is already bound"
+        assert not worker.shared, f"{worker.worker_id} is shared"
         worker.experiment_id = experiment_id
 
     def unbind(self, worker: Worker, cooldown_s: float = 0.0) -> None:
         worker.experiment_id = None
         worker.cooldown_until = self.clock() + cooldown_s
+
+    def share(self, worker: Worker, experiment_id: str) -> bool:
+        """Share rollout `worker` with LoRA experiment `experiment_id`; False (nothing done)
+        while it cools down after that experiment fenced it."""
+        assert worker.experiment_id is None, f"{worker.worker_id} is bound"
+        if self.fenced_for(worker, experiment_id) or experiment_id in worker.shared:
+            return False
+        worker.shared.append(experiment_id)
+        return True
+
+    def fenced_for(self, worker: Worker, experiment_id: str) -> bool:
+        return worker.fenced_for.get(experiment_id, 0.0) > self.clock()
+
+    def release(self, worker: Worker, experiment_id: str, cooldown_s: float = 0.0) -> None:
+        """`experiment_id` lets go of `worker`: unbound if it held it alone; if shared, only
+        that experiment leaves it (and may not share it again for `cooldown_s`)."""
+        if experiment_id in worker.shared:
+            worker.shared.remove(experiment_id)
+            if cooldown_s:
+                worker.fenced_for[experiment_id] = self.clock() + cooldown_s
+            if not worker.shared:  # idle again: cools down as an unbound one does
+                worker.cooldown_until = self.clock() + cooldown_s
+        elif worker.experiment_id == experiment_id:
+            self.unbind(worker, cooldown_s)
 
     def probing(self, worker: Worker) -> None:
         """A new trainer: not bound before it said what it runs (`probed`)."""

@@ -134,11 +134,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def ListWorkers(self, request, context):
         """Every worker (the fleet is shared); to a tenant, the experiment a worker serves
-        and its version only when it is the tenant's own."""
+        and its version only when it is the tenant's own (of a shared rollout, the tenant's
+        experiments among those it serves)."""
         workers = [worker_to_proto(w) for w in self.scheduler.workers()]
         for w in workers:
-            if w.experiment_id and not self._visible_id(w.experiment_id):
-                w.experiment_id, w.version = "", -1
+            ids = w.experiment_id.split(",") if w.experiment_id else []
+            visible = [i for i in ids if self._visible_id(i)]
+            if visible != ids:
+                w.experiment_id, w.version = ",".join(visible), -1
         return scheduler_pb2.ListWorkersResponse(workers=workers)
 
     def _visible_id(self, experiment_id: str) -> bool:

@@ -29,10 +29,12 @@ class DropsAdapters(TorchEngine):
     """A test double of the verl #7495 failure: UpdateWeights of an adapter reports success
     (the new version, no error) and the engine goes on sampling the base."""
 
-    async def update_weights(self, model_dir: str, version: int) -> int:
+    async def update_weights(
+        self, model_dir: str, version: int, lane: str = "", keep: int | None = None
+    ) -> int:
         if not is_adapter_dir(model_dir):
-            return await super().update_weights(model_dir, version)
-        self._version = version
+            return await super().update_weights(model_dir, version, lane, keep)
+        self._lanes[lane] = (version, self.fingerprint_of(lane))  # the lane still on the base
         return 0
 
 

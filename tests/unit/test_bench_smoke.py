@@ -22,9 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULT_KEYS = {"name", "metric", "value", "unit", "peer", "peer_value", "ratio", "settings"}
 
 
-LONG = {"offpolicy", "scale"}
-"""Minutes each even at --quick (four experiments; a hundred stand-in workers): run by `make
-bench`; their logic is tested in test_bench_offpolicy.py and test_bench_scale.py."""
+LONG = {"offpolicy", "scale", "shared_fleet"}
+"""Minutes each even at --quick (four experiments; a hundred stand-in workers; eight LoRA runs
+on a scaled cluster): run by `make bench`; their logic is tested in test_bench_offpolicy.py,
+test_bench_scale.py and tests/e2e/test_shared_fleet.py."""
 
 
 @pytest.fixture(scope="module")
