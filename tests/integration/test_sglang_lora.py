@@ -190,12 +190,15 @@ async def test_fake_unload_waits_for_the_requests_running_under_the_adapter(tmp_
     d, _ = publish(tmp_path, base, 1, peft_model(base, seed=1, spec=LORA))
     async with serve_fake(base, lora=FLAGS, token_delay_s=0.01) as fake:
         await post(fake.url, "/load_lora_adapter", {"lora_name": "x", "lora_path": d})
-        body = {"input_ids": PROMPT, "lora_path": "x", "sampling_params": {"max_new_tokens": 40}}
+        sampling = {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0.0}
+        body = {"input_ids": PROMPT, "lora_path": "x", "sampling_params": sampling}
+        order: list[str] = []
         running = asyncio.create_task(post(fake.url, "/generate", body))
+        running.add_done_callback(lambda _: order.append("generate"))
         while fake.stats["tokens"] < 3:
             await asyncio.sleep(0.005)
         unload = asyncio.create_task(post(fake.url, "/unload_lora_adapter", {"lora_name": "x"}))
-        status, answer = await running
-        assert not unload.done() or unload.result()[0] == 200
-        assert (await unload)[0] == 200 and status == 200
+        unload.add_done_callback(lambda _: order.append("unload"))
+        (status, answer), (unloaded, _) = await asyncio.gather(running, unload)
+        assert status == 200 and unloaded == 200 and order == ["generate", "unload"]
         assert answer["meta_info"]["completion_tokens"] == 40  # finished under x, not cut
