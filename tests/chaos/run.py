@@ -137,6 +137,8 @@ class Run(ExperimentWatch):
             raise RuntimeError(f"make up failed: {started.stdout[-2000:]}{started.stderr[-2000:]}")
         if self.scenario.rollouts > 1:
             self.make("scale", "SERVICE=rollout", f"N={self.scenario.rollouts}")
+        if self.scenario.trainers > 1:
+            self.make("scale", "SERVICE=trainer", f"N={self.scenario.trainers}")
         self.processes()
 
     def submit(self) -> None:
