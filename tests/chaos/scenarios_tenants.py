@@ -43,7 +43,9 @@ if TYPE_CHECKING:
     from tests.chaos.run import Run
     from tests.chaos.scenarios import Scenario
 
-STEPS = 30
+STEPS = 120
+"""Long enough that all three still run at the third fault: the run's own experiment starts
+~10 s before the others (their submits) and a step takes ~0.4 s on the idle machine."""
 LORA_SETS = (
     "trainer.lora.rank=4",
     "trainer.lora.alpha=8.0",
@@ -126,6 +128,12 @@ async def all_at(exps: list[Exp], version: int) -> bool:
     return all(await asyncio.gather(*(e.watch.reach(version) for e in live(exps))))
 
 
+async def all_on(exps: list[Exp], rng: random.Random) -> None:
+    """The slowest running experiment 2-4 versions past its peak (the next fault's stall window
+    starts in steady progress)."""
+    await all_at(exps, min((peak(e) for e in live(exps)), default=0) + 2 + rng.randrange(3))
+
+
 async def all_advance(exps: list[Exp]) -> None:
     """Every running experiment makes a version past every one it has shown."""
     await asyncio.gather(*(e.watch.reach(peak(e) + 1) for e in live(exps)))
@@ -179,8 +187,11 @@ async def kill(run: Run, exps: list[Exp], kind: str, replica: int, pid: int, vic
     """kill -9, wait for the restart and for every experiment's new progress; record each
     experiment's stall and recovery around it."""
     at = {e.name: (e.watch.version, step_s(e.watch.timeline, e.watch.since())) for e in exps}
+    running = len(live(exps))
     os.kill(pid, signal.SIGKILL)
-    fault = run.mark(f"kill -9 {kind}-{replica} (pid {pid})", kind=kind)
+    fault = run.mark(f"kill -9 {kind}-{replica} (pid {pid})", kind=kind, running=running)
+    if running < len(exps):
+        run.errors.append(f"{kind} kill hit {running} running experiments, not {len(exps)}")
     await replica_pid(run, kind, replica, old=pid)
     fault["back_s"] = round(run.since() - fault["at_s"], 2)
     await all_advance(exps)
@@ -188,6 +199,7 @@ async def kill(run: Run, exps: list[Exp], kind: str, replica: int, pid: int, vic
     for e in exps:
         version, step = at[e.name]
         mine = {"at_s": fault["at_s"], "at_version": version, "back_s": fault["back_s"]}
+        mine["done_s"] = recovered_at(e.watch.timeline, mine)
         stall = report.stall_s(e.watch.timeline, mine)
         limit = USUAL_RECOVERY_S[kind] + STEP_ALLOWANCE * (step or 0.0)
         judged = e.name != victim and stall is not None
@@ -201,6 +213,14 @@ async def kill(run: Run, exps: list[Exp], kind: str, replica: int, pid: int, vic
         if judged and stall > limit:
             run.errors.append(f"{e.name} stalled {stall} s > {limit:.1f} s around {kind} kill")
     return fault
+
+
+def recovered_at(timeline: list[tuple[float, int]], fault: dict) -> float | None:
+    """When the experiment first passed every version it had shown until the killed service
+    was back (`report.recovery_s`, unrounded: the end of the stall window)."""
+    back = fault["at_s"] + fault["back_s"]
+    peak = max([fault["at_version"], *(v for t, v in timeline if t <= back)])
+    return next((t for t, v in timeline if t > back and v > peak), None)
 
 
 def isolation(run: Run, exps: list[Exp]) -> dict:
@@ -249,20 +269,21 @@ async def faults(run: Run, exps: list[Exp], rng: random.Random) -> None:
     if not await all_at(exps, 3 + rng.randrange(3)):
         raise RuntimeError("the experiments ended or stalled before the first fault")
     await kill(run, exps, "rollout", 0, await run.pid("rollout", 0))
+    await all_on(exps, rng)
     victim = next(e for e in exps if e.name == VICTIM)
     replica, pid = await trainer_of(run, victim.watch.experiment_id)
     await kill(run, exps, "trainer", replica, pid, victim=VICTIM)
-    await all_at(exps, min((peak(e) for e in live(exps)), default=0) + 1 + rng.randrange(2))
+    await all_on(exps, rng)
     fault = await kill(run, exps, "scheduler", 0, await run.pid("scheduler"))
     fault["isolation"] = await asyncio.to_thread(isolation, run, exps)
 
 
 async def tenants(run: Run, rng: random.Random) -> None:
     exps = [Exp(name="acme-1", tenant="acme", watch=run)]
-    for tenant, name, share in EXTRA:
+    ids = await asyncio.gather(*(asyncio.to_thread(submit, run, *extra) for extra in EXTRA))
+    for (tenant, name, _), experiment_id in zip(EXTRA, ids, strict=True):
         watch = ExperimentWatch(run.scheduler, run.cfg.timeout_s, run.cfg.stall_s)
-        watch.experiment_id = await asyncio.to_thread(submit, run, tenant, name, share)
-        watch.t0 = run.t0  # one clock for every timeline
+        watch.experiment_id, watch.t0 = experiment_id, run.t0  # one clock for every timeline
         exps.append(Exp(name=name, tenant=tenant, watch=watch))
     trackers = [asyncio.create_task(e.watch.track()) for e in exps[1:]]
     try:
