@@ -87,12 +87,18 @@ class Run(ExperimentWatch):
         self.nats_url = NATS_URL
         self.proxy: subprocess.Popen | None = None
         self.skipped: list[str] = []
+        self.submit_env: dict[str, str] = {}
+        """Extra environment of the run's `asyncrl submit` only (a tenant's token), not of the
+        services `make up` starts."""
 
     # ------------------------------------------------------------ processes
 
-    def sh(self, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    def sh(
+        self, *argv: str, timeout: float = 300, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
+        env = self.env | (env or {})
         return subprocess.run(
-            argv, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout
+            argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
         )
 
     def make(self, *args: str) -> subprocess.CompletedProcess:
@@ -137,13 +143,18 @@ class Run(ExperimentWatch):
             raise RuntimeError(f"make up failed: {started.stdout[-2000:]}{started.stderr[-2000:]}")
         if self.scenario.rollouts > 1:
             self.make("scale", "SERVICE=rollout", f"N={self.scenario.rollouts}")
+        if self.scenario.trainers > 1:
+            self.make("scale", "SERVICE=trainer", f"N={self.scenario.trainers}")
         self.processes()
 
     def submit(self) -> None:
         id_file = self.cfg.var / "experiment_id"
         overrides = [*self.cfg.overrides(), *self.scenario.sets]
         sets = [a for o in overrides for a in ("--set", o)]
-        done = self.sh(".venv/bin/asyncrl", "submit", str(ARITH), "--id-file", str(id_file), *sets)
+        done = self.sh(
+            ".venv/bin/asyncrl", "submit", str(ARITH), "--id-file", str(id_file), *sets,
+            env=self.submit_env,
+        )  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(f"submit failed: {done.stdout}{done.stderr}")
         self.t0 = time.time()

@@ -150,6 +150,8 @@ class Scenario:
     count: int = 1
     """Faults per run (each at its own drawn version)."""
     rollouts: int = 1
+    trainers: int = 1
+    """Trainer replicas (`make scale SERVICE=trainer`), one per concurrent experiment."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment of `make up` (e.g. the rollout's bind address)."""
     before_up: Callable[[Run], None] = _no_setup
@@ -207,6 +209,9 @@ def _scenarios() -> dict[str, Scenario]:
     from tests.chaos import scenarios_stop  # noqa: PLC0415
 
     extra = (*extra, *scenarios_stop.scenarios())
+    from tests.chaos import scenarios_tenants  # noqa: PLC0415
+
+    extra = (*extra, *scenarios_tenants.scenarios(Scenario))
     return {s.name: s for s in (*kills, *others, *extra)}
 
 

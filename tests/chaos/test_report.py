@@ -7,6 +7,7 @@ import pytest
 from tests.chaos import report
 from tests.chaos.__main__ import parse_args, plan
 from tests.chaos.scenarios import SCENARIOS, run_rng, targets
+from tests.chaos.scenarios_tenants import recovered_at
 
 TIMELINE = [(0.0, 0), (4.0, 3), (9.5, 4), (10.0, 6)]
 LEDGER = {
@@ -114,7 +115,22 @@ def test_scenarios_every_fault_of_the_suite_present():
         *("corrupt-checkpoint", "deep-rewind"),
         *("disk-full", "sigterm-reward", "sigterm-rollout", "sigterm-scheduler"),
         *("power-cut", "full-restart"),
+        "tenants",
     }
+
+
+def test_tenants_stall_window_ends_at_the_recovery_point_itself():
+    """bcorp-1 around the scheduler kill of a `tenants` run (2026-11-26): back 1.01 s after the
+    kill (48.611), the first version past v13 after that is v15 at 54.054; the stall is that
+    point minus the last change before the kill, 54.054 - 47.518 = 6.536. (The rounded
+    recovery, 54.054 - 47.601 = 6.453 -> 6.45, would end the window at 54.051, before the
+    point: no gap at all.)"""
+    timeline = [(46.757, 11), (47.011, 12), (47.518, 13), (54.054, 15), (54.338, 16)]
+    fault = {"at_s": 47.601, "at_version": 13, "back_s": 1.01}
+    assert recovered_at(timeline, fault) == 54.054
+    assert report.stall_s(timeline, fault | {"done_s": 54.054}) == 6.54
+    assert report.recovery_s(timeline, fault) == 6.45
+    assert recovered_at(timeline[:3], fault) is None
 
 
 def test_hung_reward_row_judged_by_its_failed_prompts_reasons():
