@@ -17,7 +17,7 @@ from asyncrl.security import Credentials
 from asyncrl.types import EvalResult, StepMetrics
 from asyncrl.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.rollout.server import RolloutCollector
-from services.rollout.service import RolloutService
+from services.rollout.service import Loaded, RolloutService
 from services.rollout.torch_engine import TorchEngine
 from services.scheduler.server import create_scheduler
 from services.trainer.server import TrainerCollector
@@ -102,7 +102,7 @@ async def test_worker_collectors_one_registry_each_report_live_state_without_con
     """Real rollout and trainer service objects (not serving); two of a kind in one process
     each get their own registry, so there is no duplicate-registration error."""
     rollout = RolloutService(TorchEngine(seed=0), js=None)
-    rollout.experiment_id = "exp-1"
+    rollout.loaded["exp-1"] = Loaded(codec=None, lane="")  # serving exp-1's weights
     rollout.throughput.add(120)
     trainer = TrainerService(None, None, tmp_path / "var", tmp_path / "weights")
     trainer.experiment_id, trainer.version, trainer.step = "exp-1", 5, 6
