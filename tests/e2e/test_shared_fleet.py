@@ -29,7 +29,9 @@ CAPACITY = 4
 SHARES = (1.0, 1.0, 2.0)
 BATCH = 8
 """Groups per step, well above a share's slots: each experiment always has work waiting."""
-STEPS = 10
+STEPS = 30
+"""Long enough that all three run together for a while even when their trainers start
+seconds apart (10 steps left no such window on a loaded machine)."""
 ENDS = ("settled", "dropped", "retried", "left_over")
 
 
