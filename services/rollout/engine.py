@@ -56,15 +56,14 @@ class Engine(ABC):
     success without applying them shows. "" where the engine cannot tell (unverified)."""
     adapter_keep: int = 2
     """LoRA: how many adapter versions stay loaded (the bound experiment's eta + 1)."""
+    shares_adapters: bool = False
+    """Whether it serves several LoRA experiments on its one base at once, each in its own
+    lane (`update_weights(..., lane=)`, `GenRequest.lane`): the torch engine does."""
 
     def serve_lora(self, lora: LoraSpec | None, keep: int) -> None:
         """Called before `load`: the experiment trains `lora` adapters (None: full-model
         versions), and `keep` adapter versions stay loaded."""
         self.adapter_keep = keep
-
-    shares_adapters: bool = False
-    """Whether it serves several LoRA experiments on its one base at once, each in its own
-    lane (`update_weights(..., lane=)`, `GenRequest.lane`): the torch engine does."""
 
     @property
     @abstractmethod

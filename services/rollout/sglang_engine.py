@@ -180,18 +180,21 @@ class SGLangEngine(Engine):
         LoRA flags), else load the weights into the running server. No adapter stays."""
         model_dir = str(model_dir)
         await self.adapters.clear()
-        if self._weights == (model_dir, version):
-            return
         launched = self.process.cfg if self.process else None
-        same = launched is not None and launched.lora == self.launch_cfg.lora
-        if same and self._weights is None and launched.model_path == model_dir:
-            self._weights, self._version = (model_dir, version), version  # launched with it
-            return
-        if self.launch_cfg is not None and not (same and launched.model_path == model_dir):
+        if self.launch_cfg is not None and (
+            launched is None
+            or launched.model_path != model_dir
+            or launched.lora != self.launch_cfg.lora
+        ):
             if self.process:
                 await self.process.stop()
                 self.process = None
             await self._launch(model_dir, version)
+            return
+        if self._weights == (model_dir, version):
+            return
+        if launched is not None and self._weights is None:
+            self._weights, self._version = (model_dir, version), version  # launched with it
             return
         async with self._update_lock:
             await self._apply_from_disk(model_dir, version)

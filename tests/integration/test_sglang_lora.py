@@ -128,7 +128,9 @@ async def test_launched_child_gets_the_experiments_lora_flags(tmp_path, base):
     engine = SGLangEngine(SGLangConfig(launch=launch, sglang_version="0.5.23"))
     await engine.start()
     try:
-        engine.serve_lora(LORA, 3)
+        engine.serve_lora(None, 3)  # a full-parameter experiment on the same base first
+        await engine.load(str(base), 0)
+        engine.serve_lora(LORA, 3)  # then a LoRA one: launched again, with the flags
         await engine.load(str(base), 0)
         argv = build_command(engine.process.cfg, engine.api.version)  # the child's argv
         assert argv[argv.index("--enable-lora") :][:2] == ["--enable-lora", "--max-lora-rank"]
