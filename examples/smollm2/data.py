@@ -1,9 +1,12 @@
-"""Chat-formatted arithmetic questions for SmolLM2-135M-Instruct.
+"""Chat-formatted number questions for SmolLM2-135M-Instruct.
 
-    python -m examples.smollm2.data --out var/smollm2
+    python -m examples.smollm2.data --out var/smollm2                      # arithmetic
+    python -m examples.smollm2.data --task larger --out var/smollm2-larger --n-eval 200
 
-Writes <out>/train.jsonl and <out>/eval.jsonl (keys prompt, answer; disjoint): "What is
-a + b?" / "What is a * b?". The experiment sets `rollout.workflow.chat_template: true`, so the
+Writes <out>/train.jsonl and <out>/eval.jsonl (keys prompt, answer; disjoint). Tasks:
+`arith`, "What is a + b?" / "What is a * b?" (two digits; the model is near 0 on it);
+`larger`, "Which number is larger, a or b? Answer with the number only." (two different
+two-digit numbers; the learning run's task, see docs/smollm2.md). The experiment sets `rollout.workflow.chat_template: true`, so the
 rollout service renders each question as a user turn with the model's chat template and
 samples the assistant turn; the reward is `numeric_match` (the last number in the answer).
 Deterministic under --seed.
@@ -29,11 +32,22 @@ def questions(n: int, rng: random.Random) -> list[tuple[str, int]]:
     return out
 
 
-def build(out: Path, n_train: int, n_eval: int, seed: int) -> None:
+def larger(n: int, rng: random.Random) -> list[tuple[str, int]]:
+    out = []
+    for _ in range(n):
+        a, b = rng.sample(range(10, 100), 2)
+        out.append((f"Which number is larger, {a} or {b}? Answer with the number only.", max(a, b)))
+    return out
+
+
+TASKS = {"arith": questions, "larger": larger}
+
+
+def build(out: Path, n_train: int, n_eval: int, seed: int, task: str = "arith") -> None:
     rng = random.Random(seed)
     seen: set[str] = set()
     rows = []
-    for q, a in questions(4 * (n_train + n_eval), rng):
+    for q, a in TASKS[task](4 * (n_train + n_eval), rng):
         if q in seen:
             continue
         seen.add(q)
@@ -53,8 +67,9 @@ def main() -> None:
     p.add_argument("--n-train", type=int, default=2000)
     p.add_argument("--n-eval", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--task", choices=sorted(TASKS), default="arith")
     a = p.parse_args()
-    build(a.out, a.n_train, a.n_eval, a.seed)
+    build(a.out, a.n_train, a.n_eval, a.seed, a.task)
 
 
 if __name__ == "__main__":
