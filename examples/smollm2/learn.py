@@ -19,7 +19,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from asyncrl.client import AsyncrlClient, default_address
+from asyncrl.client import AsyncrlClient, default_address, read_groups
 from asyncrl.machine import machine_line
 from asyncrl.report import as_experiment, sorted_evals
 from asyncrl.v1 import scheduler_pb2
@@ -142,6 +142,30 @@ async def _fetch(address: str, ids: list[str]) -> list[scheduler_pb2.Experiment]
         return [await client.get(i, with_history=True) for i in ids]
 
 
+async def final_answers(exp: scheduler_pb2.Experiment, k: int = 12) -> list[dict]:
+    """The first `k` greedy eval answers at the run's last version, decoded: what the reward
+    scored, for a reader to judge (a policy can learn to please a rule without answering)."""
+    from transformers import AutoTokenizer
+
+    spec = json.loads(exp.spec_json)
+    tok = AutoTokenizer.from_pretrained(spec["model"]["path"])
+    last = exp.progress.version
+    out = []
+    async for g in read_groups(exp.id, include_eval=True):
+        if g.eval and g.start_version == last:
+            s = g.samples[0]
+            out.append(
+                {
+                    "answer": g.answer,
+                    "reward": s.reward,
+                    "completion": tok.decode(s.output_ids, skip_special_tokens=True),
+                }
+            )
+            if len(out) == k:
+                break
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--learn", required=True, help="the learning run's experiment id")
@@ -151,6 +175,7 @@ def main() -> None:
     a = p.parse_args()
     learn, control = asyncio.run(_fetch(a.scheduler or default_address(), [a.learn, a.control]))
     result = compare(learn, control)
+    result["learn"]["final_answers"] = asyncio.run(final_answers(learn))
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(learn, control, a.out / "learn.png")
@@ -160,6 +185,10 @@ def main() -> None:
             f"{name:8s} {r['experiment_id']}: accuracy {r['initial_accuracy']} -> "
             f"{r['final_accuracy']} in {r['wall_seconds']} s, {r['steps']} steps; "
             f"mismatch mean {r['mismatch_mean']} max {r['mismatch_max']}"
+        )
+    for answer in result["learn"]["final_answers"]:
+        print(
+            f"  answer {answer['answer']:>4s}  reward {answer['reward']}  {answer['completion']!r}"
         )
     print(
         f"bar (gain >= {GAIN} within {WALL_S} s, control below): "

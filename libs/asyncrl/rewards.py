@@ -86,9 +86,14 @@ def _value(m: re.Match) -> float | None:
     return -value if m["sign"] else value
 
 
+def numbers(text: str) -> list[float]:
+    """Every number written in `text`, in order (see _NUMBER for the forms)."""
+    return [v for v in map(_value, _NUMBER.finditer(text)) if v is not None]
+
+
 def last_number(text: str) -> float | None:
-    """The last number written in `text` (see _NUMBER for the forms), or None."""
-    values = [v for v in map(_value, _NUMBER.finditer(text)) if v is not None]
+    """The last number written in `text`, or None."""
+    values = numbers(text)
     return values[-1] if values else None
 
 
@@ -96,12 +101,22 @@ def numeric_match(completion: str, answer: str, prompt: str = "", **kwargs: str)
     """1.0 when the last number in the completion equals the answer's number within
     `tolerance` (absolute, default 1e-6). A completion with no number scores 0.0; an answer
     with no number is an error (bad data, not a wrong completion).
+
+    kwargs: tolerance; which ("last", the default: a worked answer ends on its result, or
+    "first": the number a short answer leads with. A question whose answer is one of the
+    numbers it asks about wants "first": "46 is larger than 72." ends on the right number
+    while it names the wrong one, and a policy trained on "last" learns to say just that,
+    see docs/smollm2.md).
     """
     tolerance = parse_float("tolerance", kwargs.get("tolerance", "1e-6"))
+    which = kwargs.get("which", "last")
+    if which not in ("first", "last"):
+        raise ValueError(f"kwarg 'which' must be 'first' or 'last', got {which!r}")
     want = last_number(answer)
     if want is None:
         raise ValueError(f"answer has no number: {answer[:80]!r}")
-    got = last_number(completion)
+    found = numbers(completion)
+    got = (found[0] if which == "first" else found[-1]) if found else None
     if got is None:
         return 0.0
     return 1.0 if abs(got - want) <= tolerance else 0.0

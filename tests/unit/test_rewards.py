@@ -96,6 +96,26 @@ def test_numeric_match_uses_last_number_zero():
     assert numeric_match("The answer is 72, not 73", "72", "q") == 0.0
 
 
+@pytest.mark.parametrize(
+    ("completion", "which", "score"),
+    [
+        ("46 is larger than 72.", "last", 1.0),  # ends on the answer, names the wrong one
+        ("46 is larger than 72.", "first", 0.0),
+        ("72 is larger than 46.", "first", 1.0),
+        ("The larger number is 72.", "first", 1.0),
+        ("72", "first", 1.0),
+        ("no number at all", "first", 0.0),
+    ],
+)
+def test_numeric_match_first_or_last_number(completion, which, score):
+    assert numeric_match(completion, "72", "Which is larger, 46 or 72?", which=which) == score
+
+
+def test_numeric_match_which_must_be_first_or_last():
+    with pytest.raises(ValueError, match="'which' must be 'first' or 'last', got 'middle'"):
+        numeric_match("72", "72", "q", which="middle")
+
+
 def test_numeric_match_negative_matches():
     assert numeric_match("the temperature drops to -12 degrees", "-12", "q") == 1.0
 
