@@ -6,9 +6,10 @@
 Writes <out>/train.jsonl and <out>/eval.jsonl (keys prompt, answer; disjoint). Tasks:
 `arith`, "What is a + b?" / "What is a * b?" (two digits; the model is near 0 on it);
 `larger`, "Which number is larger, a or b? Answer with the number only." (two different
-two-digit numbers; the learning run's task, see docs/smollm2.md). The experiment sets `rollout.workflow.chat_template: true`, so the
-rollout service renders each question as a user turn with the model's chat template and
-samples the assistant turn; the reward is `numeric_match` (the last number in the answer).
+two-digit numbers; the learning run's task, see docs/smollm2.md). The experiments set
+`rollout.workflow.chat_template: true`, so the rollout service renders each question as a user
+turn with the model's chat template and samples the assistant turn; the reward is
+`numeric_match` (experiment.yaml: the last number in the answer; learn.yaml: the first).
 Deterministic under --seed.
 """
 

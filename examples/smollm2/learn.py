@@ -21,7 +21,7 @@ from pathlib import Path
 
 from asyncrl.client import AsyncrlClient, default_address, read_groups
 from asyncrl.machine import machine_line
-from asyncrl.report import as_experiment, sorted_evals
+from asyncrl.report import as_experiment, sorted_evals, summarize, wall_seconds
 from asyncrl.v1 import scheduler_pb2
 
 GAIN = 0.15  # the bar: greedy accuracy up by at least this much ...
@@ -29,33 +29,25 @@ WALL_S = 30 * 60  # ... within this much experiment wall time
 
 
 def run_figures(experiment: scheduler_pb2.Experiment | dict) -> dict:
-    """One run: first and last eval, wall time, and the mismatch between the rollout's
-    logprobs and the trainer's recomputation at the same version (token-weighted mean of the
-    per-step means, max of the maxima)."""
+    """One run: its summary (first and last eval, wall time), the gain between them, and the
+    mismatch between the rollout's logprobs and the trainer's recomputation at the same
+    version (token-weighted mean of the per-step means, max of the maxima)."""
     exp = as_experiment(experiment)
-    evals = sorted_evals(exp)
-    history = sorted(exp.history, key=lambda h: h.version)
-    tokens = sum(h.logprob_diff_tokens for h in history)
-    mismatch_mean = (
-        sum(h.logprob_diff_mean * h.logprob_diff_tokens for h in history) / tokens
-        if tokens
-        else None
+    figures = summarize(exp, round(wall_seconds(exp), 1))
+    first, last = figures["initial_eval_accuracy"], figures["final_eval_accuracy"]
+    tokens = sum(h.logprob_diff_tokens for h in exp.history)
+    figures.update(
+        evals=[(e.version, round(e.accuracy, 4), e.n_prompts) for e in sorted_evals(exp)],
+        gain=last - first if len(exp.progress.evals) > 1 else None,
+        mismatch_mean=(
+            sum(h.logprob_diff_mean * h.logprob_diff_tokens for h in exp.history) / tokens
+            if tokens
+            else None
+        ),
+        mismatch_max=max((h.logprob_diff_max for h in exp.history), default=None),
+        mismatch_tokens=tokens,
     )
-    return {
-        "experiment_id": exp.id,
-        "state": scheduler_pb2.ExperimentState.Name(exp.state),
-        "steps": len(history),
-        "wall_seconds": round(max(0.0, (exp.updated_unix_ms - exp.created_unix_ms) / 1000), 1),
-        "evals": [(e.version, round(e.accuracy, 4), e.n_prompts) for e in evals],
-        "initial_accuracy": evals[0].accuracy if evals else None,
-        "final_accuracy": evals[-1].accuracy if evals else None,
-        "gain": evals[-1].accuracy - evals[0].accuracy if len(evals) > 1 else None,
-        "loss_first": history[0].loss if history else None,
-        "loss_last": history[-1].loss if history else None,
-        "mismatch_mean": mismatch_mean,
-        "mismatch_max": max((h.logprob_diff_max for h in history), default=None),
-        "mismatch_tokens": tokens,
-    }
+    return figures
 
 
 def compare(
@@ -89,7 +81,7 @@ def plot(learn, control, out: str | Path) -> Path:
         (as_experiment(learn), "lr 1e-5", "C0"),
         (as_experiment(control), "control, lr 1e-12", "C1"),
     ):
-        wall = max(0.0, (exp.updated_unix_ms - exp.created_unix_ms) / 60000)
+        wall = wall_seconds(exp) / 60
         evals = sorted_evals(exp)
         history = sorted(exp.history, key=lambda h: h.version)
         axes[0].plot(
@@ -182,8 +174,8 @@ def main() -> None:
     for name in ("learn", "control"):
         r = result[name]
         print(
-            f"{name:8s} {r['experiment_id']}: accuracy {r['initial_accuracy']} -> "
-            f"{r['final_accuracy']} in {r['wall_seconds']} s, {r['steps']} steps; "
+            f"{name:8s} {r['experiment_id']}: accuracy {r['initial_eval_accuracy']} -> "
+            f"{r['final_eval_accuracy']} in {r['wall_seconds']} s, {r['steps']} steps; "
             f"mismatch mean {r['mismatch_mean']} max {r['mismatch_max']}"
         )
     for answer in result["learn"]["final_answers"]:

@@ -372,7 +372,7 @@ def report_(
     """Write summary.json and reward.png for an experiment and print the summary."""
     exp = _run(_get_with_history(_address(ctx), experiment_id))
     if wall_seconds is None:
-        wall_seconds = max(0.0, (exp.updated_unix_ms - exp.created_unix_ms) / 1000)
+        wall_seconds = report.wall_seconds(exp)
     report.write_summary(exp, wall_seconds, out_dir, console=out)
     out.print(f"wrote {out_dir / 'summary.json'} and {out_dir / 'reward.png'}")
 

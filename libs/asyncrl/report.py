@@ -32,6 +32,12 @@ def sorted_evals(exp: scheduler_pb2.Experiment) -> list[scheduler_pb2.EvalResult
     return sorted(exp.progress.evals, key=lambda e: e.version)
 
 
+def wall_seconds(experiment: scheduler_pb2.Experiment | dict) -> float:
+    """Submit to the last update (for a finished run, to its end), in seconds."""
+    exp = as_experiment(experiment)
+    return max(0.0, (exp.updated_unix_ms - exp.created_unix_ms) / 1000)
+
+
 def summarize(experiment: scheduler_pb2.Experiment | dict, wall_seconds: float) -> dict:
     """The numbers a run is judged by.
 
