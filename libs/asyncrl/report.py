@@ -32,6 +32,17 @@ def sorted_evals(exp: scheduler_pb2.Experiment) -> list[scheduler_pb2.EvalResult
     return sorted(exp.progress.evals, key=lambda e: e.version)
 
 
+def token_versions(e: scheduler_pb2.EvalResult) -> str:
+    """The versions that generated an eval round's tokens: "v10" when the round measured its
+    version alone, "v10-v13" when the fleet moved on while it ran, "-" for a round recorded
+    before EvalResult carried them."""
+    if e.max_version < e.version:
+        return "-"
+    if e.min_version == e.max_version:
+        return f"v{e.min_version}"
+    return f"v{e.min_version}-v{e.max_version}"
+
+
 def wall_seconds(experiment: scheduler_pb2.Experiment | dict) -> float:
     """Submit to the last update (for a finished run, to its end), in seconds."""
     exp = as_experiment(experiment)

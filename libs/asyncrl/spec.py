@@ -297,6 +297,10 @@ class EvalSpec(_Section):
     n_samples: int = Field(1, gt=0)
     gconfig: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.0))
     max_prompts: int | None = Field(None, gt=0)
+    before_training: bool = True
+    """Hold training until the first eval round (at v0, or the version a run resumes at) is
+    done, so that round measures that version alone; false lets training start beside it, and
+    the fleet's next versions then generate part of it (EvalResult.min/max_version say which)."""
 
 
 class ExperimentSpec(_Section):

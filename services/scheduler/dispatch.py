@@ -255,6 +255,7 @@ class Dispatcher:
                 list(summary.rewards),
                 summary.failed_samples,
                 summary.status == rollout_pb2.GROUP_STATUS_FAILED,
+                (summary.start_version, summary.end_version) if summary.tokens else None,
             )
             self._eval_progress(item.eval_round)
         elif summary.status == rollout_pb2.GROUP_STATUS_ACCEPTED:

@@ -1,7 +1,10 @@
 """Eval rounds: which versions are evaluated, and how a round's groups become an EvalResult.
 
 Pure bookkeeping; the experiment runner dispatches the groups. accuracy = fraction of samples
-with reward >= 1.0; FAILED samples count as wrong and are reported in `failed`.
+with reward >= 1.0; FAILED samples count as wrong and are reported in `failed`. A round also
+records the span of policy versions that generated its tokens: it runs beside training, so
+the fleet can take new weights while it generates (`eval.before_training` keeps the first
+round to its version alone).
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ class EvalRound:
         self.failed = 0
         self.reward_sum = 0.0
         self.reward_count = 0
+        self.min_version: int | None = None
+        self.max_version: int | None = None
 
     def next(self) -> tuple[int, int] | None:
         """(prompt index, attempt) to dispatch next, or None."""
@@ -65,9 +70,20 @@ class EvalRound:
         else:
             self.pending.append((index, attempt + 1))
 
-    def add(self, rewards: list[float], failed_samples: int, group_failed: bool) -> None:
-        """A scored group. `rewards` are the samples' rewards (failed ones, if listed, are < 1)."""
+    def add(
+        self,
+        rewards: list[float],
+        failed_samples: int,
+        group_failed: bool,
+        versions: tuple[int, int] | None = None,
+    ) -> None:
+        """A scored group. `rewards` are the samples' rewards (failed ones, if listed, are < 1);
+        `versions`: the lowest and highest policy version of its tokens, if it generated any."""
         self.outstanding -= 1
+        if versions is not None:
+            low, high = versions
+            self.min_version = low if self.min_version is None else min(self.min_version, low)
+            self.max_version = high if self.max_version is None else max(self.max_version, high)
         if group_failed and not rewards:
             failed_samples = max(failed_samples, self.n_samples)
         self.samples += max(self.n_samples, len(rewards))
@@ -88,6 +104,8 @@ class EvalRound:
             n_prompts=self.n_prompts,
             n_samples=self.samples,
             failed=self.failed,
+            min_version=self.version if self.min_version is None else self.min_version,
+            max_version=self.version if self.max_version is None else self.max_version,
         )
 
 
@@ -104,6 +122,8 @@ class Evaluator:
         """Versions evaluated or being evaluated (each at most once)."""
         self.rounds: list[EvalRound] = []
         self.running = 0
+        self.first: EvalRound | None = None
+        """The round opened when the run started (or resumed), while it is open."""
 
     def schedule(
         self, version: int, *, start: bool = False, final: bool = False, since: int | None = None
@@ -116,6 +136,8 @@ class Evaluator:
             return False
         self.versions.add(version)
         self.rounds.append(EvalRound(version, self.n_prompts, self.n_samples))
+        if start:
+            self.first = self.rounds[-1]
         return True
 
     def next(self) -> tuple[EvalRound, int, int] | None:
@@ -131,8 +153,15 @@ class Evaluator:
         if not eval_round.done or eval_round not in self.rounds:
             return None
         self.rounds.remove(eval_round)
+        if eval_round is self.first:
+            self.first = None
         return eval_round.result()
 
     @property
     def idle(self) -> bool:
         return not self.rounds
+
+    @property
+    def samples(self) -> int:
+        """Samples scored so far in the open rounds."""
+        return sum(r.samples for r in self.rounds)

@@ -344,6 +344,7 @@ class ExperimentRunner:
             training = (
                 phase is Phase.RUNNING
                 and self.version >= self.committed_version  # never on weights already stale
+                and not self._first_eval_holds()
             )
             if self.dispatcher.dispatch_one(ready, self.registry.reward_addresses(), training):
                 dispatched += 1
@@ -353,6 +354,10 @@ class ExperimentRunner:
             self._idle.set()
             await self._wake.wait()
             self._idle.clear()
+
+    def _first_eval_holds(self) -> bool:
+        """`eval.before_training`: the first eval round is still open."""
+        return self.spec.eval.before_training and self.dispatcher.evaluator.first is not None
 
     def _trainer_changed(self) -> str:
         """Why the loop must start a trainer again; "" while the one it started runs."""
@@ -378,7 +383,8 @@ class ExperimentRunner:
     # ---- watchdog ---------------------------------------------------------------------------
 
     def _stall_mark(self) -> tuple[tuple, str]:
-        return self.book.stall_mark(self.staleness.counts, self.fleet)
+        evaluator = self.dispatcher.evaluator
+        return self.book.stall_mark(self.staleness.counts, self.fleet, evaluator.samples)
 
     def _trainer_verdict(self, why: str, fail: str) -> None:
         """The watchdog: start the trainer again (`why`), or end the run FAILED (`fail`)."""

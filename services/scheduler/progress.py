@@ -77,13 +77,15 @@ class ProgressBook:
         )
         self.emit(Event("eval", eval=result))
 
-    def stall_mark(self, counts: GroupCounters, fleet) -> tuple[tuple, str]:
-        """What moves while the run makes progress (a commit, a group settled, an eval, a
-        rollout joining), and what it waits for: the trainer's watchdog acts when the mark
-        stands still (`TrainerSupervisor.watch`). `fleet` is the experiment's `Fleet`."""
+    def stall_mark(self, counts: GroupCounters, fleet, eval_samples: int = 0) -> tuple[tuple, str]:
+        """What moves while the run makes progress (a commit, a group settled, an eval group
+        scored, an eval, a rollout joining), and what it waits for: the trainer's watchdog acts
+        when the mark stands still (`TrainerSupervisor.watch`). `fleet` is the experiment's
+        `Fleet`; `eval_samples` the samples scored in the open eval rounds (training waits on
+        the first one under `eval.before_training`)."""
         v, ready = fleet.version, len(fleet.ready)
         mark = (v, fleet.committed_version, counts.accepted, counts.rejected, counts.failed)
-        mark += (counts.stale_dropped, len(self.record.evals), ready)
+        mark += (counts.stale_dropped, len(self.record.evals), eval_samples, ready)
         waiting = (
             f"no step committed after v{v} and no group settled ({counts.running} running on"
             f" {ready} ready rollouts)"

@@ -227,7 +227,8 @@ async def test_finish_withdraws_training_groups_sharing_a_call_with_evals(cluste
         rollout,
         rollout={"max_head_offpolicyness": 1},  # v1 leaves them fresh enough: no stale abort
         trainer={"total_steps": 1},
-        eval={"dataset_path": files["eval"], "every_versions": 1},
+        # training beside the v0 round, so that both kinds of group share a call
+        eval={"dataset_path": files["eval"], "every_versions": 1, "before_training": False},
     )
     await wait_until(lambda: len(rollout.requests) == 7)  # 3 eval prompts, then 2 * B groups
     [call] = rollout.calls
@@ -378,6 +379,34 @@ async def test_completion_at_total_steps_runs_evals_and_stops_trainer(cluster, f
     assert trainer.stopped == [exp_id]
     workers = (await cluster.stub.ListWorkers(scheduler_pb2.ListWorkersRequest())).workers
     assert all(w.experiment_id == "" for w in workers)  # freed for the next experiment
+
+
+@pytest.mark.parametrize("before_training", [True, False])
+async def test_first_eval_round_holds_training_until_it_is_done(cluster, files, before_training):
+    """eval.before_training: the v0 round runs alone, so its tokens are v0's; without it,
+    training groups go out beside the eval's."""
+    await cluster.start_scheduler()
+    rollout = FakeRollout(hold=True, hold_eval=True)
+    exp_id = await running_experiment(
+        cluster,
+        files,
+        rollout,
+        trainer={"total_steps": 2},
+        eval={
+            "dataset_path": files["eval"],
+            "every_versions": 0,
+            "before_training": before_training,
+        },
+    )
+    runner = cluster.scheduler.get(exp_id)
+    await wait_until(lambda: sum(r.eval for r in rollout.requests) == 3)
+    await asyncio.wait_for(runner.settled(), 5)
+    assert (len(rollout.group_ids()) == 0) is before_training, rollout.group_ids()
+    rollout.release.set()
+    await wait_until(lambda: len(runner.book.record.evals) == 1)
+    first = runner.book.record.evals[0]
+    assert (first.version, first.min_version, first.max_version) == (0, 0, 0)
+    await wait_until(lambda: len(rollout.group_ids()) >= 2)  # training goes on after it
 
 
 async def test_cancel_stops_trainer_and_frees_workers(cluster, files):

@@ -43,13 +43,23 @@ def test_step_scalars_name_every_field_by_group():
 
 
 def test_eval_scalars():
-    result = EvalResult(version=4, accuracy=0.5, reward_mean=0.25, n_prompts=8, n_samples=8)
+    result = EvalResult(
+        version=4,
+        accuracy=0.5,
+        reward_mean=0.25,
+        n_prompts=8,
+        n_samples=8,
+        min_version=4,
+        max_version=6,
+    )
     assert eval_scalars(result) == {
         "eval/accuracy": 0.5,
         "eval/reward_mean": 0.25,
         "eval/n_prompts": 8.0,
         "eval/n_samples": 8.0,
         "eval/failed": 0.0,
+        "eval/min_version": 4.0,
+        "eval/max_version": 6.0,
     }
 
 

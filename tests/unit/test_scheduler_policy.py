@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.scheduler.evaluation import MAX_EVAL_ATTEMPTS, EvalRound, eval_due
+from services.scheduler.evaluation import MAX_EVAL_ATTEMPTS, EvalRound, Evaluator, eval_due
 from services.scheduler.policy import (
     StalenessManager,
     least_loaded,
@@ -308,3 +308,43 @@ def test_eval_round_retries_then_counts_prompt_all_failed():
     assert r.done
     res = r.result()
     assert (res.n_samples, res.failed, res.accuracy) == (2, 2, 0.0)
+
+
+def test_eval_round_records_the_versions_that_generated_its_tokens():
+    r = EvalRound(version=10, n_prompts=3, n_samples=1)
+    for _ in range(3):
+        r.next()
+    r.add([1.0], 0, False, versions=(10, 10))
+    r.add([0.0], 0, False, versions=(11, 13))  # the fleet moved on mid-generation
+    r.add([], 1, True, versions=None)  # failed before any token
+    res = r.result()
+    assert (res.version, res.min_version, res.max_version) == (10, 10, 13)
+
+
+def test_eval_round_without_tokens_reports_its_own_version():
+    r = EvalRound(version=4, n_prompts=1, n_samples=2)
+    r.next()
+    r.add([], 2, True)
+    res = r.result()
+    assert (res.min_version, res.max_version) == (4, 4)
+
+
+def test_evaluator_first_is_the_start_round_until_it_finishes():
+    ev = Evaluator(n_prompts=1, every_versions=5, n_samples=1, done_versions=set())
+    assert ev.schedule(0, start=True)
+    first = ev.first
+    assert first is not None and first.version == 0
+    assert ev.schedule(5)  # a later round is never "first"
+    assert ev.first is first
+    round_, index, attempt = ev.next()
+    assert round_ is first
+    first.add([1.0], 0, False, versions=(0, 0))
+    assert ev.samples == 1
+    assert ev.pop_finished(first).max_version == 0
+    assert ev.first is None and ev.samples == 0
+
+
+def test_evaluator_resumed_at_a_version_already_evaluated_holds_nothing():
+    ev = Evaluator(n_prompts=1, every_versions=5, n_samples=1, done_versions={5})
+    assert not ev.schedule(5, start=True)
+    assert ev.first is None
