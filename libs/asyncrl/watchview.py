@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from asyncrl.client import experiment_spec, state_name
+from asyncrl.report import token_versions
 from asyncrl.v1 import common_pb2, scheduler_pb2
 
 LIVE_EVALS = 8
@@ -232,11 +233,17 @@ class ProgressView:
             versions if len(versions) <= LIVE_EVALS else [versions[0], *versions[1 - LIVE_EVALS :]]
         )
         table = Table(box=None, padding=(0, 1), show_edge=False)
-        for col in ("version", "accuracy", "reward mean", "failed"):
+        for col in ("version", "accuracy", "reward mean", "tokens from", "failed"):
             table.add_column(col, justify="right", header_style="dim")
         for v in shown:
             e = self.evals[v]
-            table.add_row(str(v), f"{e.accuracy:.3f}", f"{e.reward_mean:.3f}", str(e.failed))
+            table.add_row(
+                str(v),
+                f"{e.accuracy:.3f}",
+                f"{e.reward_mean:.3f}",
+                token_versions(e),
+                str(e.failed),
+            )
         return table
 
 

@@ -10,7 +10,7 @@ from google.protobuf import json_format
 from rich.console import Console
 
 from asyncrl.machine import cpu_model
-from asyncrl.report import plot_experiment, summarize, write_summary
+from asyncrl.report import plot_experiment, summarize, token_versions, write_summary
 from asyncrl.v1 import common_pb2, scheduler_pb2
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -104,3 +104,17 @@ def test_write_summary_prints_and_stores_the_machine_line(tmp_path):
     assert summary["machine"].startswith(f"{cpu_model()} · {os.cpu_count()} cores")
     assert " · load " in summary["machine"]
     assert summary["machine"] in console.export_text()
+
+
+@pytest.mark.parametrize(
+    ("version", "low", "high", "shown"),
+    [
+        (0, 0, 0, "v0"),  # the first round, held alone (eval.before_training)
+        (10, 10, 13, "v10-v13"),  # the fleet moved on while the round ran
+        (10, 11, 11, "v11"),  # every prompt started after the next version landed
+        (10, 0, 0, "-"),  # a round recorded before EvalResult carried its versions
+    ],
+)
+def test_token_versions_names_the_versions_that_generated_an_eval(version, low, high, shown):
+    e = scheduler_pb2.EvalResult(version=version, min_version=low, max_version=high)
+    assert token_versions(e) == shown

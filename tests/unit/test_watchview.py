@@ -59,7 +59,10 @@ EVENTS = [
     scheduler_pb2.ProgressEvent(kind="step", step=_step(1, 0.5, 0.25)),
     scheduler_pb2.ProgressEvent(kind="step", step=_step(2, 0.25, 0.5)),
     scheduler_pb2.ProgressEvent(
-        kind="eval", eval=scheduler_pb2.EvalResult(version=2, accuracy=0.625, reward_mean=0.5)
+        kind="eval",
+        eval=scheduler_pb2.EvalResult(
+            version=2, accuracy=0.625, reward_mean=0.5, min_version=2, max_version=3
+        ),
     ),
     scheduler_pb2.ProgressEvent(kind="state", experiment=_experiment(COMPLETED, 2, 32)),
 ]
@@ -117,9 +120,9 @@ def test_live_view_shows_progress_latest_step_and_evals():
     )
     assert rows["staleness"] == "max 1  mean 0.50  (η = 2)"
     assert [line.split() for line in lines[-3:]] == [
-        ["evals", "version", "accuracy", "reward", "mean", "failed"],
-        ["0", "0.125", "0.125", "0"],
-        ["2", "0.625", "0.500", "0"],
+        ["evals", "version", "accuracy", "reward", "mean", "tokens", "from", "failed"],
+        ["0", "0.125", "0.125", "v0", "0"],
+        ["2", "0.625", "0.500", "v2-v3", "0"],
     ]
     assert max(len(line) for line in lines) <= 90  # fits a narrow terminal
 
