@@ -298,9 +298,10 @@ class EvalSpec(_Section):
     gconfig: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.0))
     max_prompts: int | None = Field(None, gt=0)
     before_training: bool = True
-    """Hold training until the first eval round (at v0, or the version a run resumes at) is
-    done, so that round measures that version alone; false lets training start beside it, and
-    the fleet's next versions then generate part of it (EvalResult.min/max_version say which)."""
+    """Hold training until the run's first eval round (at v0: the baseline) is done, so that
+    round measures v0 alone; false lets training start beside it, and the fleet's next
+    versions then generate part of it (EvalResult.min/max_version say which). A resumed or
+    restarted run that has evaluated before holds nothing."""
 
 
 class ExperimentSpec(_Section):

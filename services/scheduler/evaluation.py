@@ -123,7 +123,8 @@ class Evaluator:
         self.rounds: list[EvalRound] = []
         self.running = 0
         self.first: EvalRound | None = None
-        """The round opened when the run started (or resumed), while it is open."""
+        """The run's first round (its baseline, at v0 or where a run with no eval yet
+        resumed), while it is open; never a round of a run that has evaluated before."""
 
     def schedule(
         self, version: int, *, start: bool = False, final: bool = False, since: int | None = None
@@ -134,9 +135,10 @@ class Evaluator:
             return False
         if not eval_due(version, self.every_versions, start=start, final=final, since=since):
             return False
+        baseline = start and not self.versions
         self.versions.add(version)
         self.rounds.append(EvalRound(version, self.n_prompts, self.n_samples))
-        if start:
+        if baseline:
             self.first = self.rounds[-1]
         return True
 

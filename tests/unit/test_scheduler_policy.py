@@ -344,7 +344,16 @@ def test_evaluator_first_is_the_start_round_until_it_finishes():
     assert ev.first is None and ev.samples == 0
 
 
-def test_evaluator_resumed_at_a_version_already_evaluated_holds_nothing():
-    ev = Evaluator(n_prompts=1, every_versions=5, n_samples=1, done_versions={5})
-    assert not ev.schedule(5, start=True)
+def test_evaluator_resumed_after_earlier_evals_holds_nothing():
+    ev = Evaluator(n_prompts=1, every_versions=5, n_samples=1, done_versions={0, 5})
+    assert not ev.schedule(5, start=True)  # evaluated already
+    assert ev.schedule(7, start=True)  # a resume's round at its version: not the baseline
     assert ev.first is None
+
+
+def test_evaluator_trainer_restart_opens_no_second_baseline():
+    ev = Evaluator(n_prompts=1, every_versions=5, n_samples=1, done_versions=set())
+    assert ev.schedule(0, start=True)
+    first = ev.first
+    assert ev.schedule(3, start=True)  # the trainer came back at v3 while v0 ran
+    assert ev.first is first and first.version == 0
