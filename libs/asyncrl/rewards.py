@@ -99,8 +99,8 @@ def last_number(text: str) -> float | None:
 
 def numeric_match(completion: str, answer: str, prompt: str = "", **kwargs: str) -> float:
     """1.0 when the last (or, with which="first", the first) number in the completion equals
-    the answer's number within `tolerance` (absolute, default 1e-6). A completion with no number scores 0.0; an answer
-    with no number is an error (bad data, not a wrong completion).
+    the answer's number within `tolerance` (absolute, default 1e-6). A completion with no
+    number scores 0.0; an answer with no number is an error (bad data, not a wrong completion).
 
     kwargs: tolerance; which ("last", the default: a worked answer ends on its result, or
     "first": the number a short answer leads with. A question whose answer is one of the

@@ -77,7 +77,7 @@ class ProgressBook:
         )
         self.emit(Event("eval", eval=result))
 
-    def stall_mark(self, counts: GroupCounters, fleet, eval_samples: int = 0) -> tuple[tuple, str]:
+    def stall_mark(self, counts: GroupCounters, fleet, eval_samples: int) -> tuple[tuple, str]:
         """What moves while the run makes progress (a commit, a group settled, an eval group
         scored, an eval, a rollout joining), and what it waits for: the trainer's watchdog acts
         when the mark stands still (`TrainerSupervisor.watch`). `fleet` is the experiment's
