@@ -50,8 +50,9 @@ from asyncrl.natsutil import LocalNatsServer
 from asyncrl.net import free_port
 from asyncrl.supervisor.daemon import cpu_placement
 from asyncrl.v1 import common_pb2
+from bench import counts
 from bench.report import Context, Result, Skip, cpu_affinity
-from bench.zero import PROFILE_ENV
+from bench.zero import PATCH_ENV, PROFILE_ENV
 
 NAME = "control_plane"
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,6 +98,10 @@ class Window:
     main_thread_s: dict[str, float] = field(default_factory=dict)
     """CPU of each Python service's main thread (its event loop); the rest is gRPC's C
     threads, the asyncio executor and child processes."""
+    calls: dict[str, dict] = field(default_factory=dict)
+    """What the calls between the services carried (`bench.counts.per_group`)."""
+    waits: dict[str, int] = field(default_factory=dict)
+    """Voluntary context switches of each process (its threads' sleeps)."""
 
     @property
     def groups_per_s(self) -> float:
@@ -171,6 +176,7 @@ class Deployment:
         self.scheduler = f"127.0.0.1:{free_port()}"
         self.nats = LocalNatsServer(var / "nats", log_file=var / "nats.log")
         self.procs: dict[str, subprocess.Popen] = {}
+        self.counts = var / "counts"
 
     def env(self, service: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
@@ -184,6 +190,8 @@ class Deployment:
             ASYNCRL_SERVICE=service,
             PYTHONUNBUFFERED="1",
         )
+        env[counts.COUNTS_ENV] = str(self.counts)
+        env[PATCH_ENV] = ",".join(filter(None, ["bench.counts", env.get(PATCH_ENV, "")]))
         if self.profile is not None:
             env[PROFILE_ENV] = str(self.profile)
         return env
@@ -272,18 +280,22 @@ class Deployment:
         self.nats.stop()
 
 
-def cpu_seconds(pids: dict[str, int]) -> tuple[dict[str, float], dict[str, float]]:
-    """Per process (children included): user + system CPU seconds; and its main thread's."""
-    total, main = {}, {}
+def cpu_seconds(
+    pids: dict[str, int],
+) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:
+    """Per process (children included): user + system CPU seconds; its main thread's; and its
+    voluntary context switches (how often it went to sleep waiting for something)."""
+    total, main, waits = {}, {}, {}
     for name, pid in pids.items():
         root = psutil.Process(pid)
-        total[name] = 0.0
+        total[name], waits[name] = 0.0, 0
         for p in [root, *root.children(recursive=True)]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 t = p.cpu_times()
                 total[name] += t.user + t.system
+                waits[name] += p.num_ctx_switches().voluntary
         main[name] = sum(t.user_time + t.system_time for t in root.threads() if t.id == pid)
-    return total, main
+    return total, main, waits
 
 
 class StepWatch:
@@ -370,18 +382,22 @@ def measure(work_dir: Path, model: Path, s: Sizes, profile: Path | None = None) 
 
 def _window(dep: Deployment, watch: StepWatch, first: int, s: Sizes) -> tuple[Window, int]:
     """From trainer step `first` to the first one at least min_steps and min_seconds later."""
-    cpu0, main0 = cpu_seconds(dep.pids())
+    cpu0, main0, waits0 = cpu_seconds(dep.pids())
+    calls0 = counts.read(dep.counts)
     t0 = time.perf_counter()
     last = first
     while last < first + s.min_steps or time.perf_counter() - t0 < s.min_seconds:
         last = watch.wait_for(last + 1, dep)
     seconds = time.perf_counter() - t0
-    cpu1, main1 = cpu_seconds(dep.pids())
+    cpu1, main1, waits1 = cpu_seconds(dep.pids())
+    groups = (last - first) * s.batch
     w = Window(
-        groups=(last - first) * s.batch,
+        groups=groups,
         seconds=seconds,
         cpu_s={k: cpu1[k] - cpu0[k] for k in cpu1},
         main_thread_s={k: main1[k] - main0[k] for k in SERVICES},
+        calls=counts.per_group(calls0, counts.read(dep.counts), groups),
+        waits={k: waits1[k] - waits0[k] for k in waits1},
     )
     return w, last
 
@@ -444,6 +460,7 @@ def _settings(s: Sizes, windows: list[Window], peer: dict) -> dict:
         "groups": w.groups,
         "cpu_us_per_group_by_process": w.per_group(w.cpu_s),
         "main_thread_cpu_us_per_group": w.per_group(w.main_thread_s),
+        "calls": w.calls,
         "cpu_per_wall": round(sum(w.cpu_s.values()) / w.seconds, 2),
         "security": "TLS + tokens on every RPC, NATS over TLS with users",
         "peer": {
@@ -562,6 +579,8 @@ def _window_json(w: Window) -> dict:
         "groups": w.groups,
         "cpu_us_per_group_by_process": w.per_group(w.cpu_s),
         "main_thread_cpu_us_per_group": w.per_group(w.main_thread_s),
+        "calls": w.calls,
+        "sleeps_per_group": {k: round(v / w.groups, 2) for k, v in w.waits.items()},
     }
 
 
@@ -602,6 +621,9 @@ def main(argv: list[str] | None = None) -> None:
         out = {
             **_window_json(w),
             "windows": [round(x.cpu_us_per_group, 1) for x in windows],
+            "windows_sleeps": [
+                {k: round(v / x.groups, 2) for k, v in x.waits.items()} for x in windows
+            ],
             "sizes": asdict(s),
         }
         if not args.no_peer:
