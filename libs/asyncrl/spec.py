@@ -244,7 +244,10 @@ class TrainerSpec(_Section):
     weight_decay: float = Field(0.0, ge=0)
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.999, ge=0, lt=1)
-    checkpoint_every: int = Field(1, gt=0)
+    checkpoint_every: int = Field(10, gt=0)
+    """Steps between the trainer's checkpoints. A checkpoint waits until every version trained
+    is committed and in the ledger, so it stalls the step after it; a trainer restarted after
+    a crash trains again from its last checkpoint (at most `checkpoint_every` - 1 steps)."""
     tp_size: int = Field(1, gt=0)
     dp_size: int = Field(1, gt=0)
     weight_sync: Literal["disk", "nats", "nccl"] = "disk"
