@@ -22,9 +22,10 @@ rounds (three; one quick): a fresh deployment, after a warm-up, runs one steady 
 The peer is AReaL's in-process `WorkflowExecutor` with a zero-latency fake engine (groups of n,
 the same B), measured by `../shared/tools/peer_areal/bench_areal_control_plane.py` (its child
 process) when its venv exists; otherwise the benchmark is skipped with this side's figures in
-the reason. The reported pair is the round with the median ratio: on this shared VM both sides
-drift by tens of percent within minutes, so each ratio is taken from two runs next to each
-other (every round, and the best of each side against the other's best, in the settings).
+the reason. A speed probe runs on every CPU throughout (`bench.speed`): this shared VM's speed
+halves for seconds at a time, so each side's CPU-µs are put at the machine's reference speed
+over its own window, and the reported pair is the round with the median ratio of those (every
+round, raw and corrected, in the settings).
 `python -m bench.control_plane --profile DIR` runs each service under cProfile and
 prints what dominates per group in each process.
 """
@@ -54,6 +55,7 @@ from asyncrl.supervisor.daemon import cpu_placement
 from asyncrl.v1 import common_pb2
 from bench import counts
 from bench.report import Context, Result, Skip, cpu_affinity
+from bench.speed import SpeedProbe, reference, slowdown
 from bench.zero import PATCH_ENV, PROFILE_ENV
 
 NAME = "control_plane"
@@ -104,6 +106,8 @@ class Window:
     """What the calls between the services carried (`bench.counts.per_group`)."""
     waits: dict[str, int] = field(default_factory=dict)
     """Voluntary context switches of each process (its threads' sleeps)."""
+    span: tuple[float, float] = (0.0, 0.0)
+    """Its start and end, monotonic clock (where the speed probe's samples are taken)."""
 
     @property
     def groups_per_s(self) -> float:
@@ -386,7 +390,7 @@ def _window(dep: Deployment, watch: StepWatch, first: int, s: Sizes) -> tuple[Wi
     """From trainer step `first` to the first one at least min_steps and min_seconds later."""
     cpu0, main0, waits0 = cpu_seconds(dep.pids())
     calls0 = counts.read(dep.counts)
-    t0 = time.perf_counter()
+    t0, m0 = time.perf_counter(), time.monotonic()
     last = first
     while last < first + s.min_steps or time.perf_counter() - t0 < s.min_seconds:
         last = watch.wait_for(last + 1, dep)
@@ -400,6 +404,7 @@ def _window(dep: Deployment, watch: StepWatch, first: int, s: Sizes) -> tuple[Wi
         main_thread_s={k: main1[k] - main0[k] for k in SERVICES},
         calls=counts.per_group(calls0, counts.read(dep.counts), groups),
         waits={k: waits1[k] - waits0[k] for k in waits1},
+        span=(m0, time.monotonic()),
     )
     return w, last
 
@@ -435,24 +440,52 @@ def areal_run(s: Sizes, quick: bool) -> dict:
 
 @dataclass
 class Round:
-    """One deployment's steady window, then one run of the peer right after it: the two saw
-    the machine in about the same state."""
+    """One deployment's steady window, then one run of the peer right after it, each with how
+    much slower than its reference speed the machine ran meanwhile (`bench.speed`)."""
 
     ours: Window
     peer: dict
+    peer_span: tuple[float, float] = (0.0, 0.0)
+    ours_slowdown: float = 1.0
+    peer_slowdown: float = 1.0
+
+    @property
+    def ours_cpu_us(self) -> float:
+        """CPU-µs per group at the machine's reference speed."""
+        return self.ours.cpu_us_per_group / self.ours_slowdown
+
+    @property
+    def peer_cpu_us(self) -> float:
+        return self.peer["cpu_us_per_rollout"] / self.peer_slowdown
+
+    @property
+    def raw_ratio(self) -> float:
+        return self.ours.cpu_us_per_group / self.peer["cpu_us_per_rollout"]
 
     @property
     def ratio(self) -> float:
-        return self.ours.cpu_us_per_group / self.peer["cpu_us_per_rollout"]
+        """At the reference speed: the code's ratio, the machine's state taken out."""
+        return self.ours_cpu_us / self.peer_cpu_us
 
 
 def paired_rounds(work_dir: Path, model: Path, s: Sizes, quick: bool) -> list[Round]:
-    """`s.windows` rounds, each a fresh deployment's window and then a peer run. On this kind
-    of shared VM both sides' CPU-µs per group drift by tens of percent within minutes (the
-    same code, the same call shapes: docs/benchmarks.md, session 16), so only a ratio taken
-    from runs next to each other is worth comparing."""
+    """`s.windows` rounds, each a fresh deployment's window and then a peer run, with a speed
+    probe on every CPU throughout. This VM's speed halves for seconds at a time (the same code,
+    the same call shapes: docs/benchmarks.md, session 16), so each side's CPU time is put at
+    the machine's reference speed over its own window."""
     one = replace(s, windows=1)
-    return [Round(measure(work_dir, model, one)[0], areal_run(s, quick)) for _ in range(s.windows)]
+    rounds = []
+    with SpeedProbe(work_dir / f"speed-{os.getpid()}-{time.monotonic_ns()}") as speed:
+        for _ in range(s.windows):
+            [w] = measure(work_dir, model, one)
+            t0 = time.monotonic()
+            peer = areal_run(s, quick)
+            rounds.append(Round(w, peer, (t0, time.monotonic())))
+    ref = reference(speed.samples())
+    for r in rounds:
+        r.ours_slowdown = slowdown(speed.samples(*r.ours.span), ref)
+        r.peer_slowdown = slowdown(speed.samples(*r.peer_span), ref)
+    return rounds
 
 
 def median_round(rounds: list[Round]) -> Round:
@@ -470,19 +503,20 @@ def _settings(s: Sizes, rounds: list[Round]) -> dict:
         **asdict(s),
         "rounds": [
             {
-                "cpu_us_per_group": round(x.ours.cpu_us_per_group, 1),
-                "groups_per_s": round(x.ours.groups_per_s, 1),
-                "peer_cpu_us_per_group": round(x.peer["cpu_us_per_rollout"], 1),
-                "peer_groups_per_s": round(x.peer["rollouts_per_s"], 1),
+                "cpu_us_per_group": round(x.ours_cpu_us, 1),
+                "peer_cpu_us_per_group": round(x.peer_cpu_us, 1),
                 "ratio": round(x.ratio, 3),
+                "raw_cpu_us_per_group": round(x.ours.cpu_us_per_group, 1),
+                "raw_peer_cpu_us_per_group": round(x.peer["cpu_us_per_rollout"], 1),
+                "raw_ratio": round(x.raw_ratio, 3),
+                "slowdown": round(x.ours_slowdown, 3),
+                "peer_slowdown": round(x.peer_slowdown, 3),
+                "groups_per_s": round(x.ours.groups_per_s, 1),
+                "peer_groups_per_s": round(x.peer["rollouts_per_s"], 1),
             }
             for x in rounds
         ],
-        "best_vs_best": round(
-            min(x.ours.cpu_us_per_group for x in rounds)
-            / min(x.peer["cpu_us_per_rollout"] for x in rounds),
-            3,
-        ),
+        "raw_median_ratio": round(sorted(x.raw_ratio for x in rounds)[(len(rounds) - 1) // 2], 3),
         "window_s": round(w.seconds, 2),
         "groups": w.groups,
         "cpu_us_per_group_by_process": w.per_group(w.cpu_s),
@@ -540,16 +574,17 @@ def _run_batch(ctx: Context, s: Sizes) -> list[Result]:
     return [
         Result(
             NAME,
-            f"CPU-µs per group, all processes (scheduler, rollout, reward, trainer, nats), B={s.batch}",
-            r.ours.cpu_us_per_group,
+            "CPU-µs per group at the machine's reference speed, all processes (scheduler,"
+            f" rollout, reward, trainer, nats), B={s.batch}",
+            r.ours_cpu_us,
             "µs",
             who,
-            r.peer["cpu_us_per_rollout"],
+            r.peer_cpu_us,
             settings,
         ),
         Result(
             NAME,
-            f"groups/s trained, zero-cost engine and trainer step, B={s.batch}",
+            f"groups/s trained, zero-cost engine and trainer step (as measured), B={s.batch}",
             r.ours.groups_per_s,
             "1/s",
             who,
@@ -670,7 +705,11 @@ def main(argv: list[str] | None = None) -> None:
             out = {
                 **_window_json(w),
                 "ratio": round(r.ratio, 3),
-                "areal": {k: r.peer[k] for k in ("rollouts_per_s", "cpu_us_per_rollout")},
+                "cpu_us_per_group_at_reference_speed": round(r.ours_cpu_us, 1),
+                "areal": {
+                    "cpu_us_per_rollout_at_reference_speed": round(r.peer_cpu_us, 1),
+                    **{k: r.peer[k] for k in ("rollouts_per_s", "cpu_us_per_rollout")},
+                },
                 "settings": _settings(s, rounds),
             }
         print(json.dumps(out, indent=1), flush=True)

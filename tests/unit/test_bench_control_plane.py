@@ -11,13 +11,16 @@ import pytest
 from asyncrl.spec import SamplingParams, validate_spec
 from asyncrl.types import Sample, TrajectoryGroup
 from bench.control_plane import (
+    Round,
     Sizes,
     StepWatch,
     Window,
     best,
     experiment_spec,
+    median_round,
     write_dataset,
 )
+from bench.speed import SpeedProbe, reference, slowdown
 from bench.zero import NoopBackend, ZeroEngine
 from services.rollout.engine import GenRequest
 
@@ -93,3 +96,33 @@ def test_experiment_spec_is_valid_with_the_benchmark_sizes(tmp_path):
     assert spec.rollout.n_samples == 8 and spec.trainer.batch_size == 32
     assert spec.rollout.filter == "none"  # the zero engine's answers are all wrong
     assert spec.rollout.engine == "torch" and spec.trainer.backend == "torch"
+
+
+def test_speed_reference_is_the_fast_quantile_and_slowdown_the_mean_over_it():
+    samples = [0.028, 0.054, 0.029, 0.030, 0.052, 0.028, 0.031, 0.055, 0.029, 0.030, 0.028]
+    ref = reference(samples)  # the 10th percentile of 11: index 1 of the sorted list
+    assert ref == 0.028
+    assert slowdown([0.028, 0.056], ref) == pytest.approx(1.5)
+    assert slowdown([], ref) == 1.0
+
+
+def test_speed_probe_samples_between_two_times(tmp_path):
+    (tmp_path / "cpu0.txt").write_text("10.0 0.03\n11.0 0.05\n12.5 0.06\n")
+    (tmp_path / "cpu1.txt").write_text("10.5 0.04\n13.0 0.07\npartial")
+    probe = SpeedProbe(tmp_path)
+    assert sorted(probe.samples(10.2, 12.5)) == [0.04, 0.05, 0.06]
+    assert len(probe.samples()) == 5
+
+
+def test_round_ratio_at_reference_speed_and_the_median_round():
+    def window(cpu_us: float) -> Window:
+        return Window(groups=1000, seconds=1.0, cpu_s={"all": cpu_us * 1000 / 1e6})
+
+    slow = Round(window(2000), {"cpu_us_per_rollout": 1000}, ours_slowdown=2.0)
+    even = Round(window(1200), {"cpu_us_per_rollout": 1000})
+    peer_slow = Round(window(1500), {"cpu_us_per_rollout": 2000}, peer_slowdown=2.0)
+    assert slow.raw_ratio == pytest.approx(2.0) and slow.ratio == pytest.approx(1.0)
+    assert slow.ours_cpu_us == pytest.approx(1000)
+    assert peer_slow.raw_ratio == pytest.approx(0.75) and peer_slow.ratio == pytest.approx(1.5)
+    assert median_round([slow, even, peer_slow]) is even
+    assert median_round([slow, peer_slow]) is slow  # the lower middle of an even count
