@@ -438,6 +438,11 @@ def areal_run(s: Sizes, quick: bool) -> dict:
     raise RuntimeError(f"AReaL peer failed ({proc.returncode}): {proc.stderr[-2000:]}")
 
 
+PEER_EXIT_S = 0.5
+"""Allowance for the peer's exit after its timed window (its span for the speed probe is the
+window, not its start-up: importing AReaL takes seconds)."""
+
+
 @dataclass
 class Round:
     """One deployment's steady window, then one run of the peer right after it, each with how
@@ -478,9 +483,9 @@ def paired_rounds(work_dir: Path, model: Path, s: Sizes, quick: bool) -> list[Ro
     with SpeedProbe(work_dir / f"speed-{os.getpid()}-{time.monotonic_ns()}") as speed:
         for _ in range(s.windows):
             [w] = measure(work_dir, model, one)
-            t0 = time.monotonic()
             peer = areal_run(s, quick)
-            rounds.append(Round(w, peer, (t0, time.monotonic())))
+            end = time.monotonic()  # its timed window ended just before it exited
+            rounds.append(Round(w, peer, (end - peer["elapsed_s"] - PEER_EXIT_S, end)))
     ref = reference(speed.samples())
     for r in rounds:
         r.ours_slowdown = slowdown(speed.samples(*r.ours.span), ref)
@@ -688,11 +693,15 @@ def main(argv: list[str] | None = None) -> None:
             s.min_seconds = args.seconds
         model = ctx.tiny_model(seed=0)
         if args.no_peer or not areal_available():
-            windows = measure(ctx.work_dir, model, s)
+            with SpeedProbe(ctx.work_dir / "speed") as speed:
+                windows = measure(ctx.work_dir, model, s)
+            ref = reference(speed.samples())
+            at_ref = [x.cpu_us_per_group / slowdown(speed.samples(*x.span), ref) for x in windows]
             w = best(windows)
             out = {
                 **_window_json(w),
                 "windows": [round(x.cpu_us_per_group, 1) for x in windows],
+                "windows_at_reference_speed": [round(x, 1) for x in at_ref],
                 "windows_sleeps": [
                     {k: round(v / x.groups, 2) for k, v in x.waits.items()} for x in windows
                 ],
