@@ -32,8 +32,8 @@ schema: venv protos ## regenerate protos/asyncrl/v1/experiment.schema.json from 
 test: venv protos ## run the test suite (unit, integration, e2e)
 	$(PY) -m pytest -q -m "not gpu" --durations=20 tests
 
-test-fast: venv protos ## unit + integration tests that deploy no model (a few minutes)
-	$(PY) -m pytest -q -m "not gpu and not slow and not e2e" tests
+test-fast: venv protos ## unit + integration tests that deploy no model (~3 min on 2 cores)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not gpu and not slow and not e2e" tests
 
 lint: venv ## ruff check + format check + vulture (dead code; allow-list: vulture_allowlist.py)
 	.venv/bin/ruff check libs services tests examples bench
