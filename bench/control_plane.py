@@ -453,6 +453,8 @@ class Round:
     peer_span: tuple[float, float] = (0.0, 0.0)
     ours_slowdown: float = 1.0
     peer_slowdown: float = 1.0
+    reference_unit_s: float = 0.0
+    """The probe's unit at the run's reference speed (to compare separate invocations)."""
 
     @property
     def ours_cpu_us(self) -> float:
@@ -488,6 +490,7 @@ def paired_rounds(work_dir: Path, model: Path, s: Sizes, quick: bool) -> list[Ro
             rounds.append(Round(w, peer, (end - peer["elapsed_s"] - PEER_EXIT_S, end)))
     ref = reference(speed.samples())
     for r in rounds:
+        r.reference_unit_s = ref
         r.ours_slowdown = slowdown(speed.samples(*r.ours.span), ref)
         r.peer_slowdown = slowdown(speed.samples(*r.peer_span), ref)
     return rounds
@@ -521,6 +524,7 @@ def _settings(s: Sizes, rounds: list[Round]) -> dict:
             }
             for x in rounds
         ],
+        "reference_unit_ms": round(1e3 * rounds[0].reference_unit_s, 2),
         "raw_median_ratio": round(sorted(x.raw_ratio for x in rounds)[(len(rounds) - 1) // 2], 3),
         "window_s": round(w.seconds, 2),
         "groups": w.groups,
@@ -702,6 +706,7 @@ def main(argv: list[str] | None = None) -> None:
                 **_window_json(w),
                 "windows": [round(x.cpu_us_per_group, 1) for x in windows],
                 "windows_at_reference_speed": [round(x, 1) for x in at_ref],
+                "reference_unit_ms": round(1e3 * ref, 2),
                 "windows_sleeps": [
                     {k: round(v / x.groups, 2) for k, v in x.waits.items()} for x in windows
                 ],
