@@ -79,8 +79,8 @@ class Sizes:
     """Of each window."""
     min_steps: int = 10
     windows: int = 3
-    """Consecutive windows of one deployment (and runs of the peer): each side reports its
-    best, the run least disturbed by whatever else the machine did (timeit's advice)."""
+    """Rounds with the peer (a deployment's window, then a peer run; the median ratio is
+    reported), or consecutive windows of one deployment without it (the best is reported)."""
 
     @classmethod
     def for_context(cls, ctx: Context) -> Sizes:
