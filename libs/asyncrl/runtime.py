@@ -49,24 +49,13 @@ from asyncrl.worker import WorkerAgent
 log = get_logger()
 
 
-GEN0_THRESHOLD = 10_000
-"""Net container allocations between two young-generation collections once serving (CPython's
-default is 700). A serving process keeps thousands of young objects alive across awaits (groups
-in flight, their messages and futures), and every gen-0 collection scans them again: measured on
-the scheduler driving a fake rollout at B = 32 (2026-11-27, docs/benchmarks.md), the collector's
-share of the process CPU fell from 0.72-0.80 % to 0.17-0.46 %."""
-
-
 def freeze_heap() -> None:
     """Move every object alive now (modules, a loaded model and tokenizer) out of the garbage
     collector's reach: later full collections then scan only what the service allocates while
     serving. Without it a full collection over torch/transformers objects stopped the event loop
-    for 0.16-0.36 s several times a minute (bench/control_plane.py's profile). Young collections
-    then run every `GEN0_THRESHOLD` allocations."""
+    for 0.16-0.36 s several times a minute (bench/control_plane.py's profile)."""
     gc.collect()
     gc.freeze()
-    _, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(GEN0_THRESHOLD, gen1, gen2)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
