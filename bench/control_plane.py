@@ -40,6 +40,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -105,7 +106,7 @@ class Window:
     calls: dict[str, dict] = field(default_factory=dict)
     """What the calls between the services carried (`bench.counts.per_group`)."""
     waits: dict[str, int] = field(default_factory=dict)
-    """Voluntary context switches of each process (its threads' sleeps)."""
+    """Voluntary context switches of each process's main thread (its event loop's sleeps)."""
     span: tuple[float, float] = (0.0, 0.0)
     """Its start and end, monotonic clock (where the speed probe's samples are taken)."""
 
@@ -289,8 +290,9 @@ class Deployment:
 def cpu_seconds(
     pids: dict[str, int],
 ) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:
-    """Per process (children included): user + system CPU seconds; its main thread's; and its
-    voluntary context switches (how often it went to sleep waiting for something)."""
+    """Per process (children included): user + system CPU seconds; its main thread's; and the
+    voluntary context switches of its main thread (and its children's): how often the event
+    loop went to sleep waiting for something."""
     total, main, waits = {}, {}, {}
     for name, pid in pids.items():
         root = psutil.Process(pid)
@@ -525,7 +527,7 @@ def _settings(s: Sizes, rounds: list[Round]) -> dict:
             for x in rounds
         ],
         "reference_unit_ms": round(1e3 * rounds[0].reference_unit_s, 2),
-        "raw_median_ratio": round(sorted(x.raw_ratio for x in rounds)[(len(rounds) - 1) // 2], 3),
+        "raw_median_ratio": round(statistics.median_low(x.raw_ratio for x in rounds), 3),
         "window_s": round(w.seconds, 2),
         "groups": w.groups,
         "cpu_us_per_group_by_process": w.per_group(w.cpu_s),

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -105,8 +106,8 @@ def _wrap(service: str) -> None:
 
 def _writer(path: Path) -> None:
     tmp = path.with_suffix(".tmp")
-    stop = threading.Event()
-    while not stop.wait(WRITE_EVERY_S):
+    while True:
+        time.sleep(WRITE_EVERY_S)
         tmp.write_text(json.dumps(dict(counts)))
         os.replace(tmp, path)
 
