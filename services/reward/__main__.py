@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from asyncrl.logging import configure_logging
 from asyncrl.runtime import ServiceRuntime
-from asyncrl.service_main import add_service_args, run_until_signal
+from asyncrl.service_main import add_service_args, serve
 from services.reward.server import create_reward
 
 
@@ -33,4 +32,4 @@ async def start(args: argparse.Namespace) -> ServiceRuntime:
 
 if __name__ == "__main__":
     configure_logging("reward")
-    asyncio.run(run_until_signal(start(parse_args())))
+    serve(start(parse_args()))

@@ -8,12 +8,11 @@ Environment: NATS_URL (trajectory stream), ASYNCRL_SCHEDULER (registration).
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from asyncrl.logging import configure_logging
 from asyncrl.registry import ENGINES
 from asyncrl.runtime import ServiceRuntime
-from asyncrl.service_main import add_service_args, run_until_signal
+from asyncrl.service_main import add_service_args, serve
 from asyncrl.settings import settings
 from asyncrl.spec import SpecError, parse_assignments
 from services.rollout.engines import make_engine
@@ -105,4 +104,4 @@ if __name__ == "__main__":
         import torch
 
         torch.set_num_threads(args.threads)
-    asyncio.run(run_until_signal(start(args)))
+    serve(start(args))

@@ -8,11 +8,10 @@ Environment: NATS_URL (experiment state in NATS KV).
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from asyncrl.logging import configure_logging
 from asyncrl.runtime import ServiceRuntime
-from asyncrl.service_main import add_service_args, run_until_signal
+from asyncrl.service_main import add_service_args, serve
 from asyncrl.settings import settings
 from asyncrl.supervisor.handover import Handover
 from services.scheduler.config import SchedulerConfig
@@ -74,4 +73,4 @@ async def start(args: argparse.Namespace) -> ServiceRuntime:
 
 if __name__ == "__main__":
     configure_logging("scheduler")
-    asyncio.run(run_until_signal(start(parse_args())))
+    serve(start(parse_args()))

@@ -6,7 +6,6 @@ the other ranks follow its backend calls."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 
@@ -14,7 +13,7 @@ import torch
 
 from asyncrl.logging import configure_logging
 from asyncrl.runtime import ServiceRuntime
-from asyncrl.service_main import add_service_args, run_until_signal
+from asyncrl.service_main import add_service_args, serve
 from asyncrl.settings import settings
 from services.trainer.server import create_trainer
 
@@ -57,7 +56,7 @@ if __name__ == "__main__":
     if args.threads:
         torch.set_num_threads(args.threads)
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        asyncio.run(run_until_signal(start(args)))
+        serve(start(args))
     else:
         # under torchrun (megatron backend, TP/DP > 1) only rank 0 serves; the others follow it
         from services.trainer.backends.megatron_backend import follow, release_followers
@@ -76,6 +75,6 @@ if __name__ == "__main__":
                 signal.signal(sig, signal.SIG_IGN)
             follow()
         else:
-            asyncio.run(run_until_signal(start(args)))
+            serve(start(args))
             release_followers()
         shutdown_distributed()

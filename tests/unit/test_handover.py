@@ -1,5 +1,5 @@
 """The hand-over on a stop (asyncrl.supervisor.handover) between a Supervisor driven by the test
-and real processes that run `run_until_signal` (a ServiceRuntime with nothing opened): a SIGTERM
+and real processes that run `serve` (a ServiceRuntime with nothing opened): a SIGTERM
 the supervisor did not send starts a successor beside the process, which exits only once the
 successor said ready; a stop from the supervisor, or while it stops, starts none."""
 
@@ -18,16 +18,16 @@ from asyncrl.supervisor import handover
 from asyncrl.supervisor.daemon import SERVICES, Paths, Supervisor
 
 PROBE = """
-import asyncio, pathlib, sys
+import pathlib, sys
 from asyncrl.runtime import ServiceRuntime
-from asyncrl.service_main import run_until_signal
+from asyncrl.service_main import serve
 
 async def start():
     runtime = ServiceRuntime("probe")
     pathlib.Path(sys.argv[1], f"started.{__import__('os').getpid()}").touch()
     return runtime
 
-asyncio.run(run_until_signal(start()))
+serve(start())
 """
 
 
