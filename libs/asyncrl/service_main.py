@@ -19,8 +19,6 @@ import asyncio
 import signal
 from collections.abc import Awaitable
 
-import uvloop
-
 from asyncrl.runtime import ServiceRuntime, freeze_heap
 from asyncrl.settings import settings
 from asyncrl.supervisor.handover import Handover
@@ -53,16 +51,12 @@ def add_service_args(
 
 
 def serve(startup: Awaitable[ServiceRuntime]) -> None:
-    """Run a service until SIGINT or SIGTERM (`run_until_signal`) on uvloop's event loop.
+    """Run a service until SIGINT or SIGTERM (`run_until_signal`) on asyncio's event loop.
 
-    uvloop, not asyncio's own loop. Much of a service's per-group work is the loop's own
-    (tasks, futures, callbacks) and TLS on every connection; asyncio runs its TLS layer
-    (`sslproto`) in Python, uvloop in C. Measured on `bench control_plane` (B = 32,
-    docs/benchmarks.md, session 17):
-    - 3 % less CPU per group across the deployment, 5 % less in the rollout;
-    - a JetStream publish with its ack costs the publisher 85 CPU-µs against 112 on asyncio's
-      loop (32 at a time, no TLS)."""
-    uvloop.run(run_until_signal(startup))
+    uvloop was measured here twice (docs/benchmarks.md, 2026-11-24 and session 17) and not
+    kept: -3 % CPU per group on `bench control_plane`, inside the spread between runs, and no
+    change in the ratio to AReaL measured beside it."""
+    asyncio.run(run_until_signal(startup))
 
 
 async def run_until_signal(startup: Awaitable[ServiceRuntime]) -> None:
