@@ -23,6 +23,8 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+import grpc
+
 from asyncrl.ledger import Ledger
 from asyncrl.logging import get_logger
 from asyncrl.runlog import RunLog, run_dir
@@ -70,6 +72,17 @@ async def end_after_crash(end: Callable[[], Awaitable[None]], log) -> None:
         except Exception as e:  # noqa: BLE001 - logged, tried again
             log.exception("experiment_end_failed", attempt=attempt, error=repr(e))
             await asyncio.sleep(CRASH_RETRY_S)
+
+
+def bind_refusal(errors: dict[str, BindRefused | grpc.aio.AioRpcError], log) -> str:
+    """Why the experiment must fail after binding its reward workers ("" if it goes on): a
+    worker that cannot load the reward function refused the spec (INVALID_ARGUMENT), named with
+    its message. Any other error is logged and left to the rollouts, which bind it again."""
+    for address, e in errors.items():
+        if isinstance(e, BindRefused):
+            return f"reward worker {address} {e}"
+        log.warning("reward_bind_failed", address=address, code=e.code().name, details=e.details())
+    return ""
 
 
 def waiting_message(missing: list[str], paused: str) -> str:
@@ -242,8 +255,13 @@ class ExperimentRunner:
         await self._wait_for_workers()
         if self.lifecycle.phase is not Phase.PENDING:  # finishing meanwhile
             return False
-        await self._bind_rewards()
-        if self.lifecycle.phase is not Phase.BINDING:  # a worker refused the spec
+        self._enter(Phase.BINDING)  # the spec to every reward worker before the trainer starts
+        errors = await self.calls.bind_rewards(
+            self.registry.reward_addresses(), self.config.bind_timeout_s
+        )
+        if refused := bind_refusal(errors, self.log):
+            await self._end(Phase.FAILED, refused)
+        if self.lifecycle.phase is not Phase.BINDING:  # refused, or finishing meanwhile
             return False
         return await self._start_trainer(why)
 
@@ -298,22 +316,6 @@ class ExperimentRunner:
         if k >= self.spec.trainer.total_steps:
             self.commits.begin_finish(f"trainer is at version {k} >= total_steps")
         return True
-
-    async def _bind_rewards(self) -> None:
-        """Send the spec to every reward worker before the trainer starts: a worker that cannot
-        load the reward function refuses it (INVALID_ARGUMENT) and the experiment fails with
-        its message. Any other error is left to the rollouts, which bind it again anyway."""
-        self._enter(Phase.BINDING)
-        addresses = self.registry.reward_addresses()
-        errors = await self.calls.bind_rewards(addresses, self.config.bind_timeout_s)
-        for address, e in errors.items():
-            if isinstance(e, BindRefused):
-                await self._end(Phase.FAILED, f"reward worker {address} {e}")
-                return
-            details = e.details()
-            self.log.warning(
-                "reward_bind_failed", address=address, code=e.code().name, details=details
-            )
 
     # ---- dispatch ----------------------------------------------------------------------------
 
