@@ -27,7 +27,8 @@ halves for seconds at a time, so each side's CPU-µs are put at the machine's re
 over its own window, and the reported pair is the round with the median ratio of those (every
 round, raw and corrected, in the settings).
 `python -m bench.control_plane --profile DIR` runs each service under cProfile and
-prints what dominates per group in each process.
+prints what dominates per group in each process; `--sample DIR` samples each one with py-spy
+instead (`bench.sampling`: no cost per call, so call-heavy code is not inflated).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from asyncrl.supervisor.daemon import cpu_placement
 from asyncrl.v1 import common_pb2
 from bench import counts
 from bench.report import Context, Result, Skip, cpu_affinity
+from bench.sampling import Sampler, print_samples
 from bench.speed import SpeedProbe, reference, slowdown
 from bench.zero import PATCH_ENV, PROFILE_ENV
 
@@ -359,9 +361,12 @@ async def _submit(dep: Deployment, spec: dict, timeout: float = STEP_TIMEOUT_S) 
         return (await client.submit(spec)).id
 
 
-def measure(work_dir: Path, model: Path, s: Sizes, profile: Path | None = None) -> list[Window]:
+def measure(
+    work_dir: Path, model: Path, s: Sizes, profile: Path | None = None, sample: Path | None = None
+) -> list[Window]:
     """Run the deployment on a fresh var dir under `work_dir`; `s.windows` consecutive steady
-    windows (one under the profiler, which covers it alone)."""
+    windows (one under the profiler, which covers it alone; with `sample`, py-spy samples every
+    service over the windows: `bench.sampling`)."""
     from asyncrl.security import ensure_secrets
 
     var = work_dir / f"control-plane-{os.getpid()}-{time.monotonic_ns()}"
@@ -379,9 +384,11 @@ def measure(work_dir: Path, model: Path, s: Sizes, profile: Path | None = None) 
             windows = []
             if profile:  # one window as long as all of them: enough samples
                 s = replace(s, min_seconds=s.min_seconds * s.windows, windows=1)
-            for _ in range(s.windows):
-                w, last = _window(dep, watch, last, s)
-                windows.append(w)
+            pids = {name: proc.pid for name, proc in dep.procs.items()}
+            with Sampler(sample, pids) if sample else contextlib.nullcontext():
+                for _ in range(s.windows):
+                    w, last = _window(dep, watch, last, s)
+                    windows.append(w)
             dep.signal_services(signal.SIGUSR2)
         finally:
             dep.stop()
@@ -666,6 +673,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.control_plane", description=__doc__)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--profile", type=Path, help="then run again under cProfile into DIR")
+    p.add_argument(
+        "--sample", type=Path, help="then run again with py-spy sampling each service, into DIR"
+    )
     p.add_argument("--top", type=int, default=25, help="functions shown per profile")
     p.add_argument("--seconds", type=float, help="each steady window (default 5, quick 2)")
     p.add_argument("--eta", type=int, default=1)
@@ -735,6 +745,12 @@ def main(argv: list[str] | None = None) -> None:
             [pw] = measure(ctx.work_dir, model, s, profile)
             print(json.dumps({"profiled": _window_json(pw)}, indent=1))
             print_profiles(profile, pw, w, args.top)
+        if args.sample:
+            sample = args.sample.resolve()
+            sampled = measure(ctx.work_dir, model, s, sample=sample)
+            sw = best(sampled)
+            print(json.dumps({"sampled": _window_json(sw)}, indent=1))
+            print_samples(sample, sw.per_group(sw.cpu_s), args.top)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,133 @@
+"""A sampling profile of each service over the control-plane benchmark's window, with py-spy.
+
+`python -m bench.control_plane --sample DIR` runs the deployment once more with py-spy attached
+to every service from the first window to the last (`--nonblocking`: the service is never
+stopped; `--gil`: a sample is taken only when one of its threads holds the GIL, so a loop
+waiting in epoll or a thread blocked in a socket call is not counted). DIR/<service>.txt holds
+the collapsed stacks (`flamegraph.pl` draws them), and the summary gives, per service, the
+share of its samples in which each function was on the stack (inclusive) or running (leaf).
+
+Why next to `--profile`: cProfile charges its own cost per call, so call-heavy code reads
+several times too dear there (a generator over 128 per-token versions read as 77 CPU-µs a
+group; `timeit` gives 3). A sample costs the sampled process nothing, so the shares stand as
+they are: what the service's Python spends its time on. They are not µs: time in C with the
+GIL released (socket writes, TLS) is in no sample.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+RATE_HZ = 200
+FRAME = re.compile(r"^(?P<fn>.*) \((?P<file>[^()]*?):\d+\)$")
+"""A raw frame: `function (path/to/file.py:line)`; the line is dropped (one row per function)."""
+WRAPPERS = (
+    "(<frozen runpy>)",
+    "(bench/zero.py)",
+    "(asyncio/runners.py)",
+    "(asyncrl/service_main.py)",
+    "/__main__.py)",
+    "BaseEventLoop.run_forever (",
+    "BaseEventLoop.run_until_complete (",
+    "BaseEventLoop._run_once (",
+    "Handle._run (asyncio/events.py)",
+    "Thread._bootstrap",
+    "Thread.run (",
+)
+"""Frames on nearly every stack (the process's entry, the event loop, a thread's start): left out
+of the inclusive table, where they would only head it. A frame matches if it contains one."""
+
+
+def py_spy() -> str | None:
+    """The py-spy executable (the venv's, else on PATH); None if it is not installed."""
+    beside = Path(sys.executable).with_name("py-spy")
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+class Sampler:
+    """py-spy on each of `pids` (service name -> pid) while the `with` block runs."""
+
+    def __init__(self, directory: Path, pids: dict[str, int], rate_hz: int = RATE_HZ):
+        exe = py_spy()
+        if exe is None:
+            raise RuntimeError("--sample needs py-spy (requirements.txt pins it: make venv)")
+        self.directory, self.pids, self.rate_hz, self.exe = directory, pids, rate_hz, exe
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> Sampler:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for service, pid in self.pids.items():
+            cmd = [self.exe, "record", "--pid", str(pid), "--rate", str(self.rate_hz)]
+            cmd += ["--nonblocking", "--gil", "--format", "raw", "--duration", "3600"]
+            cmd += ["--output", str(self.directory / f"{service}.txt")]
+            log = open(self.directory / f"{service}.log", "wb")  # noqa: SIM115 - the child's
+            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs:  # py-spy writes what it sampled on SIGINT
+            proc.send_signal(signal.SIGINT)
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def read_stacks(path: Path) -> tuple[collections.Counter, collections.Counter, int]:
+    """From py-spy's raw output (`frame;frame;... count` a line, outermost first): samples
+    per function anywhere on the stack, per function at the top, and the total."""
+    inclusive: collections.Counter = collections.Counter()
+    leaf: collections.Counter = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        frames = [_name(frame) for frame in stack.split(";")]
+        total += int(count)
+        for frame in set(frames):
+            inclusive[frame] += int(count)
+        leaf[frames[-1]] += int(count)
+    return inclusive, leaf, total
+
+
+def _name(frame: str) -> str:
+    """`function (file)` with the file as its last two path parts."""
+    m = FRAME.match(frame)
+    if m is None:
+        return frame
+    return f"{m['fn']} ({'/'.join(Path(m['file']).parts[-2:])})"
+
+
+def _wrapper(frame: str) -> bool:
+    return any(w in frame for w in WRAPPERS)
+
+
+def print_samples(directory: Path, cpu_us_per_group: dict[str, float], top: int) -> None:
+    """Per service: the functions most often on the stack and most often running, as shares of
+    the samples in which the service held the GIL (the frames that head every stack, the
+    entry and the event loop's own, `WRAPPERS`, are left out of the first table)."""
+    for service, us in cpu_us_per_group.items():
+        path = directory / f"{service}.txt"
+        if not path.exists():
+            continue
+        inclusive, leaf, total = read_stacks(path)
+        if not total:
+            continue
+        print(f"\n## {service}: {us:.0f} CPU-µs/group in this window, {total} samples")
+        print("| on the stack | running | function |")
+        print("|---:|---:|---|")
+        shown = [(f, n) for f, n in inclusive.most_common() if not _wrapper(f)][:top]
+        for frame, n in shown:
+            print(f"| {100 * n / total:.1f} % | {100 * leaf[frame] / total:.1f} % | {frame} |")
+        print("\nmost often running:")
+        for frame, n in leaf.most_common(top // 2):
+            print(f"- {100 * n / total:.1f} % {frame}")
