@@ -215,6 +215,12 @@ def _all_permissions(secrets: Path) -> dict[str, dict[str, list[str]]]:
     return {**NATS_PERMISSIONS, **found}
 
 
+MAX_PAYLOAD = 8 * 2**20
+"""nats-server's largest message, raised from its default 1 MiB: a large run's scheduler record
+(`services.scheduler.records`) is one KV value, ~1.3 MB at B = 2,048 groups a step with eta 2
+(81,920 awaiting tickets). 8 MiB is the largest nats-server takes without a warning."""
+
+
 def nats_config(
     port: int,
     store_dir: Path,
@@ -227,8 +233,14 @@ def nats_config(
     password is stored as a bcrypt hash. A `cluster` node also
     routes to the other nodes: mutual TLS with the same CA plus the route user's password, so
     only a node holding both joins (JetStream is then clustered: streams can be replicated).
+    Messages up to `MAX_PAYLOAD`.
     `secrets` None: plain text and anonymous (ASYNCRL_INSECURE, the benchmark's peer)."""
-    config: dict = {"host": host, "port": port, "jetstream": {"store_dir": str(store_dir)}}
+    config: dict = {
+        "host": host,
+        "port": port,
+        "max_payload": MAX_PAYLOAD,
+        "jetstream": {"store_dir": str(store_dir)},
+    }
     if cluster is not None:
         config["server_name"] = cluster.name
         config["client_advertise"] = f"{cluster.advertise}:{port}"

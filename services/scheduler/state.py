@@ -1,12 +1,14 @@
 """Experiment records in NATS KV: one key `exp.<id>` per experiment, JSON, written coalesced.
 
 Callers mark an experiment dirty after every state-changing event; a flusher writes the latest
-snapshot of each dirty experiment at most every `min_interval_s` (about 5 writes/s).
+snapshot of each dirty experiment at most every `min_interval_s` (about 5 writes/s), or less
+often when the records are so large that this would take over `FLUSH_CPU_PERCENT` of the CPU.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import nats.errors
@@ -20,6 +22,15 @@ from services.scheduler.records import ExperimentRecord
 
 log = get_logger(component="state")
 KEY_PREFIX = "exp."
+FLUSH_CPU_PERCENT = 10
+"""The most of the scheduler's CPU the flusher takes: after a flush it waits at least nine times
+the CPU time that flush took (a large run's record is ~1 MB of JSON, ~65 ms to encode). CPU, not
+wall time: a flush that waited for NATS does not push the next one back."""
+
+
+def flush_pause(took_cpu_s: float, min_interval_s: float) -> float:
+    """Seconds the flusher waits after a flush that took `took_cpu_s` of CPU."""
+    return max(min_interval_s, (100 / FLUSH_CPU_PERCENT - 1) * took_cpu_s)
 
 
 def record_key(experiment_id: str) -> str:
@@ -109,9 +120,10 @@ class StateStore:
         async def flush_once() -> None:
             await self._event.wait()
             self._event.clear()
+            t0 = time.process_time()
             await self.flush()
             if self._dirty:
                 self._event.set()
-            await asyncio.sleep(self.min_interval_s)
+            await asyncio.sleep(flush_pause(time.process_time() - t0, self.min_interval_s))
 
         await keep_running("state_flusher", flush_once, log, retry_s=self.min_interval_s)

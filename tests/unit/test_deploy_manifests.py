@@ -473,6 +473,7 @@ def test_nats_auth_is_accepted_by_nats_server_as_the_chart_includes_it(tmp_path)
         f"  include {include};\n"
         '  "port": 4222,\n'
         f'  "jetstream": {{"store_dir": "{tmp_path / "js"}"}},\n'
+        f'  "max_payload": {nats_values()["config"]["merge"]["max_payload"]},\n'
         '  "cluster": {"name": "nats", "port": 6222, "no_advertise": true,\n'
         '              "routes": ["nats://nats-0.nats-headless:6222"]},\n'
         '  "server_name": "nats-0"\n'
@@ -487,6 +488,15 @@ def test_nats_auth_is_accepted_by_nats_server_as_the_chart_includes_it(tmp_path)
         [nats_server_binary(), "-t", "-c", str(conf)], capture_output=True, text=True
     )
     assert result.returncode != 0, "a broken auth.conf passed nats-server -t"
+
+
+def test_the_chart_takes_messages_as_large_as_make_up_does():
+    """A large run's scheduler record is one KV value over nats-server's default 1 MiB: the
+    chart raises the limit as `nats_config` does."""
+    from asyncrl.natsutil import MAX_PAYLOAD, nats_config
+
+    assert nats_values()["config"]["merge"]["max_payload"] == MAX_PAYLOAD
+    assert json.loads(nats_config(4222, Path("/tmp/js"), None))["max_payload"] == MAX_PAYLOAD
 
 
 def test_weights_reach_the_rollouts_through_nats_not_a_shared_volume():

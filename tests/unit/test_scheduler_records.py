@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
+import pytest
+
 from asyncrl.types import EvalResult, StepMetrics
 from services.scheduler.history import HistoryLog, history_subject
 from services.scheduler.records import KEPT, ExperimentRecord, Progress, flat_dict
@@ -89,3 +91,11 @@ def test_history_entries_encode_as_asdict_did():
         (history_subject("x-000000"), json.dumps({"step": asdict(step)}).encode()),
         (history_subject("x-000000"), json.dumps({"eval": asdict(result)}).encode()),
     ]
+
+
+def test_the_flusher_waits_its_interval_or_nine_times_what_a_large_flush_took():
+    from services.scheduler.state import flush_pause
+
+    assert flush_pause(0.0015, 0.2) == 0.2  # B = 32: a record of 16 KB, ~1.5 ms
+    assert flush_pause(0.065, 0.2) == pytest.approx(0.585)  # B = 2,048: ~1 MB, ~65 ms
+    assert flush_pause(0.0, 0.5) == 0.5
