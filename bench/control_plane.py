@@ -57,7 +57,7 @@ from asyncrl.supervisor.daemon import cpu_placement
 from asyncrl.v1 import common_pb2
 from bench import counts
 from bench.report import Context, Result, Skip, cpu_affinity
-from bench.sampling import Sampler, print_samples
+from bench.sampling import Sampler, plot_samples, print_samples
 from bench.speed import SpeedProbe, reference, slowdown
 from bench.zero import PATCH_ENV, PROFILE_ENV
 
@@ -751,6 +751,7 @@ def main(argv: list[str] | None = None) -> None:
             sw = best(sampled)
             print(json.dumps({"sampled": _window_json(sw)}, indent=1))
             print_samples(sample, sw.per_group(sw.cpu_s), args.top)
+            print(f"\npicture: {plot_samples(sample, sw.per_group(sw.cpu_s))}")
 
 
 if __name__ == "__main__":

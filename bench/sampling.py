@@ -5,7 +5,8 @@ to every service from the first window to the last (`--nonblocking`: the service
 stopped; `--gil`: a sample is taken only when one of its threads holds the GIL, so a loop
 waiting in epoll or a thread blocked in a socket call is not counted). DIR/<service>.txt holds
 the collapsed stacks (`flamegraph.pl` draws them), and the summary gives, per service, the
-share of its samples in which each function was on the stack (inclusive) or running (leaf).
+share of its samples in which each function was on the stack (inclusive) or running (leaf);
+DIR/samples.png draws the same, one panel a service (`plot_samples`).
 
 Why next to `--profile`: cProfile charges its own cost per call, so call-heavy code reads
 several times too dear there (a generator over 128 per-token versions read as 77 CPU-µs a
@@ -131,3 +132,37 @@ def print_samples(directory: Path, cpu_us_per_group: dict[str, float], top: int)
         print("\nmost often running:")
         for frame, n in leaf.most_common(top // 2):
             print(f"- {100 * n / total:.1f} % {frame}")
+
+
+def plot_samples(directory: Path, cpu_us_per_group: dict[str, float], top: int = 12) -> Path:
+    """DIR/samples.png: per service, the `top` functions most often on the stack (light bar)
+    and the part of it running there (dark bar), as in `print_samples`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    for service, us in cpu_us_per_group.items():
+        path = directory / f"{service}.txt"
+        if path.exists():
+            inclusive, leaf, total = read_stacks(path)
+            if total:
+                shown = [(f, n) for f, n in inclusive.most_common() if not _wrapper(f)][:top]
+                panels.append((service, us, total, shown, leaf))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(13, 3.2 * len(panels)), squeeze=False)
+    for ax, (service, us, total, shown, leaf) in zip(axes[:, 0], panels, strict=True):
+        frames = [f for f, _ in shown][::-1]
+        names = [f.replace(".<locals>.", " > ") for f in frames]  # shorter labels
+        stack = [100 * n / total for _, n in shown][::-1]
+        ax.barh(names, stack, color="#9ecae1", label="on the stack")
+        ax.barh(names, [100 * leaf[f] / total for f in frames], color="#08519c", label="running")
+        ax.set_title(f"{service}: {us:.0f} CPU-µs/group, {total} samples", loc="left")
+        ax.set_xlabel("% of the samples holding the GIL")
+        ax.tick_params(axis="y", labelsize=7)
+        ax.legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    out = directory / "samples.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.sampling import _name, _wrapper, print_samples, read_stacks
+from bench.sampling import _name, _wrapper, plot_samples, print_samples, read_stacks
 
 RAW = (
     "_run_module_as_main (<frozen runpy>:198);<module> (services/rollout/__main__.py:107);"
@@ -49,3 +49,11 @@ def test_print_samples_shows_shares_without_the_wrappers(tmp_path, capsys):
     assert "| 75.0 % | 75.0 % | sample_to_proto (asyncrl/convert.py) |" in out
     assert "runpy" not in out and "_run_once" not in out
     assert "trainer" not in out  # no file: nothing to show
+
+
+def test_plot_samples_draws_one_panel_a_service_with_samples(tmp_path):
+    (tmp_path / "rollout.txt").write_text(RAW)
+    (tmp_path / "scheduler.txt").write_text(RAW.replace("rollout", "scheduler"))
+    out = plot_samples(tmp_path, {"scheduler": 350.0, "rollout": 900.0, "trainer": 400.0})
+    assert out == tmp_path / "samples.png"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
