@@ -750,8 +750,9 @@ def main(argv: list[str] | None = None) -> None:
             sampled = measure(ctx.work_dir, model, s, sample=sample)
             sw = best(sampled)
             print(json.dumps({"sampled": _window_json(sw)}, indent=1))
-            print_samples(sample, sw.per_group(sw.cpu_s), args.top)
-            print(f"\npicture: {plot_samples(sample, sw.per_group(sw.cpu_s))}")
+            cpu = sw.per_group(sw.cpu_s)
+            print_samples(sample, cpu, args.top)
+            print(f"\npicture: {plot_samples(sample, cpu)}")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ class Sampler:
             raise RuntimeError("--sample needs py-spy (requirements.txt pins it: make venv)")
         self.directory, self.pids, self.rate_hz, self.exe = directory, pids, rate_hz, exe
         self.procs: list[subprocess.Popen] = []
+        self.logs: list = []
 
     def __enter__(self) -> Sampler:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -67,7 +68,8 @@ class Sampler:
             cmd = [self.exe, "record", "--pid", str(pid), "--rate", str(self.rate_hz)]
             cmd += ["--nonblocking", "--gil", "--format", "raw", "--duration", "3600"]
             cmd += ["--output", str(self.directory / f"{service}.txt")]
-            log = open(self.directory / f"{service}.log", "wb")  # noqa: SIM115 - the child's
+            log = open(self.directory / f"{service}.log", "wb")  # noqa: SIM115 - closed on exit
+            self.logs.append(log)
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
         return self
 
@@ -80,6 +82,8 @@ class Sampler:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for log in self.logs:
+            log.close()
 
 
 def read_stacks(path: Path) -> tuple[collections.Counter, collections.Counter, int]:
@@ -112,21 +116,29 @@ def _wrapper(frame: str) -> bool:
     return any(w in frame for w in WRAPPERS)
 
 
+def panels(directory: Path, cpu_us_per_group: dict[str, float], top: int) -> list[tuple]:
+    """Per service with samples: (service, CPU-µs/group, samples, the `top` functions most
+    often on the stack as (function, samples) with the `WRAPPERS` left out, samples per
+    function running)."""
+    out = []
+    for service, us in cpu_us_per_group.items():
+        path = directory / f"{service}.txt"
+        if path.exists():
+            inclusive, leaf, total = read_stacks(path)
+            if total:
+                shown = [(f, n) for f, n in inclusive.most_common() if not _wrapper(f)][:top]
+                out.append((service, us, total, shown, leaf))
+    return out
+
+
 def print_samples(directory: Path, cpu_us_per_group: dict[str, float], top: int) -> None:
     """Per service: the functions most often on the stack and most often running, as shares of
     the samples in which the service held the GIL (the frames that head every stack, the
     entry and the event loop's own, `WRAPPERS`, are left out of the first table)."""
-    for service, us in cpu_us_per_group.items():
-        path = directory / f"{service}.txt"
-        if not path.exists():
-            continue
-        inclusive, leaf, total = read_stacks(path)
-        if not total:
-            continue
+    for service, us, total, shown, leaf in panels(directory, cpu_us_per_group, top):
         print(f"\n## {service}: {us:.0f} CPU-µs/group in this window, {total} samples")
         print("| on the stack | running | function |")
         print("|---:|---:|---|")
-        shown = [(f, n) for f, n in inclusive.most_common() if not _wrapper(f)][:top]
         for frame, n in shown:
             print(f"| {100 * n / total:.1f} % | {100 * leaf[frame] / total:.1f} % | {frame} |")
         print("\nmost often running:")
@@ -142,16 +154,9 @@ def plot_samples(directory: Path, cpu_us_per_group: dict[str, float], top: int =
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = []
-    for service, us in cpu_us_per_group.items():
-        path = directory / f"{service}.txt"
-        if path.exists():
-            inclusive, leaf, total = read_stacks(path)
-            if total:
-                shown = [(f, n) for f, n in inclusive.most_common() if not _wrapper(f)][:top]
-                panels.append((service, us, total, shown, leaf))
-    fig, axes = plt.subplots(len(panels), 1, figsize=(13, 3.2 * len(panels)), squeeze=False)
-    for ax, (service, us, total, shown, leaf) in zip(axes[:, 0], panels, strict=True):
+    drawn = panels(directory, cpu_us_per_group, top)
+    fig, axes = plt.subplots(len(drawn), 1, figsize=(13, 3.2 * len(drawn)), squeeze=False)
+    for ax, (service, us, total, shown, leaf) in zip(axes[:, 0], drawn, strict=True):
         frames = [f for f, _ in shown][::-1]
         names = [f.replace(".<locals>.", " > ") for f in frames]  # shorter labels
         stack = [100 * n / total for _, n in shown][::-1]

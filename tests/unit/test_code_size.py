@@ -14,16 +14,17 @@ ROOT = Path(__file__).resolve().parents[2]
 LIMITS = {"module": 600, "class": 400, "function": 60}
 
 
+GENERATED = ROOT / "libs/asyncrl/v1"
+"""`make protos` writes the protobuf modules there."""
+
+
 def sources() -> list[Path]:
-    files = []
-    for top in ("services", "libs"):
-        for path in sorted((ROOT / top).rglob("*.py")):
-            generated = path.name.endswith(("_pb2.py", "_pb2_grpc.py")) or "asyncrl/v1" in str(
-                path.relative_to(ROOT)
-            )
-            if not generated:
-                files.append(path)
-    return files
+    return [
+        path
+        for top in ("services", "libs")
+        for path in sorted((ROOT / top).rglob("*.py"))
+        if not path.is_relative_to(GENERATED)
+    ]
 
 
 def sizes(path: Path, root: Path = ROOT) -> list[tuple[str, str, int]]:
