@@ -222,7 +222,7 @@ class RolloutCollector(Collector):
             family = gauge(f"asyncrl_rollout_{key}", doc, ["experiment"])
             family.add_metric([s.experiment_id], float(value))
             yield family
-        yield from s.update_seconds.collect()
+        yield from s.serving.update_seconds.collect()
         for key, value in s.engine.stats().items():  # cumulative: steps, seconds, tokens
             family = CounterMetricFamily(
                 f"asyncrl_rollout_engine_{key}", f"Engine {key} since start", labels=["experiment"]

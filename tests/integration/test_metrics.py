@@ -17,7 +17,8 @@ from asyncrl.security import Credentials
 from asyncrl.types import EvalResult, StepMetrics
 from asyncrl.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.rollout.server import RolloutCollector
-from services.rollout.service import Loaded, RolloutService
+from services.rollout.service import RolloutService
+from services.rollout.serving import Loaded
 from services.rollout.torch_engine import TorchEngine
 from services.scheduler.server import create_scheduler
 from services.trainer.server import TrainerCollector

@@ -24,7 +24,8 @@ from asyncrl.weights import path_to_uri
 from services.reward.server import create_reward
 from services.rollout.engine import GenRequest
 from services.rollout.server import create_rollout
-from services.rollout.service import Binding, GroupJob
+from services.rollout.service import GroupJob
+from services.rollout.serving import Binding
 from services.rollout.torch_engine import TorchEngine
 from tests.integration.engine_gate import hold_generation
 
