@@ -3,9 +3,11 @@
 After `train_step` the loop takes the weights as bytes (`TrainerBackend.hf_files`, a snapshot
 no later step changes) and hands them over: `write_version` puts them in the weight store and
 `CommitWeights` tells the scheduler, in a task beside the loop, while the next step is
-collected and trained. `InFlight` holds that task: at most one version is in flight (the loop
-waits for the previous one before it hands over the next, so commits stay in order and one
-version's bytes at most wait in memory), and its failure is raised to the loop by `wait`.
+collected and trained. `Publisher` is that task's work (written, sent the way
+`trainer.weight_sync` says, committed, recorded trained in the ledger) and `InFlight` holds the
+task: at most one version is in flight (the loop waits for the previous one before it hands over
+the next, so commits stay in order and one version's bytes at most wait in memory), and its
+failure is raised to the loop by `wait`.
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 
 from asyncrl import fingerprint
+from asyncrl.ledger import Ledger, sample_fingerprints
+from asyncrl.types import StepMetrics, TrajectoryGroup
 from asyncrl.weights import TOKENIZER_FILES, prune, publish_version, version_dir
 
 
@@ -103,3 +108,70 @@ class InFlight:
                 task.exception()  # retrieved: the run's failure is reported elsewhere
         else:
             task.cancel()
+
+
+class Publisher:
+    """One run's versions on their way out: each written and sent (`sender`), committed
+    (`commit`: `SchedulerCalls.commit`) and recorded `trained` in the ledger, one at a time in a
+    task beside the loop (`start`; `wait` before the next). A stop in a commit's answer calls
+    `on_stop`: the run ends at the next step boundary."""
+
+    def __init__(
+        self,
+        sender,
+        commit: Callable,
+        ledger: Ledger,
+        run_id: str,
+        observe: Callable[[str, float], None],
+        log,
+        on_stop: Callable[[], None],
+    ):
+        self.sender = sender  # transport.WeightSender
+        self._commit, self.ledger, self.run_id = commit, ledger, run_id
+        self._observe, self.log, self._on_stop = observe, log, on_stop
+        self.fingerprints: dict[int, str] = {}
+        """Version -> the fingerprint of its weights, as written."""
+        self.commit_s = 0.0
+        """How long the last version's CommitWeights took (sent with the next step)."""
+        self._inflight = InFlight()
+
+    @property
+    def stage(self) -> str:
+        """What the version in flight was doing (names a failure)."""
+        return self._inflight.stage
+
+    @property
+    def done(self) -> bool:
+        return self._inflight.done
+
+    def start(self, m: StepMetrics, files: dict[str, bytes], groups: list[TrajectoryGroup]):
+        """Publish version `m.version` (its weights `files`, trained on `groups`) beside the
+        loop; `wait()` for the previous one first."""
+        self._inflight.start(self._publish(m, files, groups))
+
+    async def wait(self) -> None:
+        await self._inflight.wait()
+
+    def cancel(self) -> None:
+        self._inflight.cancel()
+
+    async def _publish(self, m: StepMetrics, files: dict[str, bytes], groups: list) -> None:
+        self._inflight.stage = "publish weights"
+        t0 = time.perf_counter()
+        uri = await self.sender.publish(m.version, files)
+        fp = self.fingerprints[m.version] = self.sender.fingerprint(m.version)
+        t1 = time.perf_counter()
+        m.write_s = t1 - t0
+        self._observe("write", m.write_s)
+        self._inflight.stage = "commit"
+        resp = await self.sender.send(m.version, self._commit(uri, m, fp))
+        self.commit_s = time.perf_counter() - t1
+        self._observe("commit", self.commit_s)
+        fields = {"run": self.run_id, "fingerprint": fp, **sample_fingerprints(groups)}
+        # stored in the background, retried while NATS is away (`ledger_behind`)
+        self.ledger.emit("trained", step=m.step, version=m.version, **fields)
+        if resp.stop:
+            self.log.info(
+                "scheduler_says_stop", version=m.version, fleet_version=resp.fleet_version
+            )
+            self._on_stop()

@@ -37,7 +37,7 @@ from pathlib import Path
 import grpc
 
 from asyncrl.errors import Conflict, NotFound
-from asyncrl.ledger import Ledger, ensure_ledger, sample_fingerprints
+from asyncrl.ledger import Ledger, ensure_ledger
 from asyncrl.logging import get_logger
 from asyncrl.runtime import freeze_heap
 from asyncrl.spec import ExperimentSpec, SpecError, spec_from_json
@@ -60,7 +60,7 @@ from services.trainer.metrics import (
     stall_seconds,
     step_metrics,
 )
-from services.trainer.publish import InFlight
+from services.trainer.publish import Publisher
 from services.trainer.scheduler_calls import SchedulerCalls
 from services.trainer.transport import Store, WeightSender, sender_for
 from services.trainer.validation import (
@@ -188,8 +188,8 @@ class TrainerService:
         self._lock = asyncio.Lock()  # one of: start, a step, a checkpoint
         self.phases = phase_histogram()
         self._train_end: float | None = None  # when the last train_step of this run ended
-        self._after = StepTimes()  # commit_s, checkpoint_s of the last version, sent with the next
-        self._publishing = InFlight()  # the version being written and committed
+        self._after = StepTimes()  # checkpoint_s of the last version, sent with the next
+        self.publisher: Publisher | None = None  # the run's versions on their way out
 
     # -- RPC-facing operations ------------------------------------------------------------
     async def start_experiment(self, experiment_id: str, spec_json: str) -> tuple[int, bool]:
@@ -200,7 +200,9 @@ class TrainerService:
         if not (Path(spec.model.path) / "config.json").is_file():
             raise SpecError("model.path", f"no HuggingFace config.json in {spec.model.path}")
         if self.state in RUNNING and self.experiment_id == experiment_id:  # not behind a step
-            return max(self._fingerprints, default=0), self.resumed  # the newest one written
+            return max(
+                self.publisher.fingerprints, default=0
+            ), self.resumed  # the newest one written
         async with self._lock:
             if self.state.active:
                 if self.experiment_id == experiment_id:
@@ -271,10 +273,8 @@ class TrainerService:
         self.version = self.step = self._boundary_seq = 0
         self.resumed, self.last_metrics = False, None
         self._trained = RecentIds()
-        self._fingerprints: dict[int, str] = {}  # version -> its weights' fingerprint
         self.samples_checked = Counter()  # trained samples: verified / unverified weights
         self._train_end, self._after = None, StepTimes()
-        self._publishing = InFlight()
         self._stop = asyncio.Event()  # a StopExperiment during loading stops the new run
         self.log = log.bind(experiment=experiment_id)
         self.ledger = Ledger(self.js, experiment_id)
@@ -288,6 +288,10 @@ class TrainerService:
         )
         self._scheduler = SchedulerCalls(self.scheduler, experiment_id, self._worker, self.log)
         self.sender = sender_for(spec.trainer, store, self.js, self._observe, self.log)
+        commit = self._scheduler.commit
+        self.publisher = Publisher(
+            self.sender, commit, self.ledger, self.run_id, self._observe, self.log, self._stop.set
+        )
 
     async def _release(self) -> None:
         if self._consumer is not None:
@@ -310,7 +314,7 @@ class TrainerService:
             self.resumed = True
             if self.version > 0:
                 await self.sender.restore(self.version, self.backend.hf_files)
-                self._fingerprints[self.version] = self.sender.fingerprint(self.version)
+                self.publisher.fingerprints[self.version] = self.sender.fingerprint(self.version)
         self._consumer = GroupConsumer(self.js, self.experiment_id)
         await self._consumer.open(consumer_start_seq(state))
         await ensure_ledger(self.js)
@@ -358,7 +362,7 @@ class TrainerService:
         except Exception as exc:  # noqa: BLE001 - recorded as the failed state, never hidden
             self._fail(exc, self._stage)
         finally:
-            self._publishing.cancel()
+            self.publisher.cancel()
             await self._close_sender()
 
     async def _record_left_over(self) -> None:
@@ -381,7 +385,7 @@ class TrainerService:
             vocab_size=self._vocab_size,
             trainer_version=self.version,
             eta=self.spec.rollout.max_head_offpolicyness,
-            fingerprints=self._fingerprints,
+            fingerprints=self.publisher.fingerprints,
         )
 
     async def _collect(self) -> Batch | None:
@@ -393,7 +397,7 @@ class TrainerService:
         while len(batch.groups) < b:
             if self._stop.is_set():
                 return None
-            if self._publishing.done:  # raise a failure now, not after the next step
+            if self.publisher.done:  # raise a failure now, not after the next step
                 await self._wait_published()
             self._stage = "consume"
             pulled = await self._consumer.pull(b - len(batch.groups), timeout=self.fetch_timeout_s)
@@ -417,7 +421,7 @@ class TrainerService:
         if verdict == Verdict.TRAIN:
             batch.groups.append(p.group)
             batch.taken.add(p.group.group_id)
-            self.samples_checked.update(fingerprint_tally(p.group, self._fingerprints))
+            self.samples_checked.update(fingerprint_tally(p.group, self.publisher.fingerprints))
         elif verdict == Verdict.STALE:
             batch.dropped += 1
             return [p.group]
@@ -457,7 +461,11 @@ class TrainerService:
             quarantined=batch.quarantined,
             replayed=batch.replayed,
             times=replace(
-                self._after, wait_s=batch.wait_s, serialize_s=serialize_s, stall_s=stall_s
+                self._after,
+                commit_s=self.publisher.commit_s,
+                wait_s=batch.wait_s,
+                serialize_s=serialize_s,
+                stall_s=stall_s,
             ),
         )
         self.last_metrics, self._after = m, StepTimes()
@@ -465,7 +473,7 @@ class TrainerService:
         self._observe("serialize", serialize_s)
         self._observe("stall", stall_s)
         self.log.info("train_step", **vars(m))  # its fields (scalars): asdict deep-copies
-        self._publishing.start(self._publish(m, files, batch.groups))
+        self.publisher.start(m, files, batch.groups)
         if self.version >= self.spec.trainer.total_steps:
             await self._wait_published()  # the last version: its answer says stop
         if not self._stop.is_set() and self.step % self.spec.trainer.checkpoint_every == 0:
@@ -481,39 +489,15 @@ class TrainerService:
         self._stage = "serialize weights"
         return stats, ended, self.backend.hf_files()
 
-    async def _publish(self, m: StepMetrics, files: dict[str, bytes], groups: list) -> None:
-        """Write version `m.version`, commit it, record it in the ledger (beside the loop).
-        A stop in the answer ends the run at the next step boundary."""
-        self._publishing.stage = "publish weights"
-        t0 = time.perf_counter()
-        uri = await self.sender.publish(m.version, files)
-        fp = self._fingerprints[m.version] = self.sender.fingerprint(m.version)
-        t1 = time.perf_counter()
-        m.write_s = t1 - t0
-        self._observe("write", m.write_s)
-        self._publishing.stage = "commit"
-        resp = await self.sender.send(m.version, self._scheduler.commit(uri, m, fp))
-        commit_s = time.perf_counter() - t1
-        self._observe("commit", commit_s)
-        self._after = replace(self._after, commit_s=commit_s)
-        fields = {"run": self.run_id, "fingerprint": fp, **sample_fingerprints(groups)}
-        # stored in the background, retried while NATS is away (`ledger_behind`)
-        self.ledger.emit("trained", step=m.step, version=m.version, **fields)
-        if resp.stop:
-            self.log.info(
-                "scheduler_says_stop", version=m.version, fleet_version=resp.fleet_version
-            )
-            self._stop.set()
-
     async def _wait_published(self) -> None:
         """Wait for the version in flight to be committed; its failure is raised, named by the
         stage it failed in."""
         try:
-            await self._publishing.wait()
+            await self.publisher.wait()
         except asyncio.CancelledError:
             raise
         except Exception:
-            self._stage = self._publishing.stage
+            self._stage = self.publisher.stage
             raise
 
     def _observe(self, phase: str, seconds: float) -> None:
