@@ -100,7 +100,9 @@ async def test_trainer_next_step_starts_while_previous_version_is_committed(tiny
     assert first.serialize_s > 0 and first.write_s > 0 and first.step_time_s > 0
     assert (first.commit_s, first.checkpoint_s, first.stall_s) == (0, 0, 0)  # nothing before
     assert second.commit_s >= COMMIT_DELAY_S  # version 1's round trip, reported with step 2
-    assert second.stall_s < COMMIT_DELAY_S  # step 2 trained while version 1 was committed
+    # step 2 trained while version 1 was committed: its stall is version 1's serialisation (the
+    # first is cold: ~0.4 s on this machine when the test runs first in its process), no commit
+    assert second.stall_s - first.serialize_s < COMMIT_DELAY_S
     assert second.write_s > 0 and second.wait_s >= 0
 
     got = _samples(TrainerCollector(service), "asyncrl_trainer_phase_seconds_count")
