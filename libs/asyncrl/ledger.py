@@ -241,14 +241,23 @@ def _sample_weights(step: dict, group: str) -> list[dict[str, str]]:
 
 
 def counted_steps(events: Iterable[dict]) -> list[dict]:
-    """The `trained` events that stand: a `rewound` to step k discards the steps > k recorded
-    before it (a restarted trainer trains them again from its checkpoint)."""
+    """The `trained` events that stand: a `rewound` to step k discards the steps > k of every
+    run before it (a restarted trainer trains them again from its checkpoint), those recorded
+    before it and those of an earlier run stored after it. The last happens when a trainer
+    fails while NATS cannot store (a full disk): its ledger writer keeps the steps it trained
+    and stores them once NATS is back, after its successor's `rewound`."""
     steps: list[dict] = []
+    runs: set = set()
+    last_step: dict = {}  # run -> the newest of its steps that can stand
     for e in events:
-        if e["event"] == "trained":
+        run = e.get("run")
+        if e["event"] == "trained" and e["step"] <= last_step.get(run, e["step"]):
             steps.append(e)
         elif e["event"] == "rewound":
+            for earlier in runs - {run, None}:
+                last_step[earlier] = min(last_step.get(earlier, e["to_step"]), e["to_step"])
             steps = [s for s in steps if s["step"] <= e["to_step"]]
+        runs.add(run)
     return steps
 
 

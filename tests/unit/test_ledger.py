@@ -113,12 +113,45 @@ def test_rewind_discards_steps_after_the_checkpoint():
         trained(1, "g0"),
         trained(2, "g1"),
         {"event": "rewound", "to_step": 1, "run": "r2"},
-        trained(2, "g1"),
+        {**trained(2, "g1"), "run": "r2"},
     ]
     assert [s["step"] for s in counted_steps(events)] == [1, 2]
     report = summarize(events)
     assert report.totals["trained"] == 2 and report.totals["trained_twice"] == 0
     assert report.steps == 2
+
+
+def test_rewind_discards_an_earlier_runs_steps_stored_after_it():
+    """A trainer failed while NATS could not store (disk full): its writer stored step 2 only
+    after its successor resumed at step 1 and trained step 2 again (chaos `disk-full`)."""
+    events = [
+        {"event": "rewound", "to_step": 0, "run": "r1"},
+        dispatched("g0", 0),
+        dispatched("g1", 1),
+        settled("g0"),
+        settled("g1"),
+        {**trained(1, "g0"), "run": "r1"},
+        {"event": "rewound", "to_step": 1, "run": "r2"},
+        {**trained(2, "g1"), "run": "r2"},
+        {**trained(2, "g1"), "run": "r1"},  # r1's, stored late
+        {**trained(3, "g1"), "run": "r1"},
+    ]
+    standing = [(s["step"], s["run"]) for s in counted_steps(events)]
+    assert standing == [(1, "r1"), (2, "r2")]
+    report = summarize(events)
+    assert report.totals["trained"] == 2 and report.totals["trained_twice"] == 0
+    assert report.steps == 2
+
+
+def test_rewind_without_run_ids_keeps_later_steps():
+    """Ledgers written before run ids: a rewound caps no run."""
+    events = [
+        {"event": "trained", "step": 1, "groups": ["g0"]},
+        {"event": "trained", "step": 2, "groups": ["g1"]},
+        {"event": "rewound", "to_step": 1},
+        {"event": "trained", "step": 2, "groups": ["g1"]},
+    ]
+    assert [s["step"] for s in counted_steps(events)] == [1, 2]
 
 
 def test_quarantined_counted():
