@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -248,14 +249,14 @@ def counted_steps(events: Iterable[dict]) -> list[dict]:
     and stores them once NATS is back, after its successor's `rewound`."""
     steps: list[dict] = []
     runs: set = set()
-    last_step: dict = {}  # run -> the newest of its steps that can stand
+    last_step: dict = {}  # run -> the newest of its steps that can stand (a rewind's to_step)
     for e in events:
         run = e.get("run")
-        if e["event"] == "trained" and e["step"] <= last_step.get(run, e["step"]):
+        if e["event"] == "trained" and e["step"] <= last_step.get(run, math.inf):
             steps.append(e)
         elif e["event"] == "rewound":
-            for earlier in runs - {run, None}:
-                last_step[earlier] = min(last_step.get(earlier, e["to_step"]), e["to_step"])
+            for earlier in runs - {run, None}:  # None: events written before run ids
+                last_step[earlier] = min(last_step.get(earlier, math.inf), e["to_step"])
             steps = [s for s in steps if s["step"] <= e["to_step"]]
         runs.add(run)
     return steps

@@ -36,7 +36,7 @@ from services.rollout.generation import Generation
 from services.rollout.openai_api import OpenAIEndpoint
 from services.rollout.reward_client import RewardClient, RewardUnavailable
 from services.rollout.running import RunningGroup, RunningGroups
-from services.rollout.serving import Binding, Serving, WeightsResult
+from services.rollout.serving import Binding, Loaded, Serving, WeightsResult
 
 log = get_logger(component="rollout")
 
@@ -102,8 +102,6 @@ class RolloutService:
         self.serving = Serving(engine, self.engine_kind, js, self.groups, weights_cache)
         """The experiments bound and the weights loaded for them (BindExperiment,
         UpdateWeights)."""
-        self.bindings = self.serving.bindings
-        self.loaded = self.serving.loaded
         self.rewards = RewardClient()
         self.throughput = Throughput()
         self._tally = Tally("groups_done", log)
@@ -116,6 +114,14 @@ class RolloutService:
     def worker(self) -> str:
         """This worker's registered id (its address until it registers)."""
         return self._worker()
+
+    @property
+    def bindings(self) -> dict[str, Binding]:
+        return self.serving.bindings
+
+    @property
+    def loaded(self) -> dict[str, Loaded]:
+        return self.serving.loaded
 
     @property
     def experiment_id(self) -> str:

@@ -200,9 +200,8 @@ class TrainerService:
         if not (Path(spec.model.path) / "config.json").is_file():
             raise SpecError("model.path", f"no HuggingFace config.json in {spec.model.path}")
         if self.state in RUNNING and self.experiment_id == experiment_id:  # not behind a step
-            return max(
-                self.publisher.fingerprints, default=0
-            ), self.resumed  # the newest one written
+            newest = max(self.publisher.fingerprints, default=0)  # the newest one written
+            return newest, self.resumed
         async with self._lock:
             if self.state.active:
                 if self.experiment_id == experiment_id:
@@ -288,9 +287,14 @@ class TrainerService:
         )
         self._scheduler = SchedulerCalls(self.scheduler, experiment_id, self._worker, self.log)
         self.sender = sender_for(spec.trainer, store, self.js, self._observe, self.log)
-        commit = self._scheduler.commit
         self.publisher = Publisher(
-            self.sender, commit, self.ledger, self.run_id, self._observe, self.log, self._stop.set
+            sender=self.sender,
+            commit=self._scheduler.commit,
+            ledger=self.ledger,
+            run_id=self.run_id,
+            observe=self._observe,
+            log=self.log,
+            on_stop=self._stop.set,
         )
 
     async def _release(self) -> None:
