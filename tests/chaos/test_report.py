@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import pytest
 
 from tests.chaos import report
 from tests.chaos.__main__ import parse_args, plan
 from tests.chaos.scenarios import SCENARIOS, run_rng, targets
+from tests.chaos.scenarios_ck import _rewound_in_log
 from tests.chaos.scenarios_tenants import recovered_at
 
 TIMELINE = [(0.0, 0), (4.0, 3), (9.5, 4), (10.0, 6)]
@@ -185,3 +189,19 @@ def test_sigterm_scenarios_judged_by_a_stall_of_at_most_2s_over_more_steps():
     steps = {"sigterm-reward": 120, "sigterm-rollout": 400, "sigterm-scheduler": 120}
     for name, n in steps.items():
         assert (SCENARIOS[name].max_stall_s, SCENARIOS[name].steps) == (2.0, n)
+
+
+def test_deep_rewind_counts_the_versions_the_trainer_threw_away_from_its_log(tmp_path):
+    """The deep-rewind run of 2026-11-27: steps of 0.06 s, the kill after v16, the first poll
+    after the restart at v11. The log says 16 -> 8, the timeline would say 4."""
+
+    def line(event, **fields):
+        return json.dumps({"event": event, "service": "trainer", **fields})
+
+    lines = [line("experiment_started", version=0, resumed=False)]
+    lines += [line("train_step", step=v, version=v) for v in range(1, 17)]
+    lines += ["not json", line("experiment_started", version=8, resumed=True)]
+    lines += [line("train_step", step=v, version=v) for v in range(9, 31)]
+    (tmp_path / "log").mkdir()
+    (tmp_path / "log" / "trainer-0.log").write_text("\n".join(lines) + "\n")
+    assert _rewound_in_log(SimpleNamespace(cfg=SimpleNamespace(var=tmp_path))) == 8
