@@ -4,8 +4,8 @@
   and `acme-2`, share 2) and one of tenant `bcorp` (share 1), each submitted with an admin token
   of its tenant, each with its own trainer (3 trainer replicas), all sharing two rollout
   replicas (docs/lora.md, "Sharing a fleet"). In turn, each once all three have moved on from
-  the fault before: `kill -9` rollout-0, `kill -9` the trainer serving bcorp's experiment, and
-  `kill -9` the scheduler. After the scheduler's restart tenant isolation must still hold: a
+  the fault before: `kill -9` rollout-0, `kill -9` the scheduler, and `kill -9` the trainer
+  serving bcorp's experiment. After the scheduler's restart tenant isolation must still hold: a
   bcorp token gets NOT_FOUND for acme's experiment, which acme's token still sees.
 
 Every experiment must complete with its ledger clean (`report.problems`: 0 lost, 0 trained
@@ -44,8 +44,11 @@ if TYPE_CHECKING:
     from tests.chaos.scenarios import Scenario
 
 STEPS = 120
-"""Long enough that all three still run at the third fault: the run's own experiment starts
-~10 s before the others (their submits) and a step takes ~0.4 s on the idle machine."""
+"""Steps of the two experiments submitted in the scenario."""
+OWN_STEPS = 180
+"""Steps of the run's own experiment, which starts before the others (their submits, their
+binding): 21-30 versions ahead of both at every fault on 2026-11-27, 118 of 120 at the last.
+Long enough that all three still run at the third fault."""
 LORA_SETS = (
     "trainer.lora.rank=4",
     "trainer.lora.alpha=8.0",
@@ -100,7 +103,8 @@ def submit(run: Run, tenant: str, name: str, share: float) -> str:
     from tests.chaos.run import ARITH  # noqa: PLC0415
 
     id_file = run.cfg.var / f"{name}.id"
-    overrides = [*run.cfg.overrides(), *run.scenario.sets, f"name={name}", f"share={share}"]
+    overrides = [*run.cfg.overrides(), *run.scenario.sets, f"trainer.total_steps={STEPS}"]
+    overrides += [f"name={name}", f"share={share}"]
     sets = [a for o in overrides for a in ("--set", o)]
     done = as_tenant(run, tenant, "submit", str(ARITH), "--id-file", str(id_file), *sets)
     if done.returncode != 0:
@@ -265,17 +269,22 @@ def judge(run: Run, exps: list[Exp]) -> None:
 
 
 async def faults(run: Run, exps: list[Exp], rng: random.Random) -> None:
-    """rollout-0, bcorp's trainer, the scheduler, each once all three moved on from the last."""
+    """rollout-0, the scheduler, bcorp's trainer, each once all three moved on from the last.
+
+    The trainer comes last: while bcorp's trainer recovers (39 s idle, up to 127 s under load)
+    acme's two go on at their rate, and a fault after it found one of them finished (`make
+    chaos`, scenarios side by side, 2026-11-27). A rollout or scheduler kill stalls all three
+    alike, so none runs ahead of the others before the trainer's."""
     if not await all_at(exps, 3 + rng.randrange(3)):
         raise RuntimeError("the experiments ended or stalled before the first fault")
     await kill(run, exps, "rollout", 0, await run.pid("rollout", 0))
     await all_on(exps, rng)
+    fault = await kill(run, exps, "scheduler", 0, await run.pid("scheduler"))
+    fault["isolation"] = await asyncio.to_thread(isolation, run, exps)
+    await all_on(exps, rng)
     victim = next(e for e in exps if e.name == VICTIM)
     replica, pid = await trainer_of(run, victim.watch.experiment_id)
     await kill(run, exps, "trainer", replica, pid, victim=VICTIM)
-    await all_on(exps, rng)
-    fault = await kill(run, exps, "scheduler", 0, await run.pid("scheduler"))
-    fault["isolation"] = await asyncio.to_thread(isolation, run, exps)
 
 
 async def tenants(run: Run, rng: random.Random) -> None:
@@ -319,7 +328,7 @@ def write_summary(run: Run, exps: list[Exp]) -> None:
 def scenarios(scenario: type[Scenario]) -> list[Scenario]:
     shared = scenario(
         "tenants",
-        "3 LoRA exps, 2 tenants, 2 shared rollouts: kill -9 rollout, a trainer, scheduler",
+        "3 LoRA exps, 2 tenants, 2 shared rollouts: kill -9 rollout, scheduler, a trainer",
         tenants,
         count=3,
         rollouts=2,
@@ -327,6 +336,6 @@ def scenarios(scenario: type[Scenario]) -> list[Scenario]:
         env={"ASYNCRL_ROLLOUT_ENGINE": "torch", "ASYNCRL_ROLLOUT_ARGS": f"--capacity {CAPACITY}"},
         before_up=mint_tokens,
         sets=LORA_SETS,
-        steps=STEPS,
+        steps=OWN_STEPS,
     )
     return [shared]
