@@ -5,7 +5,7 @@ of garbage go into the middle of its newest checkpoint's model.pt, then it is ki
 restarted trainer must set that checkpoint aside (its log names the file) and resume from the
 older one: a rewind of up to 2 x checkpoint_every versions.
 
-deep-rewind: with checkpoint_every 8, the trainer is killed 5 or more versions past its last
+deep-rewind: with checkpoint_every 16, the trainer is killed 5 or more versions past its last
 checkpoint, deeper than the weight store keeps (keep_versions(eta 2) = 5): the resumed trainer
 writes the checkpoint's version again and trains on from it; the fleet must load those and no
 rollout may be fenced for a version the store deleted.
@@ -25,7 +25,10 @@ if TYPE_CHECKING:
     from tests.chaos.run import Run
 
 GARBAGE = 4096
-DEEP_EVERY = 8
+DEEP_EVERY = 16
+"""deep-rewind's checkpoint interval. 8 left too few versions between the kill and the next
+checkpoint: at 0.05-0.1 s a step the trainer passed v16 and checkpointed there between the
+poll that saw v13-15 and the kill (`make chaos --repeat 2`, 2026-11-27: rewound 1)."""
 DEEP_MIN = 5
 """deep-rewind: the fewest versions the kill must throw away."""
 
@@ -88,7 +91,7 @@ async def corrupt_checkpoint(run: Run, rng: random.Random) -> None:
 
 
 async def deep_rewind(run: Run, rng: random.Random) -> None:
-    version = DEEP_EVERY + DEEP_MIN + rng.randrange(2)  # 13 or 14: the last checkpoint is 8
+    version = DEEP_EVERY + DEEP_MIN + rng.randrange(2)  # 21 or 22: the last checkpoint is 16
     if not await run.reach_in_time(version):
         return
     pid = await run.pid("trainer")
