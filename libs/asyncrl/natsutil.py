@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import nats
+import psutil
 from nats.js.api import RawStreamMsg, RetentionPolicy, StorageType, StreamConfig
 
 from asyncrl.convert import group_to_bytes
@@ -297,6 +297,8 @@ class LocalNatsServer:
         cluster: ClusterNode | None = None,
     ):
         self.store_dir = Path(store_dir)
+        self.picked = not port
+        """The port was picked here (free then, maybe not when the server binds it)."""
         self.port = port or free_port()
         self.log_file = log_file
         self.host = host
@@ -324,20 +326,33 @@ class LocalNatsServer:
             f.write(text)
         return [nats_server_binary(), "-c", str(self.config_file)]
 
-    def start(self, timeout: float = 20.0) -> LocalNatsServer:
+    def start(self, timeout: float = 20.0, tries: int = 3) -> LocalNatsServer:
+        """Start the server and wait until it listens on its port (it, not another process:
+        a connection could reach whoever holds the port). A server that exits at once on a port
+        picked here (another process bound it first) gets a new port, `tries` times in all."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self.picked and tries > 1:
+                    self.port = free_port()
+                    return self.start(timeout, tries - 1)
                 raise RuntimeError(f"nats-server exited with {self.proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.05)
+            if self._listening():
+                return self
+            time.sleep(0.05)
         raise TimeoutError("nats-server did not start")
+
+    def _listening(self) -> bool:
+        try:
+            connections = psutil.Process(self.proc.pid).net_connections("tcp")
+        except psutil.Error:  # exited meanwhile: the caller's next poll says so
+            return False
+        return any(
+            c.status == psutil.CONN_LISTEN and c.laddr.port == self.port for c in connections
+        )
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
+import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from asyncrl.convert import group_from_bytes
-from asyncrl.natsutil import STREAM, publish_group, train_subject
+from asyncrl.natsutil import STREAM, LocalNatsServer, publish_group, train_subject
 from asyncrl.types import Sample, TrajectoryGroup
 
 
@@ -68,3 +70,26 @@ async def test_unacked_message_is_redelivered_after_ack_wait(js):
     assert group_from_bytes(again.data).group_id == "g9"
     assert again.metadata.num_delivered == 2
     await again.ack_sync()
+
+
+def test_local_server_on_a_picked_port_taken_meanwhile_starts_on_another(tmp_path):
+    """The port picked at construction is bound by someone else before the server starts (two
+    test workers side by side): the server exits at once, and `start` picks another port."""
+    server = LocalNatsServer(tmp_path / "jetstream")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", server.port))
+        taken.listen()
+        with server:
+            assert server.port != taken.getsockname()[1]
+            with socket.create_connection(("127.0.0.1", server.port), timeout=2):
+                pass
+
+
+def test_local_server_on_a_given_port_taken_says_so(tmp_path):
+    """A port the caller chose is not changed behind its back."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = LocalNatsServer(tmp_path / "jetstream", port=taken.getsockname()[1])
+        with pytest.raises(RuntimeError, match="nats-server exited"):
+            server.start()

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.errors import SpecError
-from asyncrl.net import free_port
 
 
 @dataclass(frozen=True)
@@ -56,10 +55,11 @@ def init_default_group() -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if use_cuda() else "gloo"
-    if "RANK" not in os.environ:  # in-process, single rank
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group(backend, rank=0, world_size=1)
+    if "RANK" not in os.environ:
+        # in-process, single rank: an in-memory store, no port. A free port picked and then
+        # bound by gloo's store raced with another process's binder (two test workers: the
+        # gloo store's bind failed with EADDRINUSE); so would trainers started side by side.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         return
     if use_cuda():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
