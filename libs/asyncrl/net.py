@@ -2,12 +2,40 @@
 
 from __future__ import annotations
 
+import secrets
 import socket
+from pathlib import Path
+
+LOWEST = 10000
+"""The lowest port `free_port` picks."""
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` right now (the OS picks it; a race with another binder is
-    possible, so servers that can bind port 0 themselves should)."""
-    with socket.socket() as s:
+    """A port free on `host` right now, for a server that is told its port rather than binding
+    port 0 itself (a race with another binder is still possible: such a server should be
+    started again on another port when its bind fails).
+
+    Picked at random below the kernel's ephemeral range. Above it, every outgoing connection
+    takes its local port, and the OS's own port-0 binds land there too: a port released there
+    is soon taken by another process's connect (the suite's two workers: a store's bind failed
+    with EADDRINUSE, 2026-11-27). Below it, only another caller of this function competes."""
+    low = _ephemeral_low()
+    for _ in range(64 if low > LOWEST + 1000 else 0):
+        port = LOWEST + secrets.randbelow(low - LOWEST)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room below the range, or all of it taken: the OS picks
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
