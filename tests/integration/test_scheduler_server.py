@@ -357,11 +357,15 @@ async def test_completion_at_total_steps_runs_evals_and_stops_trainer(cluster, f
     stream = cluster.stub.WatchExperiment(
         scheduler_pb2.WatchExperimentRequest(experiment_id=exp_id), timeout=20
     )
+    # the snapshot first: the watch is registered, so no step can fall before it (on a loaded
+    # machine the commits below once did, and step 1 was in the snapshot, not in the events)
+    events = [await stream.read()]
+    assert events[0].kind == "snapshot"
     r1 = await cluster.commit(exp_id, 1)
     r2 = await cluster.commit(exp_id, 2)
     assert (r1.stop, r2.stop) == (False, True)
-    events = [e async for e in stream]  # the stream ends with the experiment
-    assert events[0].kind == "snapshot"
+    while (event := await stream.read()) is not grpc.aio.EOF:  # it ends with the experiment
+        events.append(event)
     assert [e.step.version for e in events if e.kind == "step"] == [1, 2]
     evals = [e.eval for e in events if e.kind == "eval"]
     assert [e.version for e in evals] == [2] or [e.version for e in evals] == [0, 2]
