@@ -20,9 +20,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     takes its local port, and the OS's own port-0 binds land there too: a port released there
     is soon taken by another process's connect (the suite's two workers: a store's bind failed
     with EADDRINUSE, 2026-11-27). Below it, only another caller of this function competes."""
-    low = _ephemeral_low()
-    for _ in range(64 if low > LOWEST + 1000 else 0):
-        port = LOWEST + secrets.randbelow(low - LOWEST)
+    room = _ephemeral_low() - LOWEST
+    for _ in range(64 if room > 1000 else 0):
+        port = LOWEST + secrets.randbelow(room)
         with socket.socket() as s:
             try:
                 s.bind((host, port))

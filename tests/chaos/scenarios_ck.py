@@ -33,13 +33,15 @@ DEEP_MIN = 5
 """deep-rewind: the fewest versions the kill must throw away."""
 
 
-def _events(run: Run, service: str, event: str) -> list[dict]:
-    """`event` lines of the service's log (JSON lines under <var>/log)."""
+def _events(run: Run, service: str, *events: str) -> list[dict]:
+    """The lines of these events in the service's log (JSON lines under <var>/log), in order."""
     out = []
     for path in sorted((run.cfg.var / "log").glob(f"{service}-*.log")):
         for line in path.read_text(errors="replace").splitlines():
-            if f'"{event}"' in line and line.startswith("{"):
-                out.append(json.loads(line))
+            if line.startswith("{") and any(f'"{e}"' in line for e in events):
+                entry = json.loads(line)
+                if entry.get("event") in events:
+                    out.append(entry)
     return out
 
 
@@ -55,15 +57,11 @@ def _rewound_in_log(run: Run) -> int:
     shorter than a poll (0.06 s a step on an idle machine, 2026-11-27: the kill landed after
     v16, the first poll after the restart read v11, and the rewind from 16 to 8 read 4)."""
     last, rewound = 0, 0
-    for path in sorted((run.cfg.var / "log").glob("trainer-*.log")):
-        for line in path.read_text(errors="replace").splitlines():
-            if not line.startswith("{"):
-                continue
-            event = json.loads(line)
-            if event.get("event") == "train_step":
-                last = event["version"]
-            elif event.get("event") == "experiment_started" and event.get("resumed"):
-                rewound = max(rewound, last - event["version"])
+    for event in _events(run, "trainer", "train_step", "experiment_started"):
+        if event["event"] == "train_step":
+            last = event["version"]
+        elif event.get("resumed"):
+            rewound = max(rewound, last - event["version"])
     return rewound
 
 
