@@ -198,10 +198,16 @@ class TrainerSpec(_Section):
     """Megatron backend: padded tokens per forward pass (rows x padded length, at least one
     row); the proximal-logprob recompute and each minibatch run in micro-batches of that size.
     Larger is fewer passes and more activation memory."""
-    eps_clip: float = Field(0.2, gt=0)
+    eps_clip: float = Field(0.2, gt=0, lt=1)
+    """PPO's clip: the ratio pi/pi_prox is clipped to [1 - eps_clip, 1 + eps_clip_high]."""
+    eps_clip_high: float | None = Field(None, gt=0)
+    """The upper clip (DAPO's clip-higher, e.g. 0.28); unset: eps_clip."""
+    dual_clip: float | None = Field(None, gt=1.0)
+    """Dual-clip PPO's c (e.g. 3): a token with a negative advantage loses at most c x |A|,
+    however far its ratio grew; unset: no dual clip."""
     behav_imp_weight_cap: float | None = Field(5.0, gt=1.0)
     """Bound on the behaviour importance weight w = pi_prox/pi_behav: tokens above it are
-    masked (token_cap), or the weight is truncated to it (token_tis, gspo, cispo)."""
+    masked (token_cap), or the weight is truncated to it (token_tis, gspo)."""
     # -- the objective: each choice below is one name (services/trainer/losses.py) ---------
     advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     """Advantage estimator over a group's rewards: `grpo` (r - mean) / std; `dr_grpo`
@@ -224,11 +230,21 @@ class TrainerSpec(_Section):
     """Upper bound of the masking corrections (token_mis, seq_mis, icepop)."""
     m2po_bound: float = Field(0.04, gt=0)
     """M2PO: the bound on the second moment of the log behaviour weight."""
+    cispo_eps_low: float = Field(1.0, gt=0, le=1.0)
+    """CISPO: its weight pi/pi_behav is clipped below at 1 - cispo_eps_low (1: no lower bound,
+    as MiniMax-M1)."""
+    cispo_eps_high: float = Field(0.28, gt=0)
+    """CISPO: its weight is clipped above at 1 + cispo_eps_high (verl, slime, SkyRL: 0.2-0.28)."""
     loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "dr_grpo"] = (
         "token_mean"
     )
     """How token losses make a minibatch's loss: the mean over tokens, the mean over samples
-    of each sample's sum or mean, or Dr.GRPO's sum / (samples x loss_agg_constant)."""
+    of each sample's sum or mean, or Dr.GRPO's sum / (samples x loss_agg_constant). Unset with
+    `gspo`: seq_mean_token_mean (GSPO's objective is a mean of sequence ratios)."""
+    masked_tokens_in_norm: bool = True
+    """Tokens an off-policy correction masks stay in the loss normaliser (AReaL's and slime's
+    convention: a masked token adds 0 and does not raise the weight of its neighbours); false
+    counts only the kept tokens (verl's masked IS)."""
     loss_agg_constant: int | None = Field(None, gt=0)
     """Dr.GRPO's constant normaliser in tokens; default rollout.gconfig.max_new_tokens."""
     kl_coef: float = Field(0.0, ge=0)
@@ -269,6 +285,13 @@ class TrainerSpec(_Section):
     lora: LoraSpec | None = None
     """Train a LoRA adapter on the frozen base instead of every weight (torch backend and
     torch engine only); unset trains the full model."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gspo_aggregates_per_sequence(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("offpolicy_correction") == "gspo":
+            return {"loss_agg": "seq_mean_token_mean", **data}
+        return data
 
     @field_validator("loggers")
     @classmethod

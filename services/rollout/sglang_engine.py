@@ -13,9 +13,9 @@ One `/generate` request per sample segment (`input_ids`, `return_logprob`, the s
 params, stop token ids); its request id is unique and prefix-free (`wire_rid`: SGLang aborts by
 prefix), its `max_new_tokens` clamped to the context the server reports (`GET /v1/models`);
 sglang_protocol.py builds the bodies and says what the server refuses, sglang_client.py makes
-the calls. The behaviour logprob of a token is SGLang's `output_token_logprobs` value (the
-managed child runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1, so it is the log-softmax of the
-unscaled logits, as the trainer recomputes it).
+the calls. The behaviour logprob of a token is SGLang's `output_token_logprobs` value: the
+log-softmax of the logits divided by the temperature (SGLang's default; the managed child runs
+with SGLANG_RETURN_ORIGINAL_LOGPROB=0), as the trainer recomputes it.
 
 A weight update interrupts: `/pause_generation` (abort) -> the aborted requests come back with
 their partial output -> `/update_weights_from_disk` (or the bucketed NCCL broadcast) ->

@@ -34,10 +34,10 @@ SGLANG_MISSING = (
     "to attach to a running server, or rollout.engine: torch"
 )
 
-# Environment for the child. SGLang's default behaviour logprobs are temperature-scaled; the
-# trainer (and the torch engine) use the log-softmax of the unscaled logits, so ask SGLang for
-# those. Both spellings: older 0.5.x read RETURN_ORIGINAL_LOGPROB.
-CHILD_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "RETURN_ORIGINAL_LOGPROB": "1"}
+# Environment for the child. SGLang's default behaviour logprobs are temperature-scaled, as the
+# trainer (and the torch engine) compute them: make sure an inherited RETURN_ORIGINAL_LOGPROB
+# (the unscaled log-softmax) does not change that. Both spellings: older 0.5.x read the second.
+CHILD_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0", "RETURN_ORIGINAL_LOGPROB": "0"}
 
 
 # Linux: the child runs through this exec shim, which asks the kernel to SIGTERM it when the

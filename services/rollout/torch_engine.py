@@ -5,11 +5,12 @@ token for every active request, then feeds all new tokens through the model in o
 forward. Steps run in a worker thread so the event loop stays responsive, several per hop
 while no request arrives, leaves or finishes and no model change is due.
 
-Behaviour logprobs: the logprob recorded for a token is the log-softmax of the *unscaled*
-logits (temperature 1, no top-k/top-p truncation) at the sampled token. That is exactly what
-the trainer recomputes for the same prefix under the same weights, so the decoupled PPO
-importance weight pi_prox / pi_behav compares like with like. Temperature, top-k and top-p only
-shape the sampling distribution.
+Behaviour logprobs: the logprob recorded for a token is the log-softmax of the logits divided
+by the sampling temperature (1 for greedy), before any top-k/top-p truncation, at the sampled
+token: SGLang's default. That is exactly what the trainer recomputes for the same prefix under
+the same weights (`trainer` divides by `rollout.gconfig.temperature`), so the decoupled PPO
+importance weight pi_prox / pi_behav compares like with like and the policy trained is the one
+sampled. Top-k and top-p only shape the sampling distribution.
 
 Interruption: `update_weights` is applied by the loop between two steps (a token boundary).
 The new weights are copied into the live model (a state-dict load, no re-instantiation), the
@@ -92,12 +93,13 @@ def sample_token(
 ) -> tuple[int, float]:
     """Pick the next token from fp32 logits [vocab]; return (token, behaviour logprob).
 
-    The logprob is taken from the unscaled logits (see the module docstring)."""
-    logprobs = torch.log_softmax(logits, dim=-1)
+    The logprob is that of logits / temperature, before top-k/top-p (see the module
+    docstring); greedy's is that of the unscaled logits."""
     if params.temperature == 0:
         token = int(torch.argmax(logits))
-        return token, float(logprobs[token])
+        return token, float(torch.log_softmax(logits, dim=-1)[token])
     scaled = logits / params.temperature
+    logprobs = torch.log_softmax(scaled, dim=-1)
     if params.top_k > 0 and params.top_k < scaled.numel():
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -6,7 +6,11 @@ Shapes follow `algo.PackedBatch`: per-token tensors are [N, T] in target space, 
 trained output tokens. Notation: `logp` the policy being trained (with grad), `prox` the
 trainer's logprobs at the version it trains from (no grad), `behav` the rollout's logprobs
 (the behaviour policy, possibly several versions old), `w = exp(prox - behav)` the behaviour
-importance weight.
+importance weight. All three are log-softmaxes at the sampling temperature (`temperature`).
+
+Safe at the edges: every log-ratio is clamped to +-`LOG_RATIO_BOUND` before `exp` (verl and
+slime clamp at 20 too), masks are decided on the log-ratio, and a masked token's weight is set
+to 0 with `where` (never `inf * 0`), so any finite logprobs give a finite loss.
 
 A step is built in three parts, so that a backend that runs a minibatch in micro-batches (and
 on several data-parallel ranks) gets exactly the full minibatch's loss by summing:
@@ -20,6 +24,7 @@ on several data-parallel ranks) gets exactly the full minibatch's loss by summin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +34,17 @@ CORRECTIONS = ("token_cap", "token_tis", "token_mis", "gspo", "seq_mis", "icepop
 AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
+LOG_RATIO_BOUND = 20.0
+"""Every log-ratio (behaviour weight, PPO/GSPO ratio, CISPO's weight, k3) is clamped to
+[-20, 20] before `exp`: e^20 ~ 4.9e8 is far past every bound a rule compares with, and far from
+float32's overflow at ~e^88. Outside it the ratio is constant (no gradient), as in verl and
+slime."""
+
+
+def safe_exp(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp of a log-ratio clamped to +-LOG_RATIO_BOUND: finite for any input but NaN."""
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+
 
 @dataclass(frozen=True)
 class LossConfig:
@@ -37,9 +53,16 @@ class LossConfig:
     advantage: str = "grpo"
     correction: str = "token_cap"
     eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+    """The upper clip of the PPO ratio, 1 + eps_clip_high (DAPO's clip-higher); None: eps_clip."""
+    dual_clip: float | None = None
+    """Dual-clip PPO's bound c > 1 on the loss of a negative advantage (Ye et al. 2020)."""
     cap: float | None = 5.0
-    """`behav_imp_weight_cap`: the mask bound of token_cap, the truncation of token_tis, gspo
-    and cispo."""
+    """`behav_imp_weight_cap`: the mask bound of token_cap, the truncation of token_tis and
+    gspo."""
+    cispo_eps_low: float = 1.0
+    cispo_eps_high: float = 0.28
+    """CISPO's weight is clipped to [1 - eps_low, 1 + eps_high] (eps_low 1: no lower bound)."""
     is_low: float = 0.5
     is_high: float = 2.0
     """Bounds of the masking rules (token_mis, seq_mis, icepop)."""
@@ -47,6 +70,10 @@ class LossConfig:
     agg: str = "token_mean"
     agg_constant: float = 1.0
     """Dr.GRPO's constant normaliser (tokens per sample)."""
+    masked_in_norm: bool = True
+    """Tokens a correction masks stay in the loss normaliser (AReaL, slime); False drops them."""
+    temperature: float = 1.0
+    """The sampling temperature: logprobs and entropy are those of logits / temperature."""
     kl_estimator: str = "k3"
     kl_coef: float = 0.0
     kl_in: str = "loss"
@@ -59,12 +86,18 @@ class LossConfig:
             advantage=t.advantage,
             correction=t.offpolicy_correction,
             eps_clip=t.eps_clip,
+            eps_clip_high=t.eps_clip_high,
+            dual_clip=t.dual_clip,
             cap=t.behav_imp_weight_cap,
+            cispo_eps_low=t.cispo_eps_low,
+            cispo_eps_high=t.cispo_eps_high,
             is_low=t.is_mask_low,
             is_high=t.is_mask_high,
             m2_bound=t.m2po_bound,
             agg=t.loss_agg,
             agg_constant=float(t.loss_agg_constant or spec.rollout.gconfig.max_new_tokens),
+            masked_in_norm=t.masked_tokens_in_norm,
+            temperature=spec.rollout.gconfig.temperature or 1.0,
             kl_estimator=t.kl_estimator,
             kl_coef=t.kl_coef,
             kl_in=t.kl_in,
@@ -84,10 +117,14 @@ class LossConfig:
 def group_advantages(rewards: torch.Tensor, estimator: str, eps: float = 1e-6) -> torch.Tensor:
     """Advantages of one group's rewards [n] (OK samples only).
 
-    grpo: (r - mean) / (std + eps), population std (Shao et al. 2024, DeepSeekMath eq. 3);
+    grpo: (r - mean) / (std + eps) (Shao et al. 2024, DeepSeekMath eq. 3) with the
+      *population* std (divide by n, as AReaL; verl and SkyRL divide by n - 1, which scales
+      every advantage of a group of n by sqrt((n-1)/n));
     dr_grpo: r - mean, no std (Liu et al. 2025, "Understanding R1-Zero-Like Training");
     rloo: r - mean of the *other* samples = n/(n-1) (r - mean) (Ahmadian et al. 2024,
-    "Back to Basics"); a group of one gets 0.
+      "Back to Basics").
+    A group of one (its siblings FAILED) has no baseline: every estimator gives it 0, so it
+    adds no gradient (verl would train on its raw reward). All-equal rewards give 0 too.
     """
     if rewards.numel() == 0:
         return rewards
@@ -122,14 +159,15 @@ def sample_advantages(
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token estimators of KL(pi || ref) on tokens sampled from pi (Schulman 2020,
     "Approximating KL Divergence"), with log r = ref - logp:
-    k1 = -log r; k2 = (log r)^2 / 2; k3 = (r - 1) - log r (unbiased, >= 0)."""
+    k1 = -log r; k2 = (log r)^2 / 2; k3 = (r - 1) - log r (unbiased, >= 0), its exp taken of
+    log r clamped to +-LOG_RATIO_BOUND."""
     d = ref_logp - logp
     if estimator == "k1":
         return -d
     if estimator == "k2":
         return 0.5 * d * d
     if estimator == "k3":
-        return torch.exp(d) - d - 1.0
+        return safe_exp(d) - d - 1.0
     raise ValueError(f"unknown KL estimator {estimator!r} (one of {KL_ESTIMATORS})")
 
 
@@ -137,9 +175,9 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
 @dataclass
 class Correction:
     """Per-token outcome of a correction rule (no grad): `weight` multiplies each token's
-    surrogate, `norm` marks the tokens the loss normaliser counts (a masked token is dropped
-    from it, except under icepop, whose masked tokens count with weight 0), and `masked` /
-    `truncated` mark the loss tokens the rule masked or whose weight it truncated."""
+    surrogate, `norm` marks the tokens the loss normaliser counts (every loss token by
+    default, masked ones included; with `masked_in_norm` False a masked token leaves it), and
+    `masked` / `truncated` mark the loss tokens the rule masked or whose weight it truncated."""
 
     weight: torch.Tensor
     norm: torch.Tensor
@@ -180,7 +218,9 @@ def behaviour_correction(
     prox: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor, cfg: LossConfig
 ) -> Correction:
     """Each rule's weight and mask from w = exp(prox - behav) (W: the per-sample geometric
-    mean exp(mean_t log w)); tokens outside `mask` get weight and norm 0.
+    mean exp(mean_t log w)); tokens outside `mask` get weight and norm 0. w is taken of the
+    log-ratio clamped to +-LOG_RATIO_BOUND (finite), and a masked token's weight is set to 0,
+    not multiplied by it: an extreme token is masked or truncated, never NaN.
 
     token_cap: c = w, masked if w > cap (AReaL's decoupled PPO, Fu et al. 2025, 2505.24298);
     token_tis: c = min(w, cap) (truncated IS; Yao et al. 2025, "Your Efficient RL Framework
@@ -189,41 +229,47 @@ def behaviour_correction(
       Kills Stability");
     gspo: c = min(W, cap), the sequence-level ratio of GSPO (Zheng et al. 2025, 2507.18071);
     seq_mis: c = W, the whole sample masked if W not in [low, high];
-    icepop: c = w if w in [low, high] else 0, masked tokens stay in the normaliser (IcePop,
-      Ling Team 2025, Ring-1T: M(k) = k on [alpha, beta], 0 outside);
+    icepop: c = w if w in [low, high] else 0 (IcePop, Ling Team 2025, Ring-1T: M(k) = k on
+      [alpha, beta], 0 outside);
     cispo: c = 1, the weight sits inside the surrogate (`policy_token_loss`);
     m2po: c = w, masked by `m2po_keep`.
+
+    The normaliser (`norm`) counts every loss token, masked ones too (AReaL's and slime's
+    convention: a masked token contributes 0, it does not raise its neighbours' weight); with
+    `cfg.masked_in_norm` False it counts the kept tokens only (icepop keeps them regardless:
+    its rule is a zero weight, not a mask).
     """
     mask = mask.to(prox.dtype)
-    log_w = (prox - behav).detach() * mask
-    w = torch.exp(log_w)
-    ones, zeros = torch.ones_like(w), torch.zeros_like(w)
+    log_w = ((prox - behav).detach() * mask).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    w = torch.exp(log_w)  # finite: at most e^20
     seq_w = torch.exp(seq_mean(log_w, mask)).unsqueeze(-1).expand_as(w)
-    weight, keep, truncated, counted = w, ones, zeros, None
+    ones, zeros = torch.ones_like(w), torch.zeros_like(w)
+    cap = math.inf if cfg.cap is None else cfg.cap
+    weight, keep, truncated = w, mask > 0, zeros
     rule = cfg.correction
-    if rule == "token_cap" and cfg.cap is not None:
-        keep = (w <= cfg.cap).to(w.dtype)
+    if rule == "token_cap":
+        keep = w <= cap
     elif rule in ("token_tis", "gspo"):
         base = w if rule == "token_tis" else seq_w
-        weight = base if cfg.cap is None else base.clamp(max=cfg.cap)
-        truncated = (base > cfg.cap).to(w.dtype) if cfg.cap is not None else zeros
+        weight = base.clamp(max=cap)
+        truncated = (base > cap).to(w.dtype)
     elif rule in ("token_mis", "icepop"):
-        keep = ((w >= cfg.is_low) & (w <= cfg.is_high)).to(w.dtype)
-        counted = mask if rule == "icepop" else None
+        keep = (w >= cfg.is_low) & (w <= cfg.is_high)
     elif rule == "seq_mis":
         weight = seq_w
-        keep = ((seq_w >= cfg.is_low) & (seq_w <= cfg.is_high)).to(w.dtype)
+        keep = (seq_w >= cfg.is_low) & (seq_w <= cfg.is_high)
     elif rule == "cispo":
         weight = ones
     elif rule == "m2po":
-        keep = m2po_keep(log_w, mask, cfg.m2_bound)
+        keep = m2po_keep(log_w, mask, cfg.m2_bound) > 0
     elif rule not in CORRECTIONS:
         raise ValueError(f"unknown off-policy correction {rule!r} (one of {CORRECTIONS})")
-    norm = mask * keep if counted is None else counted
+    kept = keep.to(w.dtype) * mask
+    counts_masked = cfg.masked_in_norm or rule == "icepop"
     return Correction(
-        weight=weight * keep * mask,
-        norm=norm,
-        masked=mask * (1.0 - keep),
+        weight=torch.where(kept > 0, weight, zeros),
+        norm=mask if counts_masked else kept,
+        masked=mask - kept,
         truncated=truncated * mask,
         behav_w=w,
     )
@@ -241,26 +287,38 @@ def policy_token_loss(
     """Per-token surrogate loss (before the correction's weight) and where it was clipped.
 
     PPO (Schulman et al. 2017) against the proximal policy: r = exp(logp - prox),
-    loss = max(-A r, -A clip(r, 1-eps, 1+eps)). gspo: r is the sequence ratio
+    loss = max(-A r, -A clip(r, 1 - eps, 1 + eps_high)) (eps_high = eps unless clip-higher,
+    Yu et al. 2025, DAPO); with dual clip c (Ye et al. 2020, "Mastering Complex Control in
+    MOBA Games") a negative advantage's loss is at most -A c. gspo: r is the sequence ratio
     s = exp(mean_t(logp - prox)) in GSPO-token form, value s and gradient s * dlogp_t
-    (Zheng et al. 2025, eq. 11). cispo: loss = -sg(min(rho, cap)) * A * logp with
-    rho = exp(logp - behav) (MiniMax-M1, 2506.13585, eq. 4; the truncation as ScaleRL,
-    2510.13786); `clipped` marks rho > cap.
+    (Zheng et al. 2025, eq. 11). cispo: loss = -sg(clip(rho, 1 - eps_low, 1 + eps_high)) *
+    A * logp with rho = exp(logp - behav) (MiniMax-M1, 2506.13585, eq. 4-5); `clipped` marks
+    rho outside the bounds. Every log-ratio is clamped (`safe_exp`).
     """
     mask = mask.to(logp.dtype)
     if cfg.correction == "cispo":
-        rho = torch.exp(logp.detach() - behav)
-        weight = rho if cfg.cap is None else rho.clamp(max=cfg.cap)
-        clipped = (rho > cfg.cap).to(rho.dtype) if cfg.cap is not None else torch.zeros_like(rho)
+        log_rho = (logp.detach() - behav).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        lo = math.log(1.0 - cfg.cispo_eps_low) if cfg.cispo_eps_low < 1 else -math.inf
+        hi = math.log(1.0 + cfg.cispo_eps_high)
+        weight = torch.exp(log_rho.clamp(lo, hi))
+        clipped = ((log_rho < lo) | (log_rho > hi)).to(logp.dtype)
         return -weight * advantages * logp, clipped * mask
     if cfg.correction == "gspo":
         log_s = seq_mean(logp.detach() - prox, mask).unsqueeze(-1)
-        ratio = torch.exp(log_s + logp - logp.detach())
+        ratio = safe_exp(log_s) * torch.exp(logp - logp.detach())
     else:
-        ratio = torch.exp(logp - prox)
+        ratio = safe_exp(logp - prox)
+    eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
     surr1 = -advantages * ratio
-    surr2 = -advantages * ratio.clamp(1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip)
-    return torch.maximum(surr1, surr2), (surr2 > surr1).to(mask.dtype) * mask
+    surr2 = -advantages * ratio.clamp(1.0 - cfg.eps_clip, 1.0 + eps_high)
+    loss = torch.maximum(surr1, surr2)
+    clipped = surr2 > surr1
+    if cfg.dual_clip is not None:
+        bound = -advantages * cfg.dual_clip
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        clipped = clipped | dual
+    return loss, clipped.to(mask.dtype) * mask
 
 
 # -- aggregation --------------------------------------------------------------------------------
@@ -270,7 +328,9 @@ def aggregation_weights(norm: torch.Tensor, agg: str, constant: float = 1.0) -> 
     token_mean: 1 / (tokens in the minibatch) (DAPO's token-level loss, Yu et al. 2025);
     seq_mean_token_sum: 1 / samples; seq_mean_token_mean: 1 / (samples * the sample's tokens)
     (GRPO's original form); dr_grpo: 1 / (samples * constant) (Liu et al. 2025, Dr.GRPO).
-    Tokens and samples count what `norm` marks (a sample counts if it has a token).
+    Tokens and samples count what `norm` marks (a sample counts if it has a token): every
+    loss token by default, the tokens a correction masked included, so a masked token lowers
+    the loss without raising the weight of the tokens kept beside it (`Correction.norm`).
     """
     per_seq = norm.sum(-1, keepdim=True)
     n_tok = max(norm.sum().item(), 1.0)

@@ -54,8 +54,9 @@ def test_grpo_advantages_constant_group_gives_zeros():
 #   2  -0.5  0.5                   0.5                -1  1   surr1=+0.5 surr2=+1*0.8=0.8  pg=+0.8 clipped
 #   3  -1.0  1.0                   10  (> cap: out)   +3  1   surr1=surr2=-3             pg=-3.0
 #   4  -1.0  2.0                   1.0                +5  0   (a prompt position)
-# With the cap: kept = {0, 1, 2}; loss = (-1.1*1 + -2.4*2 + 0.8*0.5) / 3 = -5.5 / 3
-# clip_fraction = 2/3; behaviour weight mean = (1 + 2 + 0.5) / 3 = 3.5 / 3.
+# With the cap: kept = {0, 1, 2}; the masked token 3 stays in the normaliser (AReaL's
+# convention, functional.py): loss = (-1.1*1 + -2.4*2 + 0.8*0.5) / 4 = -5.5 / 4;
+# clip_fraction = 2/4; behaviour weight mean over the 4 = (1 + 2 + 0.5 + 10) / 4.
 # Without the cap token 3 counts: loss = (-5.5 + -3*10) / 4 = -8.875; clip_fraction = 2/4.
 PROX = [-1.0, -2.0, -0.5, -1.0, -1.0]
 RATIO = [1.1, 1.5, 0.5, 1.0, 2.0]
@@ -74,18 +75,18 @@ def _loss_inputs():
 def test_ppo_decoupled_loss_with_cap_matches_hand_computation():
     logp, prox, behav, adv, mask = _loss_inputs()
     loss, stats = ppo_decoupled_loss(logp, prox, behav, adv, mask, 0.2, 5.0)
-    assert loss.item() == pytest.approx(-5.5 / 3, rel=1e-9)
-    assert stats["clip_fraction"] == pytest.approx(2 / 3)
-    assert stats["behav_weight_mean"] == pytest.approx(3.5 / 3)
-    assert stats["masked_tokens"] == 3.0
+    assert loss.item() == pytest.approx(-5.5 / 4, rel=1e-9)
+    assert stats["clip_fraction"] == pytest.approx(2 / 4)
+    assert stats["behav_weight_mean"] == pytest.approx(13.5 / 4)
+    assert stats["masked_tokens"] == 4.0
 
 
 def test_ppo_decoupled_loss_gradient_flows_only_through_unclipped_kept_tokens():
     logp, prox, behav, adv, mask = _loss_inputs()
     loss, _ = ppo_decoupled_loss(logp, prox, behav, adv, mask, 0.2, 5.0)
     loss.backward()
-    # d/dlogp of -A*ratio*w/3 at token 0 = -1 * 1.1 * 1 / 3; clipped, capped, masked: 0
-    assert logp.grad[0].tolist() == pytest.approx([-1.1 / 3, 0.0, 0.0, 0.0, 0.0], abs=1e-12)
+    # d/dlogp of -A*ratio*w/4 at token 0 = -1 * 1.1 * 1 / 4; clipped, capped, masked: 0
+    assert logp.grad[0].tolist() == pytest.approx([-1.1 / 4, 0.0, 0.0, 0.0, 0.0], abs=1e-12)
 
 
 def test_ppo_decoupled_loss_without_cap_keeps_heavy_tokens():

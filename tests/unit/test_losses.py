@@ -125,11 +125,14 @@ class _approx:  # noqa: N801 - reads as pytest.approx, for nested lists too
 
 
 def test_token_cap_masks_weights_above_the_cap():
-    # AReaL decoupled PPO (Fu et al. 2025, arXiv 2505.24298): w = 8 > 5 masked, leaves the norm
+    # AReaL decoupled PPO (Fu et al. 2025, arXiv 2505.24298): w = 8 > 5 masked; it stays in
+    # the normaliser (AReaL's convention), or leaves it with masked_in_norm False
     weight, norm, masked, truncated = _correct("token_cap")
     assert weight == _approx([[1, 4, 0.25], [2, 0, 0]])
-    assert norm == [[1, 1, 1], [1, 0, 0]]
+    assert norm == MASK
     assert (masked, truncated) == (1.0, 0.0)
+    _, norm, _, _ = _correct("token_cap", masked_in_norm=False)
+    assert norm == [[1, 1, 1], [1, 0, 0]]
 
 
 def test_token_tis_truncates_the_weight_at_the_cap():
@@ -142,11 +145,14 @@ def test_token_tis_truncates_the_weight_at_the_cap():
 
 def test_token_mis_masks_weights_outside_the_bounds():
     # masked IS (Liu et al. 2025, "When Speed Kills Stability"): 4, 1/4 and 8 fall outside
-    # [0.5, 2] -> no loss, out of the normaliser; 1 and 2 keep their weight
+    # [0.5, 2] -> no loss (in the normaliser unless masked_in_norm False); 1 and 2 keep their
+    # weight
     weight, norm, masked, _ = _correct("token_mis")
     assert weight == _approx([[1, 0, 0], [2, 0, 0]])
-    assert norm == [[1, 0, 0], [1, 0, 0]]
+    assert norm == MASK
     assert masked == 3.0
+    _, norm, _, _ = _correct("token_mis", masked_in_norm=False)
+    assert norm == [[1, 0, 0], [1, 0, 0]]
 
 
 def test_gspo_uses_the_geometric_mean_weight_per_sample():
@@ -164,8 +170,10 @@ def test_seq_mis_drops_a_sample_whose_geometric_mean_is_out_of_bounds():
     # sample-level masking: W0 = 1 in [0.5, 2] kept (weight W0); W1 = 4 dropped whole
     weight, norm, masked, _ = _correct("seq_mis")
     assert weight == _approx([[1, 1, 1], [0, 0, 0]])
-    assert norm == [[1, 1, 1], [0, 0, 0]]
+    assert norm == MASK
     assert masked == 2.0
+    _, norm, _, _ = _correct("seq_mis", masked_in_norm=False)
+    assert norm == [[1, 1, 1], [0, 0, 0]]
 
 
 def test_icepop_zeroes_out_of_bounds_tokens_but_keeps_them_in_the_normaliser():
@@ -186,11 +194,11 @@ def test_m2po_masks_the_largest_log_ratios_until_the_second_moment_is_bounded():
     # w = 1, 4, 1/4, 2, 8: 0, 1.9218, 1.9218, 0.4805, 4.3241; sorted prefix means
     # 0, 0.2402, 0.8008, 1.0810, 1.7296 -> bound 1.5 masks only w = 8 (the 5th),
     # bound 0.5 keeps w = 1 and 2
-    weight, norm, masked, _ = _correct("m2po", m2_bound=1.5)
+    weight, norm, masked, _ = _correct("m2po", m2_bound=1.5, masked_in_norm=False)
     assert norm == [[1, 1, 1], [1, 0, 0]]
     assert weight == _approx([[1, 4, 0.25], [2, 0, 0]])
     assert masked == 1.0
-    _, norm, masked, _ = _correct("m2po", m2_bound=0.5)
+    _, norm, masked, _ = _correct("m2po", m2_bound=0.5, masked_in_norm=False)
     assert norm == [[1, 0, 0], [1, 0, 0]] and masked == 3.0
 
 
@@ -221,12 +229,12 @@ def test_gspo_token_surrogate_value_is_the_sequence_ratio_gradient_per_token():
 
 
 def test_cispo_surrogate_is_reinforce_with_a_truncated_stop_gradient_weight():
-    # CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4; truncation as ScaleRL 2510.13786):
-    # loss_t = -sg(min(rho, 5)) * A * logp, rho = pi/pi_behav = [2, 8], A = [1, -1],
+    # CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5): loss_t = -sg(clip(rho, 1 - el, 1 + eh)) *
+    # A * logp; with eh = 4 (bound 5), rho = pi/pi_behav = [2, 8], A = [1, -1],
     # logp = [-0.5, -1]: [-2 * 1 * -0.5, -5 * -1 * -1] = [1, -5]; gradient [-2, 5]
     logp = t([[-0.5, -1.0]]).requires_grad_()
     behav = logp.detach() - t([[LN(2.0), LN(8.0)]])
-    cfg = LossConfig(correction="cispo", cap=5.0)
+    cfg = LossConfig(correction="cispo", cispo_eps_high=4.0)
     loss, clipped = policy_token_loss(logp, behav, behav, t([[1.0, -1.0]]), t([[1.0, 1.0]]), cfg)
     assert loss.tolist() == _approx([[1.0, -5.0]])
     loss.sum().backward()

@@ -140,6 +140,16 @@ class TrainerBackend(ABC):
         metrics["reward_mean"] = batch.rewards.mean().item()
         return batch, corr, metrics
 
+    def _has_gradient(self, batch: PackedBatch, corr: Correction, rows: torch.Tensor) -> bool:
+        """Whether minibatch `rows` has a token the loss reads: one the correction kept (its
+        weight is not 0), or any loss token when a KL or entropy term is in the loss. A
+        minibatch without one (every sample FAILED, or every token masked) has no gradient and
+        is skipped: an Adam step on zero gradients would still move the weights (momentum)."""
+        cfg = self.loss_cfg
+        if cfg.kl_in_loss or cfg.entropy_coef > 0:
+            return bool(batch.loss_mask[rows].sum() > 0)
+        return bool((corr.weight[rows] != 0).any())
+
     def _rng_state(self) -> dict:
         """The RNG states a checkpoint saves: torch (CPU), python and numpy."""
         return {

@@ -99,6 +99,7 @@ class MegatronBackend(TrainerBackend):
         for micro in rows.split(self._micro_rows(batch)):
             mb = batch.select(micro)
             logits = mg.forward_logits(built.model, mb.input_ids, mb.attention_mask)
+            logits = logits / self.loss_cfg.temperature
             out[micro] = mg.token_logprobs(logits, mb.targets, self._vocab(), built.tp_rank)
         return out
 
@@ -111,9 +112,8 @@ class MegatronBackend(TrainerBackend):
         lr = lr_at(self.steps, t.total_steps, t.lr, t.lr_schedule, t.min_lr_ratio)
         self.opt.set_lr(lr)
         n = batch.input_ids.shape[0]
-        chunks = [c for c in torch.arange(n).chunk(min(t.minibatches, n)) if len(c)]
-        mine = [c[self.par.dp_rank :: self.par.dp_size] for c in chunks]
-        own = torch.cat(mine)
+        all_rows = [c for c in torch.arange(n).chunk(min(t.minibatches, n)) if len(c)]
+        own = torch.cat([c[self.par.dp_rank :: self.par.dp_size] for c in all_rows])
         # proximal (and reference) logprobs: the weights before this version's first update.
         # Each rank computes its own rows (zero elsewhere); summed, every rank has the batch's
         prox = self._dp_sum(self._logprobs_rows(self.built, batch, own))
@@ -121,13 +121,16 @@ class MegatronBackend(TrainerBackend):
         if self.ref is not None:
             ref = self._dp_sum(self._logprobs_rows(self.ref, batch, own))
         batch, corr, metrics = self._prepare(batch, prox, ref)
+        # the same choice on every rank: the whole minibatch decides (`_has_gradient`)
+        chunks = [c for c in all_rows if self._has_gradient(batch, corr, c.to(prox.device))]
+        mine = [c[self.par.dp_rank :: self.par.dp_size] for c in chunks]
 
         totals: dict[str, float] = defaultdict(float)
         for chunk, rows in zip(chunks, mine, strict=True):
             for k, v in self._train_minibatch(batch, chunk, rows, prox, ref, corr).items():
                 totals[k] += v
         self.steps += 1
-        step = {k: v / len(chunks) for k, v in totals.items()}
+        step = {k: v / max(len(chunks), 1) for k, v in totals.items()}
         step.update(metrics)  # the diagnostics, and kl when it went into the rewards
         step["lr"] = lr
         return step
@@ -151,6 +154,7 @@ class MegatronBackend(TrainerBackend):
         for micro in rows.split(self._micro_rows(batch)):
             mb = batch.select(micro)
             logits = mg.forward_logits(self.opt.module, mb.input_ids, mb.attention_mask)
+            logits = logits / cfg.temperature
             logp = mg.token_logprobs(logits, mb.targets, self._vocab(), self.par.tp_rank)
             ent_in = logits if cfg.entropy_coef > 0 else logits.detach()
             ent = mg.token_entropy(ent_in, self._vocab(), self.par.tp_rank, tp_group())

@@ -4,8 +4,9 @@ One `train_step` is one policy version: the groups are packed, the proximal logp
 recomputed with the current weights, and the samples are split into `trainer.minibatches`
 minibatches with one optimizer update each (the spec's objective, `services.trainer.losses`:
 advantage estimator, off-policy correction, aggregation, KL to a frozen copy of the initial
-model, entropy bonus). Logprobs use unscaled logits (temperature 1), exactly
-as the rollout engines report behaviour logprobs.
+model, entropy bonus). Logprobs and entropy are those of the logits divided by the sampling
+temperature (`rollout.gconfig.temperature`; 1 for greedy), exactly as the rollout engines
+report behaviour logprobs: the policy trained is the one sampled.
 
 With `trainer.lora` the base is frozen and a peft LoRA adapter trains (services/trainer/lora.py):
 the optimizer, the gradient clip, checkpoints and the published version cover the adapter only,
@@ -39,10 +40,13 @@ RNG_FILE = "rng.pt"
 STATE_FILE = "backend_state.json"
 
 
-def _forward_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-    """Logits in target space: [N, T-1, V], position t predicts input_ids[:, t+1]."""
+def _forward_logits(
+    model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0
+) -> torch.Tensor:
+    """Logits / temperature in target space: [N, T-1, V], position t predicts input_ids[:, t+1]."""
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    return out.logits[:, :-1].float()
+    logits = out.logits[:, :-1].float()
+    return logits if temperature == 1.0 else logits / temperature
 
 
 class TorchBackend(TrainerBackend):
@@ -81,7 +85,8 @@ class TorchBackend(TrainerBackend):
 
     @torch.no_grad()
     def _frozen_logprobs(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-        return token_logprobs(_forward_logits(model, batch), batch.targets)
+        logits = _forward_logits(model, batch, self.loss_cfg.temperature)
+        return token_logprobs(logits, batch.targets)
 
     def _ref_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         """The KL reference's logprobs: the frozen copy of the initial model, or under LoRA
@@ -105,9 +110,7 @@ class TorchBackend(TrainerBackend):
             group["lr"] = lr
         n = batch.input_ids.shape[0]
         chunks = torch.arange(n, device=self.device).chunk(min(t.minibatches, n))
-        # a minibatch without loss tokens (all its samples FAILED) has no gradient; skip it,
-        # since an Adam step on zero gradients would still move the weights (momentum)
-        chunks = [c for c in chunks if batch.loss_mask[c].sum() > 0]
+        chunks = [c for c in chunks if self._has_gradient(batch, corr, c)]
         totals = dict.fromkeys(("loss", "clip_fraction", "entropy", "kl", "grad_norm"), 0.0)
         for idx in chunks:
             ref = ref_logp[idx] if ref_logp is not None else None
@@ -127,7 +130,7 @@ class TorchBackend(TrainerBackend):
         cfg = self.loss_cfg
         share = aggregation_weights(corr.norm, cfg.agg, cfg.agg_constant)
         with lora.dropout_on(self.model):  # LoRA's dropout; nothing for a full model
-            logits = _forward_logits(self.model, mb)
+            logits = _forward_logits(self.model, mb, cfg.temperature)
         logp = token_logprobs(logits, mb.targets)
         entropy = token_entropy(logits if cfg.entropy_coef > 0 else logits.detach())
         loss, parts = minibatch_loss(
