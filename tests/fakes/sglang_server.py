@@ -457,7 +457,7 @@ def spawn_fake(
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         fake_launch_cmd("--model-path", str(model_path), "--port", str(port), *args),
-        env={**os.environ, "SGLANG_RETURN_ORIGINAL_LOGPROB": "1", **(env or {})},
+        env={**os.environ, **(env or {})},
         cwd=Path(__file__).resolve().parents[2],
     )
     try:
@@ -494,9 +494,9 @@ def sglang_fake_model(tmp_path_factory) -> str:
 
 @pytest.fixture
 async def sglang_fake(sglang_fake_model):
-    """A FakeSGLang on a free port (unscaled logprobs, like the managed child)."""
+    """A FakeSGLang on a free port (temperature-scaled logprobs, like the managed child)."""
     async with serve_fake(
-        sglang_fake_model, weight_version="0", return_original_logprob=True
+        sglang_fake_model, weight_version="0", return_original_logprob=False
     ) as fake:
         yield fake
 

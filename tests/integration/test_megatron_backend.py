@@ -199,6 +199,9 @@ OBJECTIVES = [
     *({"kl_coef": 0.05, "kl_estimator": k} for k in KL_ESTIMATORS[:2]),
     *({"kl_coef": 0.05, "kl_estimator": k, "kl_in": "reward"} for k in KL_ESTIMATORS),
     {"entropy_coef": 0.01},
+    {"eps_clip": 0.1, "eps_clip_high": 0.28, "dual_clip": 2.0},
+    {"offpolicy_correction": "cispo", "cispo_eps_low": 0.2, "cispo_eps_high": 0.2},
+    {"masked_tokens_in_norm": False, "loss_agg": "seq_mean_token_mean"},
 ]
 
 
@@ -305,3 +308,95 @@ def test_tp2_and_dp2_under_torchrun_match_tp1(tiny_models, tmp_path):
         assert multi["m2_restored"] == multi["m2"], name  # resumed run is bit-identical
         multi_w = load_file(str(tmp_path / "multi" / name / "step1/model.safetensors"))
         assert _max_diff(multi_w, single_w) <= TOL, name
+
+
+MASKING = ("token_cap", "token_mis", "icepop", "m2po", "seq_mis")
+
+
+@pytest.mark.parametrize("correction", CORRECTIONS)
+def test_one_extreme_token_is_masked_and_the_step_taken_on_both_backends(tiny_models, correction):
+    """A behaviour logprob of -100 on one token (the trainer's is ~-5: a log-ratio ~95, past
+    float32's exp) gives a finite step on both backends, equal to each other, with the token
+    masked (or its weight truncated) and every weight finite after the update."""
+    from services.trainer.backends.base import check_finite_step
+    from services.trainer.backends.torch_backend import TorchBackend
+
+    src = tiny_models["qwen2"]
+    groups = make_groups(src, seed=4)
+    groups[0].samples[1].logprobs[1] = -100.0
+    trainer = {"lr": 1e-3, "offpolicy_correction": correction}
+    mine = _loaded(src, **trainer)
+    ref = TorchBackend(make_spec(src, **trainer), device="cpu")
+    ref.load(str(src))
+    for backend in (mine, ref):
+        stats = backend.train_step(groups)
+        check_finite_step(backend, stats, 0)  # raises Diverged on a NaN loss or weight
+        assert backend.nonfinite_weight() is None
+        if correction in MASKING:
+            assert stats["is_masked_fraction"] > 0
+        elif correction != "cispo":  # cispo's clip sits in its surrogate
+            assert stats["is_truncated_fraction"] > 0
+    a, b = mine.train_step(groups), ref.train_step(groups)
+    for key in PARITY_KEYS:
+        assert a[key] == pytest.approx(b[key], abs=PARITY_TOL), key
+
+
+def test_a_minibatch_with_every_token_masked_takes_no_adam_step(tiny_models):
+    """Behaviour logprobs far below the trainer's on every token: token_cap masks them all,
+    so the step changes no weight (an Adam step on zero gradients would, through momentum
+    after a first real step)."""
+    from services.trainer.backends.torch_backend import TorchBackend
+
+    src = tiny_models["qwen2"]
+    trainer = {"lr": 1e-2, "minibatches": 1}
+    mine = _loaded(src, **trainer)
+    ref = TorchBackend(make_spec(src, **trainer), device="cpu")
+    ref.load(str(src))
+    masked = make_groups(src, seed=5)
+    for g in masked:
+        for s in g.samples:
+            s.logprobs = [-60.0] * len(s.logprobs)
+    for backend in (mine, ref):
+        backend.train_step(make_groups(src, seed=6))  # a real step: Adam has momentum now
+        before = {k: v.clone() for k, v in _state(backend).items()}
+        stats = backend.train_step(masked)
+        assert stats["is_masked_fraction"] == 1.0
+        after = _state(backend)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _state(backend) -> dict[str, torch.Tensor]:
+    if hasattr(backend, "hf_state_dict"):
+        return backend.hf_state_dict()
+    return {k: v.detach().clone() for k, v in backend.model.state_dict().items()}
+
+
+def test_trainer_logprobs_and_entropy_are_at_the_sampling_temperature(tiny_models):
+    """rollout.gconfig.temperature 0.7: both backends give log_softmax(logits / 0.7) of the
+    HF model's logits (and so differ from the unscaled ones)."""
+    from services.trainer.backends.torch_backend import TorchBackend
+
+    src = tiny_models["llama"]
+    groups = make_groups(src, seed=7)
+    spec = make_spec(src).model_copy(deep=True)
+    spec.rollout.gconfig.temperature = 0.7
+    mine = MegatronBackend(spec, micro_batch_size=MICRO_BATCH)
+    mine.load(str(src))
+    ref = TorchBackend(spec, device="cpu")
+    ref.load(str(src))
+    model = _hf_model(src)
+    batch = pack_groups(groups)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    want = token_logprobs(logits[:, :-1] / 0.7, batch.targets)
+    unscaled = token_logprobs(logits[:, :-1], batch.targets)
+    for backend in (mine, ref):
+        got = backend.logprobs(groups)
+        row = 0
+        for g, per_sample in zip(groups, got, strict=True):
+            p = len(g.prompt_ids)
+            for s, lp in zip(g.samples, per_sample, strict=True):
+                n = len(s.output_ids)
+                assert lp == pytest.approx(want[row, p - 1 : p - 1 + n].tolist(), abs=1e-5)
+                assert lp != pytest.approx(unscaled[row, p - 1 : p - 1 + n].tolist(), abs=1e-3)
+                row += 1

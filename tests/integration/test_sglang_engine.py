@@ -52,8 +52,10 @@ def models(tmp_path_factory) -> dict[int, str]:
 _hf_cache: dict[str, torch.nn.Module] = {}
 
 
-def hf_logprobs(model_dir: str, prompt: list[int], output: list[int]) -> list[float]:
-    """Unscaled per-token logprobs of `output` after `prompt` from one HF forward."""
+def hf_logprobs(
+    model_dir: str, prompt: list[int], output: list[int], temperature: float = 1.0
+) -> list[float]:
+    """Per-token logprobs of `output` after `prompt` at `temperature` from one HF forward."""
     from transformers import AutoModelForCausalLM
 
     if model_dir not in _hf_cache:
@@ -62,15 +64,16 @@ def hf_logprobs(model_dir: str, prompt: list[int], output: list[int]) -> list[fl
         ).eval()
     ids = torch.tensor([prompt + output])
     with torch.no_grad():
-        logits = _hf_cache[model_dir](input_ids=ids).logits[0].float()
+        logits = _hf_cache[model_dir](input_ids=ids).logits[0].float() / temperature
     lps = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
     return lps[torch.arange(len(output)), torch.tensor(output)].tolist()
 
 
-def check_logprobs(models: dict[int, str], prompt: list[int], out) -> None:
-    """Every token's logprob is the HF logprob under the version recorded for it."""
+def check_logprobs(models: dict[int, str], prompt: list[int], out, temperature=1.0) -> None:
+    """Every token's logprob is the HF logprob at `temperature` under the version recorded for
+    it."""
     for version in set(out.versions):
-        expected = hf_logprobs(models[version], prompt, out.output_ids)
+        expected = hf_logprobs(models[version], prompt, out.output_ids, temperature)
         for i, v in enumerate(out.versions):
             if v == version:
                 assert out.logprobs[i] == pytest.approx(expected[i], abs=1e-4), (i, v)
@@ -98,7 +101,7 @@ async def attached(models, request):
     """(engine, fake): an engine attached to an in-process fake serving v0."""
     opts = getattr(request, "param", {})
     async with serve_fake(
-        models[0], weight_version="0", return_original_logprob=True, **opts
+        models[0], weight_version="0", return_original_logprob=False, **opts
     ) as fake:
         engine = SGLangEngine(SGLangConfig(url=fake.url))
         await engine.start()
@@ -123,7 +126,7 @@ async def test_generate_against_fake_logprobs_equal_hf_forward(attached, models)
             assert out.output_ids[-1] == EOS
         else:
             assert len(out.output_ids) == 24
-        check_logprobs(models, PROMPT, out)
+        check_logprobs(models, PROMPT, out, temperature=0.8)  # SGLang's default: scaled
     assert fake.stats["requests"] == 3
 
 

@@ -93,6 +93,47 @@ async def test_generate_logprobs_match_independent_hf_forward(models, kv_cache):
         assert (want - torch.tensor(out.logprobs)).abs().max().item() < 1e-4
 
 
+async def test_behaviour_logprobs_at_temperature_equal_the_trainers_recompute(models):
+    """At temperature 0.7 the engine's behaviour logprobs are the torch trainer's logprobs of
+    the same tokens (the policy trained is the one sampled): mismatch ~1e-5 on CPU."""
+    from asyncrl.spec import ExperimentSpec
+    from asyncrl.types import Sample, TrajectoryGroup
+    from services.trainer.backends.torch_backend import TorchBackend
+
+    params = SamplingParams(temperature=0.7, max_new_tokens=12)
+    engine = await _engine(models / "v0", seed=3)
+    try:
+        outs = await _generate_all(engine, PROMPTS, params)
+    finally:
+        await engine.stop()
+    spec = ExperimentSpec(
+        model={"path": str(models / "v0")},
+        dataset={"path": "unused.jsonl"},
+        trainer={"backend": "torch"},
+        rollout={"gconfig": {"temperature": 0.7, "max_new_tokens": 12}},
+    )
+    trainer = TorchBackend(spec, device="cpu")
+    trainer.load(str(models / "v0"))
+    groups = [
+        TrajectoryGroup(
+            "e",
+            f"g{i}",
+            f"p{i}",
+            "",
+            "",
+            p,
+            [Sample(o.output_ids, o.logprobs, [0] * len(o.output_ids))],
+        )
+        for i, (p, o) in enumerate(zip(PROMPTS, outs, strict=True))
+    ]
+    recomputed = trainer.logprobs(groups)
+    ref = _hf(models / "v0")
+    for prompt, out, (lp,) in zip(PROMPTS, outs, recomputed, strict=True):
+        assert max(abs(a - b) for a, b in zip(lp, out.logprobs, strict=True)) < 1e-4
+        unscaled = _reference_logprobs(ref, prompt, out.output_ids)
+        assert (unscaled - torch.tensor(out.logprobs)).abs().max().item() > 1e-3
+
+
 async def test_generate_greedy_is_deterministic_and_matches_hf_argmax(models):
     runs = []
     for kv_cache in (True, False):
@@ -372,10 +413,11 @@ async def test_generate_many_bad_request_queues_none(models):
         await engine.stop()
 
 
-def test_sample_token_logprob_is_unscaled_log_softmax():
+def test_sample_token_logprob_is_the_temperature_scaled_log_softmax():
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.3, top_k=2, top_p=0.5, max_new_tokens=1)
     token, logprob = sample_token(logits, params, gen)
     assert token == 0  # top_p=0.5 keeps only the most likely token
-    assert logprob == pytest.approx(float(torch.log_softmax(logits, -1)[0]))
+    # SGLang's default (and what the trainer recomputes): log_softmax(logits / T), before top-k/p
+    assert logprob == pytest.approx(float(torch.log_softmax(logits / 0.3, -1)[0]))
