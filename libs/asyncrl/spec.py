@@ -328,6 +328,11 @@ class EvalSpec(_Section):
     round measures v0 alone; false lets training start beside it, and the fleet's next
     versions then generate part of it (EvalResult.min/max_version say which). A resumed or
     restarted run that has evaluated before holds nothing."""
+    one_version: bool = True
+    """Every token of an eval round comes from the version it is labelled with: while a round
+    generates, the fleet takes no new weights (commits are recorded; the trainer goes on
+    until the staleness bound holds it), then it takes the newest. False lets the fleet update
+    mid-round (no pause; EvalResult.min/max_version say which versions generated it)."""
 
 
 class ExperimentSpec(_Section):

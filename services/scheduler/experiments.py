@@ -29,6 +29,7 @@ from asyncrl.ledger import Ledger
 from asyncrl.logging import get_logger
 from asyncrl.runlog import RunLog, run_dir
 from asyncrl.spec import ExperimentSpec
+from asyncrl.types import EvalResult
 from services.scheduler.authority import TrainerAuthority
 from services.scheduler.calls import BindRefused, WorkerCalls
 from services.scheduler.commits import CommitHandler, RunnerHooks, left_over_note
@@ -129,7 +130,7 @@ class ExperimentRunner:
             eval_prompts,
             self.calls,
             ctx.registry,
-            DispatchHooks(**hooks, eval_done=self.book.add_eval),
+            DispatchHooks(**hooks, eval_done=self._eval_done),
             self.log,
             lambda: self.version,
             Ledger(ctx.js, record.id),
@@ -143,6 +144,8 @@ class ExperimentRunner:
         self.commits = CommitHandler(
             spec, life, self.book, self.fleet, self.dispatcher, self.supervisor, runner, self.log
         )
+        if spec.eval.one_version:
+            self.fleet.held = lambda: not self.dispatcher.evaluator.idle
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # the dispatch loop waits for an event, nothing dispatchable
         self._task: asyncio.Task | None = None
@@ -356,6 +359,12 @@ class ExperimentRunner:
             self._idle.set()
             await self._wake.wait()
             self._idle.clear()
+
+    def _eval_done(self, result: EvalResult) -> None:
+        """An eval round finished: record it; the fleet may take the newest version again."""
+        self.book.add_eval(result)
+        if self.dispatcher.evaluator.idle:
+            self.fleet.release(self._spawn)
 
     def _first_eval_holds(self) -> bool:
         """`eval.before_training`: the first eval round is still open."""

@@ -143,6 +143,9 @@ class Fleet:
         """The update under way (one at a time)."""
         self.last: FleetUpdate | None = None
         """The newest update done (reported with the next step's metrics)."""
+        self.held: Callable[[], bool] = lambda: False
+        """While true the fleet takes no new version (an eval round measures one version);
+        `release` takes it to the newest commit after."""
         self.commit_s = 0.0
         """The last commit's bookkeeping time (reported with the next step's metrics)."""
         self._moved = asyncio.Event()
@@ -189,6 +192,11 @@ class Fleet:
         if self.task is None or self.task.done():
             self.task = spawn(self.update())
 
+    def release(self, spawn: Callable) -> None:
+        """The hold ended (`held`): take the fleet to the newest commit, if it is behind."""
+        if self.target[0] > self.version and (self.task is None or self.task.done()):
+            self.task = spawn(self.update())
+
     def commit_took(self, seconds: float) -> None:
         self.commit_s = seconds
         self._observe(WeightPhase.COMMIT, seconds)
@@ -221,6 +229,8 @@ class Fleet:
                 (version, uri), committed_at = self.target, self.target_at
                 previous = self.version
                 if version <= previous:  # up to date (or the trainer was started again)
+                    return
+                if self.held():  # `release` starts the update again
                     return
                 update = await self.broadcast(self.ready_rollouts(), version, uri)
                 for w, reason in update.failed:
