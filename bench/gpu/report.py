@@ -55,6 +55,7 @@ def _stack(p: dict) -> str:
     rows = [
         ["model", f"{p['shape']} (random weights, char tokenizer)"],
         ["services start s", p.get("start_s")],
+        ["GPU placement (CUDA_VISIBLE_DEVICES)", p.get("gpus")],
         ["steps (state)", f"{p.get('steps')} ({p.get('experiment_state')}{', cancelled at the cap' if p.get('cancelled_at_cap') else ''})"],
         ["run s / s per step", f"{p.get('run_s')} / {p.get('s_per_step')}"],
         ["B x n x max_new_tokens", f"{p['batch_size']} x {p['n_samples']} x {p['max_new_tokens']}"],

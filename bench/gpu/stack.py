@@ -56,6 +56,7 @@ def run(shape: str, work: Path, sizes: dict, device: str, cap_s: float) -> dict:
         t0 = time.monotonic()
         sup.call("start", "--timeout", str(sizes["start_timeout_s"]))
         result["start_s"] = round(time.monotonic() - t0, 1)
+        result["gpus"] = placement(var)
         budget = cap_s - (time.monotonic() - started) - sizes["reserve_s"]
         spec = experiment_spec(model, work / "data", sizes)
         snap = Snapshots(var, work / "versions", sizes["snapshot_every"], sizes["max_versions"])
@@ -68,6 +69,17 @@ def run(shape: str, work: Path, sizes: dict, device: str, cap_s: float) -> dict:
     result["mismatch_megatron"] = _mismatch_megatron(groups, snapshots, model, sizes)
     result["mismatch_hf_fp32"] = _mismatch_hf(groups, snapshots, model, device)
     return result
+
+
+def placement(var: Path) -> str:
+    """Each supervised process's CUDA_VISIBLE_DEVICES as `make up` placed it ('-': not set,
+    a CPU run), from the supervisor's state file."""
+    state = json.loads((var / "run" / "state.json").read_text())
+    return " ".join(
+        f"{p['service']}-{p['replica']}={p.get('gpus') if p.get('gpus') is not None else '-'}"
+        for p in state["processes"]
+        if p["service"] != "nats"
+    )
 
 
 def error_events(log_dir: Path) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from asyncrl.client import (
     read_groups,
     state_name,
 )
+from asyncrl.errors import BadRequest, Conflict, NotFound
 from asyncrl.ledger import fetch_report
 from asyncrl.natsutil import nats_url
 from asyncrl.security import AuthError
@@ -240,6 +242,16 @@ def status(
             str(e.failed),
         )
     out.print(Group(view.render(), evals))
+    out.print(weights_line(exp), soft_wrap=True)
+
+
+def weights_line(exp: scheduler_pb2.Experiment) -> str:
+    """Where the newest committed version is, and how to take it out."""
+    if not exp.weights_uri:
+        return "weights: v0 (the base model; nothing trained yet)"
+    return (
+        f"weights: v{exp.weights_version} at {exp.weights_uri} (asyncrl export {exp.id} --out DIR)"
+    )
 
 
 @app.command("list")
@@ -300,7 +312,8 @@ def workers(
         out.print_json(json.dumps([_to_dict(w) for w in ws]))
         return
     table = Table(title="workers")
-    for col in ("id", "kind", "address", "experiment", "running", "version", "last seen"):
+    cols = ("id", "kind", "address", "device", "experiment", "running", "version", "last seen")
+    for col in cols:
         table.add_column(col, overflow="fold")
     for w in sorted(ws, key=lambda w: (w.kind, w.worker_id)):
         kind = common_pb2.WorkerKind.Name(w.kind).removeprefix("WORKER_KIND_").lower()
@@ -308,6 +321,7 @@ def workers(
             w.worker_id,
             kind,
             w.address,
+            w.device or "-",
             w.experiment_id or "-",
             str(w.running),
             str(w.version) if w.version >= 0 else "-",
@@ -416,6 +430,47 @@ def ledger(
                 out.print(
                     f"  sample {i}: " + ", ".join(_weights(v, fp) for v, fp in weights.items())
                 )
+
+
+@app.command()
+def export(
+    ctx: typer.Context,
+    experiment_id: str,
+    out_dir: Annotated[Path, typer.Option("--out", help="Directory to write (new or empty).")],
+    version: Annotated[
+        int | None, typer.Option("--version", help="Version (default: the newest committed).")
+    ] = None,
+    adapter_only: Annotated[
+        bool, typer.Option("--adapter-only", help="A LoRA run: the adapter alone, not merged.")
+    ] = False,
+    nats_server: Annotated[
+        str | None, typer.Option("--nats", help="NATS URL (default: env NATS_URL).")
+    ] = None,
+) -> None:
+    """Write a version as a HuggingFace model directory (config, safetensors in the base
+    model's dtype, the tokenizer's files; a LoRA run merged into its base) that transformers'
+    from_pretrained and SGLang load."""
+    from asyncrl import export as exporter
+
+    async def go():
+        async with AsyncrlClient(_address(ctx)) as client:
+            exp = await client.get(experiment_id)
+        source = exporter.source_of(exp, version)
+        cache = exporter.cache_dir()
+        try:
+            path = await exporter.fetch(source, nats_server or nats_url(), cache)
+            written = await asyncio.to_thread(exporter.export, source, path, out_dir, adapter_only)
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+        return written, source
+
+    try:
+        written, source = _run(go())
+    except (BadRequest, NotFound, Conflict) as e:
+        err.print(f"[red]cannot export[/red]: {e}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    what = "adapter" if adapter_only else "model"
+    out.print(f"wrote v{source.version} of {experiment_id} ({what}) to {written}")
 
 
 if __name__ == "__main__":

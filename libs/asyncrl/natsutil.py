@@ -150,7 +150,11 @@ NATS_PERMISSIONS: dict[str, dict[str, list[str]]] = {
     },
     **{
         user: {
-            "publish": [*_read(STREAM), *_read(LEDGER_STREAM)],
+            "publish": [
+                *_read(STREAM),
+                *_read(LEDGER_STREAM),
+                *(_object_store_read(WEIGHTS_BUCKET) if user == "admin" else []),
+            ],
             "subscribe": [f"{inbox_prefix(user)}.>"],
         }
         for user in ("admin", "viewer")
@@ -162,7 +166,7 @@ delete a stream. Rollouts publish trajectories (and create the trajectory stream
 there yet) and read the weights bucket; the trainer consumes and acks them, manages its
 consumers, dead-letters, appends ledger events, and creates, fills and prunes the weights
 bucket (ASYNCRL_WEIGHTS_TRANSPORT=nats); admin and viewer (the CLI's `dump` and `ledger`) only
-read the trajectory and ledger streams. Everyone subscribes only to its own inboxes (`connect` sets the prefix).
+read the trajectory and ledger streams, and admin the weights bucket (`asyncrl export`). Everyone subscribes only to its own inboxes (`connect` sets the prefix).
 A tenant's user (`tenant-<name>`) reads only its own experiments: asyncrl.nats_tenants."""
 
 

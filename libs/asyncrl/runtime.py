@@ -204,6 +204,7 @@ class ServiceRuntime:
         load: Callable[[], int] = lambda: 0,
         scheduler: str | None = None,
         on_beat: Callable | None = None,
+        device: str = "",
     ) -> str:
         """Register this worker with the scheduler and heartbeat until close. A rollout or
         reward worker leaves at close (the scheduler forgets it before its server drains); a
@@ -216,6 +217,7 @@ class ServiceRuntime:
             load=load,
             identity=self.name,
             on_beat=on_beat,
+            device=device,
         )
         self._agent = agent
         worker_id = await agent.start()

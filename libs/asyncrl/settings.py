@@ -83,6 +83,10 @@ class Settings(BaseSettings):
     every other process (trainer, scheduler, reward, nats) the cores left (the supervisor's
     `cpus`). Off by default: supervisors sharing a machine (tests, several "hosts" in network
     namespaces) would pin their rollouts to the same core."""
+    gpus: str = ""
+    """GPU placement of `make up`, e.g. `rollout=0-3 trainer=4-7` (asyncrl.supervisor.gpus:
+    each process gets CUDA_VISIBLE_DEVICES for its GPUs); unset: the visible GPUs split
+    between rollout and trainer, nothing on a machine without one."""
     nats_port: int = 4222
     nats_routes: str = ""
     """Comma-separated host:port of the other NATS cluster nodes' route ports: the nats-server

@@ -17,15 +17,36 @@ from urllib.parse import urlparse
 if TYPE_CHECKING:
     import torch
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "generation_config.json",
-    "chat_template.jinja",
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+NOT_TOKENIZER = frozenset(
+    {
+        "config.json",
+        "model.safetensors.index.json",
+        "pytorch_model.bin.index.json",
+        "adapter_config.json",
+        "fingerprint.json",  # asyncrl.fingerprint.MANIFEST: a version's own
+        "asyncrl_export.json",  # asyncrl.export.PROVENANCE: an exported model's own
+    }
 )
+
+
+def tokenizer_files(model_dir: str | Path) -> list[str]:
+    """What goes with every version besides the weights: each top-level file of the model
+    directory that is neither weights (`WEIGHT_SUFFIXES`, their indexes) nor config.json,
+    whatever the tokenizer calls its files (tokenizer.json, tokenizer.model, vocab.json +
+    merges.txt, tekken.json, a tokenization_*.py), generation_config.json and the chat
+    template included. Sorted; hidden files left out."""
+    d = Path(model_dir)
+    if not d.is_dir():
+        return []
+    return sorted(
+        p.name
+        for p in d.iterdir()
+        if p.is_file()
+        and not p.name.startswith(".")
+        and p.name not in NOT_TOKENIZER
+        and not p.name.endswith(WEIGHT_SUFFIXES)
+    )
 
 
 def uri_to_path(uri: str) -> Path:
@@ -62,9 +83,9 @@ def load_state_dict_files(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def copy_tokenizer(src_dir: Path, dst_dir: Path) -> None:
-    for name in TOKENIZER_FILES:
-        if (Path(src_dir) / name).exists():
-            shutil.copy2(Path(src_dir) / name, Path(dst_dir) / name)
+    """Every file `tokenizer_files` finds in `src_dir`, copied into `dst_dir`."""
+    for name in tokenizer_files(src_dir):
+        shutil.copy2(Path(src_dir) / name, Path(dst_dir) / name)
 
 
 def publish_version(tmp_dir: Path, final_dir: Path) -> str:

@@ -153,11 +153,17 @@ async def list_objects(js, bucket: str = WEIGHTS_BUCKET) -> list[ObjectInfo]:
 
 
 async def prune_versions(
-    js, experiment_id: str, keep: int, bucket: str = WEIGHTS_BUCKET, newest: int | None = None
+    js,
+    experiment_id: str,
+    keep: int,
+    bucket: str = WEIGHTS_BUCKET,
+    newest: int | None = None,
+    protect: int | None = None,
 ) -> None:
     """Delete all but the newest `keep` versions of an experiment from the bucket, each one's
     manifest first (a reader then finds it gone rather than partial). `newest`: the version
-    just uploaded; those above it are an abandoned lineage, deleted (`asyncrl.weights.prune`)."""
+    just uploaded; those above it are an abandoned lineage, deleted (`asyncrl.weights.prune`).
+    `protect`: a version never deleted for the count (the run's final one)."""
     obs = await weights_bucket(js, bucket)
     by_version: dict[str, list[str]] = {}
     for info in await list_objects(js, bucket):
@@ -168,7 +174,8 @@ async def prune_versions(
     ordered = sorted(by_version)
     abandoned = [v for v in ordered if newest is not None and int(v[1:]) > newest]
     ordered = [v for v in ordered if v not in abandoned]
-    for version in abandoned + ordered[:-keep]:
+    old = [v for v in ordered[:-keep] if protect is None or v != f"v{protect:06d}"]
+    for version in abandoned + old:
         names = sorted(by_version[version], key=lambda n: not n.endswith(f"/{MANIFEST}"))
         for name in names:
             await obs.delete(name)

@@ -31,11 +31,14 @@ class WorkerAgent:
         load=lambda: 0,
         identity: str | None = None,
         on_beat: Callable[[scheduler_pb2.HeartbeatResponse], None] | None = None,
+        device: str = "",
     ):
         self.kind = kind
         self.address = address
         self.name = name or f"{socket.gethostname()}:{address.rsplit(':', 1)[-1]}"
         self.capacity = capacity
+        self.device = device
+        """Where it computes, as `asyncrl workers` shows it ("cpu", "cuda:0 = GPU 4 (...)")."""
         self.scheduler = scheduler or settings().scheduler
         self.load = load
         self.on_beat = on_beat
@@ -48,7 +51,11 @@ class WorkerAgent:
 
     async def register(self) -> str:
         req = scheduler_pb2.RegisterWorkerRequest(
-            kind=self.kind, address=self.address, name=self.name, capacity=self.capacity
+            kind=self.kind,
+            address=self.address,
+            name=self.name,
+            capacity=self.capacity,
+            device=self.device,
         )
         async for attempt in connect_policy(max_delay_s=120):
             with attempt:

@@ -147,6 +147,7 @@ async def create_reward(
                 capacity=pool.workers,
                 scheduler=scheduler,
                 load=lambda: pool.in_flight,
+                device="cpu",
             )
         await runtime.serve_metrics(metrics_port, RewardCollector(pool))
     except BaseException:

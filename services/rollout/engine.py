@@ -56,6 +56,8 @@ class Engine(ABC):
     success without applying them shows. "" where the engine cannot tell (unverified)."""
     adapter_keep: int = 2
     """LoRA: how many adapter versions stay loaded (the bound experiment's eta + 1)."""
+    device_name: str = ""
+    """Where it generates, as `asyncrl workers` shows it ("cpu", "cuda:0 = GPU 4 (...)")."""
     shares_adapters: bool = False
     """Whether it serves several LoRA experiments on its one base at once, each in its own
     lane (`update_weights(..., lane=)`, `GenRequest.lane`): the torch engine does."""

@@ -276,6 +276,7 @@ async def create_rollout(
                 capacity=capacity,
                 scheduler=scheduler,
                 load=work,
+                device=engine.device_name,
                 on_beat=lambda beat: service.rewards.known(beat.reward_addresses),
             )
         await runtime.serve_metrics(metrics_port, RolloutCollector(service))

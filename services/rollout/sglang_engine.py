@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import os
 import time
 from dataclasses import replace
 from typing import Any
@@ -119,6 +120,10 @@ class SGLangEngine(Engine):
         self.config = config
         self.url = config.url.rstrip("/") if config.url else None
         self.launch_cfg = replace(config.launch) if config.launch else None
+        gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+        self.device_name = (
+            f"sglang at {self.url}" if self.url else f"sglang child, GPUs {gpus or 'all'}"
+        )
         """The managed child's launch config as last launched (None when attached)."""
         self.api = ServerApi(parse_version(version)) if version else None
         self.process: SGLangProcess | None = None

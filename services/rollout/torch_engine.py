@@ -1,4 +1,8 @@
-"""The embedded engine: a HuggingFace causal LM in fp32 with continuous batching.
+"""The embedded engine: a HuggingFace causal LM with continuous batching.
+
+Device and dtype (`asyncrl.devices`): `device="auto"` (default) is CUDA when the process sees a
+GPU, else the CPU; `dtype="auto"` is the model's own (config.json `torch_dtype`, e.g. bf16) on
+a GPU and fp32 on the CPU. Logprobs are always taken in fp32 from the logits.
 
 Concurrent `generate()` calls join one batch loop (a background task). Each step samples one
 token for every active request, then feeds all new tokens through the model in one batched
@@ -60,7 +64,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from asyncrl import fingerprint
+from asyncrl import devices, fingerprint
 from asyncrl.logging import get_logger, keep_running
 from asyncrl.spec import SamplingParams
 from asyncrl.types import Completion
@@ -139,7 +143,8 @@ def hits_stop_string(slot: Slot) -> bool:
 
 
 class TorchEngine(Engine):
-    """Continuous-batching generation with a transformers causal LM (fp32, CPU by default).
+    """Continuous-batching generation with a transformers causal LM (the model's dtype on a
+    GPU when there is one, fp32 on the CPU: `device`, `dtype`).
 
     `kv_cache=False` recomputes the full forward of every sequence each step (right-padded,
     no cache): slower, but works for any architecture; the default keeps every request's KV
@@ -153,12 +158,13 @@ class TorchEngine(Engine):
 
     def __init__(
         self,
-        device: str = "cpu",
+        device: str = "auto",
         seed: int = 0,
         kv_cache: bool = True,
         max_batch: int = 256,
         keep_kv_on_update: bool = False,
         adapter_update: str = "interrupt",
+        dtype: str = "auto",
     ):
         if adapter_update not in ("interrupt", "finish"):
             raise ValueError(f"adapter_update: {adapter_update!r} (interrupt or finish)")
@@ -166,7 +172,10 @@ class TorchEngine(Engine):
         self.adapter_keep = 2
         """LoRA versions kept loaded (at least eta + 1: the service sets it per experiment)."""
         self.adapters: AdapterBank | None = None
-        self.device = torch.device(device)
+        self.device = devices.pick_device(device)
+        self.dtype_option = dtype
+        self.device_name = devices.describe(self.device)
+        devices.pick_dtype(dtype, self.device, "")  # an unknown name fails at start
         self.keep_kv_on_update = keep_kv_on_update
         self.seed = seed
         self.kv_cache = kv_cache
@@ -424,8 +433,9 @@ class TorchEngine(Engine):
     def _load_model(self, model_dir: str) -> None:
         from transformers import AutoModelForCausalLM
 
+        dtype = devices.pick_dtype(self.dtype_option, self.device, model_dir)
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, attn_implementation=ATTENTION
+            model_dir, dtype=dtype, attn_implementation=ATTENTION
         )
         model.to(self.device).eval()
         self.model = model

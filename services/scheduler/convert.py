@@ -74,6 +74,9 @@ def experiment_to_proto(
         updated_unix_ms=r.updated_unix_ms,
         tenant=r.tenant,
     )
+    if r.weight_uris:
+        msg.weights_version = max(r.weight_uris)
+        msg.weights_uri = r.weight_uris[msg.weights_version]
     if with_history:
         msg.history.extend(m.to_proto() for m in r.history)
     return msg
@@ -91,4 +94,5 @@ def worker_to_proto(w: Worker) -> scheduler_pb2.WorkerInfo:
         last_seen_unix=w.last_seen_unix,
         version=w.version,
         capacity=w.capacity,
+        device=w.device,
     )

@@ -270,6 +270,7 @@ class Scheduler:
         name: str,
         capacity: int,
         caller: Principal | None = None,
+        device: str = "",
     ) -> Worker:
         """A worker registers itself: the caller's role must be the kind it registers, and an
         address a live worker holds is taken again only by the identity that registered it."""
@@ -289,6 +290,7 @@ class Scheduler:
                 )
         principal = caller.subject if caller is not None else ""
         worker, is_new = self.registry.register(kind, address, name, capacity, principal)
+        worker.device = device
         log.info(
             "worker_registered",
             worker=worker.worker_id,

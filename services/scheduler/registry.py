@@ -50,6 +50,8 @@ class Worker:
     """False until the scheduler asked a new trainer what it is running."""
     affinity: str | None = None
     """The experiment a trainer said it is already running (bound back to it first)."""
+    device: str = ""
+    """Where it computes, as it registered it (shown by `asyncrl workers`)."""
     principal: str = ""
     """The identity (token subject) that registered it: only it may heartbeat for it, register
     it again, or (a trainer) commit for its experiment. "" when security is off."""

@@ -116,6 +116,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             request.name,
             request.capacity,
             caller(),
+            device=request.device,
         )
         config = self.scheduler.config
         return scheduler_pb2.RegisterWorkerResponse(

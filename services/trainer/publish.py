@@ -23,7 +23,7 @@ from pathlib import Path
 from asyncrl import fingerprint
 from asyncrl.ledger import Ledger, sample_fingerprints
 from asyncrl.types import StepMetrics, TrajectoryGroup
-from asyncrl.weights import TOKENIZER_FILES, prune, publish_version, version_dir
+from asyncrl.weights import prune, publish_version, tokenizer_files, version_dir
 
 
 def write_version(
@@ -33,12 +33,14 @@ def write_version(
     files: dict[str, bytes],
     tokenizer_dir: Path,
     keep: int,
+    last: int | None = None,
 ) -> str:
     """`files` (+ the tokenizer's) as `version` in the weight store: written to a temporary
     directory and renamed into place, so a reader never sees it partial; the newest `keep`
     versions up to `version` are kept, and those above it removed (an abandoned lineage: a
     resumed trainer rewrites the version of its checkpoint, then trains on from there: see
-    `prune`). Its manifest records the weights' fingerprint (`asyncrl.fingerprint`,
+    `prune`); the `last` version (`trainer.total_steps`: what the run ends on, what `asyncrl
+    export` takes) is never removed for the count. Its manifest records the weights' fingerprint (`asyncrl.fingerprint`,
     one sha256 pass over the tensors' bytes). Returns the version's URI."""
     final = version_dir(root, experiment_id, version)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -52,7 +54,8 @@ def write_version(
         uri = publish_version(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    prune(root, experiment_id, keep=keep, newest=version)
+    protect = version_dir(root, experiment_id, last) if last is not None else None
+    prune(root, experiment_id, keep=keep, newest=version, protect=protect)
     return uri
 
 
@@ -61,10 +64,8 @@ def _add_tokenizer(tokenizer_dir: Path, previous: Path, dst: Path) -> None:
     has them (a version is never changed in place, so they hold the same bytes), else copies.
     A copy creates a file per tokenizer file per step: on the machine bench/control_plane.py
     ran on, ~340 CPU-µs each against 15 for a link."""
-    for name in TOKENIZER_FILES:
+    for name in tokenizer_files(tokenizer_dir):
         src = tokenizer_dir / name
-        if not src.exists():
-            continue
         try:
             os.link(previous / name, dst / name)
         except OSError:  # no previous version (the first, a rewind), another file system

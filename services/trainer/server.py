@@ -8,6 +8,7 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from asyncrl import devices
 from asyncrl.grpcutil import channel
 from asyncrl.logging import get_logger
 from asyncrl.metrics import gauge
@@ -133,7 +134,10 @@ async def create_trainer(
         )
         if register:
             await runtime.register(
-                common_pb2.WORKER_KIND_TRAINER, scheduler=scheduler, load=service.load
+                common_pb2.WORKER_KIND_TRAINER,
+                scheduler=scheduler,
+                load=service.load,
+                device=devices.describe(devices.pick_device("auto")),
             )
         await runtime.serve_metrics(metrics_port, TrainerCollector(service))
     except BaseException:

@@ -284,6 +284,7 @@ class TrainerService:
             experiment_id=experiment_id,
             tokenizer_dir=Path(spec.model.tokenizer_path or spec.model.path),
             keep=keep_versions(spec.rollout.max_head_offpolicyness),
+            final=spec.trainer.total_steps,
         )
         self._scheduler = SchedulerCalls(self.scheduler, experiment_id, self._worker, self.log)
         self.sender = sender_for(spec.trainer, store, self.js, self._observe, self.log)

@@ -54,13 +54,21 @@ class Store:
     """Its tokenizer files go with every version."""
     keep: int
     """Versions kept (`keep_versions`): the newest ones, in the store and in the bucket."""
+    final: int | None = None
+    """The run's last version (`trainer.total_steps`): kept in the store however many follow."""
 
     def dir(self, version: int) -> Path:
         return version_dir(self.root, self.experiment_id, version)
 
     def write(self, version: int, files: Files) -> None:
         write_version(
-            self.root, self.experiment_id, version, dict(files), self.tokenizer_dir, self.keep
+            self.root,
+            self.experiment_id,
+            version,
+            dict(files),
+            self.tokenizer_dir,
+            self.keep,
+            last=self.final,
         )
 
     def rewind(self, version: int) -> None:
@@ -163,8 +171,10 @@ class NatsSender(DiskSender):
         return uri
 
     async def _prune(self, newest: int) -> None:
-        exp, keep = self.store.experiment_id, self.store.keep
-        await jetstream_call(lambda: prune_versions(self.js, exp, keep, newest=newest))
+        exp, keep, final = self.store.experiment_id, self.store.keep, self.store.final
+        await jetstream_call(
+            lambda: prune_versions(self.js, exp, keep, newest=newest, protect=final)
+        )
 
 
 class NcclSender(WeightSender):

@@ -12,6 +12,8 @@ SIGTERM stops the services in reverse order, nats last.
 `ASYNCRL_METRICS_PORT=B` (or `start --metrics-port B`) gives the services with metrics fixed
 ports from B (scheduler B, trainer B+1, rollout replica i B+10+i; see `daemon`), shown by `ps`;
 `ASYNCRL_TRAINER_NPROC=N` (or `--trainer-nproc N`) runs each trainer under torchrun with N ranks.
+`ASYNCRL_GPUS="rollout=0-3 trainer=4-7"` places the services on GPUs (`gpus`; by default the
+visible GPUs are split between rollout and trainer); a placement it refuses fails `start`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from asyncrl.logging import configure_logging
 from asyncrl.proc import kill_tree, pid_alive
 from asyncrl.security import ensure_secrets
 from asyncrl.settings import Settings, settings
+from asyncrl.supervisor import gpus
 from asyncrl.supervisor.daemon import (
     GRACE_S,
     SERVICES,
@@ -192,6 +195,22 @@ def _check_ports_free(launch: Launch) -> None:
             raise typer.Exit(1)
 
 
+def placement(trainer_nproc: int) -> dict[str, gpus.Slot]:
+    """The GPU placement of this host's services (ASYNCRL_GPUS, or the default split of the
+    visible GPUs); PlacementError names what is wrong with one stated."""
+    config = settings()
+    return gpus.resolve(config.gpus, gpus.visible_gpus(), config.rollout_engine, trainer_nproc)
+
+
+def _check_placement(launch: Launch) -> str:
+    """The placement as one line; exit 1 naming the problem of one it refuses."""
+    try:
+        return gpus.describe(placement(launch.trainer_nproc))
+    except gpus.PlacementError as e:
+        out.print(f"[red]bad GPU placement (ASYNCRL_GPUS={settings().gpus!r})[/red]: {e}")
+        raise typer.Exit(1) from None
+
+
 def _launch_daemon(launch: Launch) -> subprocess.Popen:
     """Prepare var/ (one replica of each service, no stale state) and start the daemon in its
     own session, its output in var/log/supervisor.log."""
@@ -302,6 +321,7 @@ def start(
             "`make ps` to see it, `make down` to stop it"
         )
         return
+    placed = _check_placement(launch)
     _check_ports_free(launch)
     use_secrets(var)  # the readiness checks below present the admin's credentials too
     daemon = _launch_daemon(launch)
@@ -311,6 +331,7 @@ def start(
     out.print(
         f"asyncrl is up: scheduler {launch.scheduler}, nats nats://127.0.0.1:{nats_port}, "
         f"services {', '.join(launch.services)} (logs in {launch.paths.logs}/)"
+        + ("" if placed == "none" else f", GPUs {placed}")
     )
 
 
@@ -334,6 +355,7 @@ def run(
         scheduler_port,
         metrics_base=metrics_port,
         trainer_nproc=trainer_nproc,
+        placement=placement(trainer_nproc),
     )
     try:
         sup.run()
@@ -377,16 +399,20 @@ def ps(var: VarOpt, as_json: Annotated[bool, typer.Option("--json")] = False) ->
     )
     processes = state.get("processes", [])
     with_metrics = any(p.get("metrics_port") for p in processes)
+    with_gpus = any(p.get("gpus") is not None for p in processes)
     for col in ("service", "replica", "pid", "status", "restarts", "uptime"):
         table.add_column(col)
     if with_metrics:
         table.add_column("metrics")
+    if with_gpus:
+        table.add_column("gpus")
     table.add_column("log", overflow="fold")
     for p in processes:
         alive = p["status"] == "running" and pid_alive(p["pid"])
         status = p["status"] if alive or p["status"] != "running" else "dead"
         uptime = f"{time.time() - p['started_at']:.0f}s" if alive else "-"
         metrics = [str(p.get("metrics_port") or "-")] if with_metrics else []
+        placed = [p.get("gpus") or "-"] if with_gpus else []
         table.add_row(
             p["service"],
             str(p["replica"]),
@@ -395,6 +421,7 @@ def ps(var: VarOpt, as_json: Annotated[bool, typer.Option("--json")] = False) ->
             str(p["restarts"]),
             uptime,
             *metrics,
+            *placed,
             _short(p["log"]),
         )
     out.print(table)

@@ -22,6 +22,10 @@ trainer.tp_size * trainer.dp_size == N. Stopping it is the usual SIGTERM to its 
 torchrun forwards it to the ranks (each in its own session), rank 0 shuts down at a step
 boundary and releases the followers, which ignore the signal; past the grace period the whole
 process tree is killed, ranks included.
+
+GPUs: each process gets CUDA_VISIBLE_DEVICES from the placement (`gpus`: ASYNCRL_GPUS, or the
+visible GPUs split between rollout and trainer; none on a CPU machine, where the environment is
+left as it is). `ps` shows each replica's GPUs.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from asyncrl.net import free_port
 from asyncrl.proc import die_with_parent, kill_tree, pid_alive, signal_group
 from asyncrl.security import WORKER_ROLES, is_bundle, write_token
 from asyncrl.settings import settings
-from asyncrl.supervisor import handover
+from asyncrl.supervisor import gpus, handover
 from asyncrl.supervisor.broker import BrokerWatch, NatsLogWatch
 
 SERVICES = ("scheduler", "reward", "rollout", "trainer")  # start order; stop is the reverse
@@ -200,6 +204,8 @@ class Replica:
     stop_deadline: float | None = None
     last_exit: int | None = None
     metrics_port: int | None = None
+    gpus: str | None = None
+    """Its CUDA_VISIBLE_DEVICES (None: not set by the placement)."""
     handovers: int = 0
     """Successors started beside it on a stop it did not send (`handover`)."""
     retiring: bool = False
@@ -226,6 +232,7 @@ class Replica:
             "started_at": self.started_at,
             "last_exit": self.last_exit,
             "metrics_port": self.metrics_port,
+            "gpus": self.gpus,
             "log": str(self.log),
         }
 
@@ -239,6 +246,8 @@ class Supervisor:
     metrics_base: int | None = None  # the services' metrics ports start here; None: none
     trainer_nproc: int = 1  # ranks per trainer replica; > 1 runs it under torchrun
     grace_s: float = GRACE_S
+    placement: dict[str, gpus.Slot] = field(default_factory=dict)
+    """Each service's GPUs (`gpus.resolve`); empty: no placement (a CPU machine)."""
     replicas: dict[str, list[Replica]] = field(default_factory=dict)
     stopping: bool = False
     started_at: float = field(default_factory=time.time)
@@ -309,6 +318,13 @@ class Supervisor:
         cores = sorted(os.sched_getaffinity(0))
         return cpu_placement(service, index, cores, self.desired().get("rollout", 0))
 
+    def devices(self, service: str, index: int) -> str | None:
+        """CUDA_VISIBLE_DEVICES of replica `index` of `service` (`gpus.devices_for`); None
+        for nats and without a placement."""
+        if service == "nats":
+            return None
+        return gpus.devices_for(self.placement, service, index, settings().rollout_engine)
+
     def env(self, service: str, index: int) -> dict[str, str]:
         var = self.paths.var.resolve()
         env = dict(os.environ)
@@ -321,6 +337,9 @@ class Supervisor:
             ASYNCRL_REPLICA=str(index),
         )
         env.setdefault("ASYNCRL_WEIGHTS", str(var / "weights"))
+        devices = self.devices(service, index)
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices
         env.pop(handover.ENV_PREDECESSOR, None)
         if service in handover.SERVICES:
             env[handover.ENV_DIR] = str(self.paths.handover.resolve())
@@ -334,6 +353,7 @@ class Supervisor:
     def spawn(self, r: Replica, predecessor: int | None = None) -> None:
         """Start replica `r`'s process (the successor of pid `predecessor`: `handover`)."""
         r.metrics_port = metrics_port_for(r.service, r.index, self.metrics_base)
+        r.gpus = self.devices(r.service, r.index)
         cpus = self.cpus(r.service, r.index)
         env = self.env(r.service, r.index)
         if predecessor is not None:
@@ -362,6 +382,7 @@ class Supervisor:
             pid=r.proc.pid,
             metrics_port=r.metrics_port,
             cpus=sorted(cpus) if cpus is not None else None,
+            gpus=r.gpus,
             predecessor=predecessor,
         )
 

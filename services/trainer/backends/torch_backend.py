@@ -1,4 +1,9 @@
-"""The reference trainer backend: a HuggingFace causal LM in fp32 trained with torch AdamW.
+"""The reference trainer backend: a HuggingFace causal LM trained with torch AdamW.
+
+Precision: the weights and AdamW's state are fp32 everywhere. On a GPU the forwards and
+backwards run under autocast in the model's own dtype (config.json `torch_dtype`: bf16 for
+most released models; `asyncrl.devices.model_dtype`) and each published version is cast to it,
+what an engine serving the model in that dtype loads; on the CPU everything stays fp32.
 
 One `train_step` is one policy version: the groups are packed, the proximal logprobs are
 recomputed with the current weights, and the samples are split into `trainer.minibatches`
@@ -15,12 +20,14 @@ and the KL reference is the base with the adapter disabled (no copy kept).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from pathlib import Path
 
 import torch
 
+from asyncrl import devices
 from asyncrl.types import TrajectoryGroup
 from asyncrl.weights import copy_tokenizer
 from services.trainer import lora
@@ -54,7 +61,9 @@ class TorchBackend(TrainerBackend):
 
     def __init__(self, spec, device: str | None = None):
         super().__init__(spec)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = devices.pick_device(device or "auto")
+        self.dtype = torch.float32
+        """The dtype of the forwards (autocast) and of the published versions (`load`)."""
         self.model: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -68,6 +77,7 @@ class TorchBackend(TrainerBackend):
         self.model_dir = Path(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.to(self.device)
+        self.dtype = devices.pick_dtype("auto", self.device, model_dir)
         if t.lora is not None:
             self.model = lora.wrap(self.model, t.lora)
         # RL on policy logprobs: no dropout, so prox logprobs equal the first update's logprobs.
@@ -83,9 +93,16 @@ class TorchBackend(TrainerBackend):
         )
         self.steps = 0
 
+    def _autocast(self):
+        """The forwards' precision: the model's dtype on a GPU (fp32 weights), else none."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
     @torch.no_grad()
     def _frozen_logprobs(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-        logits = _forward_logits(model, batch, self.loss_cfg.temperature)
+        with self._autocast():
+            logits = _forward_logits(model, batch, self.loss_cfg.temperature)
         return token_logprobs(logits, batch.targets)
 
     def _ref_logprobs(self, batch: PackedBatch) -> torch.Tensor:
@@ -129,7 +146,10 @@ class TorchBackend(TrainerBackend):
         """One optimizer update on one minibatch; its loss parts and grad norm."""
         cfg = self.loss_cfg
         share = aggregation_weights(corr.norm, cfg.agg, cfg.agg_constant)
-        with lora.dropout_on(self.model):  # LoRA's dropout; nothing for a full model
+        with (
+            lora.dropout_on(self.model),
+            self._autocast(),
+        ):  # LoRA's dropout: nothing for a full model
             logits = _forward_logits(self.model, mb, cfg.temperature)
         logp = token_logprobs(logits, mb.targets)
         entropy = token_entropy(logits if cfg.entropy_coef > 0 else logits.detach())
@@ -199,10 +219,14 @@ class TorchBackend(TrainerBackend):
         state = self.model.state_dict()
         if getattr(self.model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
-        tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+        tensors = {k: v.detach().to("cpu", self.dtype).contiguous() for k, v in state.items()}
+        config = json.loads(self.model.config.to_json_string())
+        for key in ("dtype", "torch_dtype"):  # transformers 5 writes `dtype`, 4 `torch_dtype`
+            if key in config or key == "dtype":
+                config[key] = str(self.dtype).removeprefix("torch.")
         return {
             "model.safetensors": save(tensors, metadata={"format": "pt"}),
-            "config.json": self.model.config.to_json_string().encode(),
+            "config.json": (json.dumps(config, indent=2, sort_keys=True) + "\n").encode(),
         }
 
     def save_checkpoint(self, ckpt_dir: Path) -> None:
