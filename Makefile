@@ -76,7 +76,7 @@ scale: ## change replicas at runtime: make scale SERVICE=rollout N=3
 	@test -n "$(SERVICE)" -a -n "$(N)" || { echo "usage: make scale SERVICE=rollout N=3"; exit 2; }
 	@$(SUPERVISOR) scale $(SERVICE) $(N) --var $(VAR)
 
-# --- the demo: a tiny model learns two-digit addition through all the services
+# --- the demo: a tiny model learns three-digit addition (little-endian) through all the services
 DEMO_DIR := $(VAR)/demo
 DEMO_ARGS ?=
 

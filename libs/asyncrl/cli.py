@@ -36,7 +36,8 @@ from asyncrl.ledger import fetch_report
 from asyncrl.natsutil import nats_url
 from asyncrl.security import AuthError
 from asyncrl.security_cli import app as secrets_app
-from asyncrl.spec import ExperimentSpec, SpecError, apply_overrides, validate_spec
+from asyncrl.spec import ExperimentSpec, SpecError, apply_overrides, json_schema, validate_spec
+from asyncrl.spec_defaults import defaults_yaml
 from asyncrl.v1 import common_pb2, scheduler_pb2
 from asyncrl.watchview import ProgressView, follow
 
@@ -197,6 +198,24 @@ def submit(
 
     _, code = _run(go())
     raise typer.Exit(code)
+
+
+@app.command("spec")
+def spec_(
+    defaults: Annotated[
+        bool, typer.Option("--defaults", help="Every field with its default, as commented YAML.")
+    ] = False,
+    schema: Annotated[bool, typer.Option("--schema", help="The spec's JSON Schema.")] = False,
+) -> None:
+    """Print the experiment spec: every field with its default and description (--defaults),
+    or its JSON Schema (--schema). Needs no scheduler."""
+    if defaults == schema:
+        err.print("give one of --defaults, --schema")
+        raise typer.Exit(2)
+    if defaults:
+        typer.echo(defaults_yaml(), nl=False)
+    else:
+        typer.echo(json.dumps(json_schema(), indent=2, sort_keys=True))
 
 
 @app.command()

@@ -65,8 +65,9 @@ class SamplingParams(_Section):
     """Nucleus sampling mass."""
     top_k: int = Field(-1, ge=-1)
     """Keep the k most likely tokens; -1 (or 0) keeps all."""
-    max_new_tokens: int = Field(128, gt=0)
-    """Upper bound on generated tokens per sample."""
+    max_new_tokens: int = Field(1024, gt=0)
+    """Upper bound on generated tokens per sample (1024: room for a worked answer; a task
+    with short answers sets less, so that rollouts and the trainer's batches stay small)."""
     stop_token_ids: list[int] = Field(default_factory=list)
     """Token ids that end a sample (the tokenizer's EOS is one unless `ignore_eos`)."""
     stop: list[str] = Field(default_factory=list, max_length=32)
@@ -78,6 +79,8 @@ class SamplingParams(_Section):
 
 
 class ModelSpec(_Section):
+    """The model trained, as its first version (v0)."""
+
     path: str = Field(max_length=MAX_PATH)
     """HuggingFace-format causal LM directory (config.json + safetensors + tokenizer)."""
     tokenizer_path: str | None = Field(None, max_length=MAX_PATH)
@@ -85,17 +88,30 @@ class ModelSpec(_Section):
 
 
 class DatasetSpec(_Section):
+    """The training prompts."""
+
     path: str = Field(max_length=MAX_PATH)
-    """JSONL file, one prompt per line."""
+    """JSONL file, one prompt per line: a JSON object with at least `prompt_key` and
+    `answer_key`, e.g. {"prompt": "2+3=", "answer": "5"}."""
     prompt_key: str = Field("prompt", max_length=MAX_NAME)
+    """Key of a line's prompt: the text the model continues (or the user turn, with
+    `rollout.workflow.chat_template`)."""
     answer_key: str = Field("answer", max_length=MAX_NAME)
+    """Key of a line's reference answer, which the reward function compares a completion
+    with (a number or other JSON value is taken as its text)."""
     epochs: int = Field(1, gt=0)
+    """Passes over the prompts; the run ends when they are done or at `trainer.total_steps`,
+    whichever comes first."""
     shuffle: bool = True
+    """Shuffle each epoch's order (seeded with `seed` + epoch, so a resumed run walks the same
+    order)."""
     max_prompts: int | None = Field(None, gt=0)
     """Use only the first N prompts (after loading, before shuffling)."""
 
 
 class RewardSpec(_Section):
+    """How a sample is scored (docs/rewards.md)."""
+
     function: str = "exact_match"
     """A built-in (exact_match, numeric_match, math_verify, regex) or plugin:<module>:<fn>."""
     timeout_s: float = Field(5.0, gt=0)
@@ -114,6 +130,8 @@ class RewardSpec(_Section):
 
 
 class WorkflowSpec(_Section):
+    """How one trajectory is produced (docs/workflows.md)."""
+
     name: str = "single_turn"
     """A built-in (single_turn, multi_turn) or module:Class (an asyncrl.workflow.Workflow
     subclass)."""
@@ -134,18 +152,26 @@ class WorkflowSpec(_Section):
 
 
 class RolloutSpec(_Section):
+    """Generation: the engine, the group size and the staleness bound."""
+
     n_samples: int = Field(4, gt=0)
     """GRPO group size: samples per prompt."""
-    max_head_offpolicyness: int = Field(0, ge=0)
-    """eta: how many versions a trained sample may lag the trainer. 0 = synchronous RL."""
+    max_head_offpolicyness: int = Field(2, ge=0)
+    """eta: how many versions a trained sample may lag the trainer. 0 = synchronous RL (each
+    version's samples come from the version before); 2, the default, lets generation run up to
+    two versions ahead of training, which keeps both busy while the off-policy correction
+    stays small."""
     max_concurrent_rollouts: int = Field(64, gt=0)
     """Upper bound on groups in flight."""
     gconfig: SamplingParams = Field(default_factory=SamplingParams)
+    """Sampling settings of the training rollouts."""
     engine: ENGINES.literal() = "torch"
     """Inference engine the rollouts must run."""
     filter: FILTERS.literal() = "nonconstant_reward"
     """Dynamic filter: `nonconstant_reward` rejects groups whose rewards are all equal."""
     group_timeout_s: float = Field(600.0, gt=0)
+    """Deadline of one dispatch call to a rollout (its groups generated, scored and
+    published); a call past it fails and its groups are dispatched again under the same ids."""
     weight_update_timeout_s: float = Field(30.0, gt=0)
     """Deadline for each rollout to take a committed version (UpdateWeights). A rollout that
     has not answered by then (frozen, or stuck loading) is fenced, and the commit completes
@@ -184,14 +210,22 @@ class LoraSpec(_Section):
 
 
 class TrainerSpec(_Section):
+    """Training: the backend, the optimizer, the objective and the weight sync."""
+
     backend: TRAINER_BACKENDS.literal() = "megatron"
+    """`megatron` (Megatron-Core GPTModel, TP/DP; docs/megatron.md) or `torch` (the
+    HuggingFace model with torch.optim, one process; LoRA)."""
     batch_size: int = Field(8, gt=0)
     """B: groups per optimizer step (= per version)."""
-    total_steps: int = Field(10, gt=0)
+    total_steps: int = Field(200, gt=0)
+    """Optimizer steps (= versions) of the run; it ends earlier when the dataset's epochs are
+    done."""
     lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate (the peak, with `lr_schedule: linear`)."""
     lr_schedule: Literal["constant", "linear"] = "constant"
     """`linear` decays the learning rate from `lr` to `lr * min_lr_ratio` over total_steps."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """The final learning rate of the linear schedule, as a fraction of `lr`."""
     minibatches: int = Field(1, gt=0)
     """Optimizer updates per version (the batch is split into this many minibatches)."""
     micro_batch_tokens: int = Field(8192, gt=0)
@@ -220,7 +254,7 @@ class TrainerSpec(_Section):
     [is_mask_low, is_mask_high] masked), `gspo` (sequence-level ratios: geometric means of
     token ratios, weight truncated at cap), `seq_mis` (a sample whose geometric-mean weight is
     outside the bounds dropped whole), `icepop` (w zeroed outside the bounds, two-sided),
-    `cispo` (REINFORCE with the IS weight pi/pi_behav truncated at cap, stop-gradient),
+    `cispo` (REINFORCE with the IS weight pi/pi_behav clipped by cispo_eps_low/high, no gradient),
     `m2po` (tokens masked until the second moment of log w over the batch is at most
     m2po_bound). GSPO's paper clips its sequence ratio at eps 3e-4..4e-4: set eps_clip with
     it."""
@@ -257,15 +291,22 @@ class TrainerSpec(_Section):
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus: the loss less entropy_coef x the token-mean entropy."""
     grad_clip: float = Field(1.0, gt=0)
+    """Gradients are scaled to at most this global L2 norm before each optimizer update."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
     adam_beta1: float = Field(0.9, ge=0, lt=1)
+    """AdamW beta1: the decay of the gradient's running mean."""
     adam_beta2: float = Field(0.999, ge=0, lt=1)
+    """AdamW beta2: the decay of the squared gradient's running mean."""
     checkpoint_every: int = Field(10, gt=0)
     """Steps between the trainer's checkpoints. A checkpoint waits until every version trained
     is committed and in the ledger, so it stalls the step after it; a trainer restarted after
     a crash trains again from its last checkpoint (at most `checkpoint_every` - 1 steps)."""
     tp_size: int = Field(1, gt=0)
+    """Megatron backend: tensor-parallel ranks (the trainer runs under torchrun with
+    tp_size x dp_size processes, `ASYNCRL_TRAINER_NPROC`)."""
     dp_size: int = Field(1, gt=0)
+    """Megatron backend: data-parallel ranks."""
     weight_sync: Literal["disk", "nats", "nccl"] = "disk"
     """How rollouts get a new version (services/trainer/transport.py): `disk` (they load it
     from the weight store, a shared filesystem), `nats` (the trainer also uploads it to the NATS
@@ -316,13 +357,18 @@ class TrainerSpec(_Section):
 
 
 class EvalSpec(_Section):
+    """Periodic evaluation on a held-out set."""
+
     dataset_path: str | None = Field(None, max_length=MAX_PATH)
     """JSONL eval set (same keys as the train set); unset disables eval."""
     every_versions: int = Field(5, ge=0)
     """Run eval every K versions (and at v0 and at the end); 0 = only at v0 and the end."""
     n_samples: int = Field(1, gt=0)
+    """Samples per eval prompt (accuracy is over all of them)."""
     gconfig: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.0))
+    """Sampling settings of eval (greedy by default)."""
     max_prompts: int | None = Field(None, gt=0)
+    """Evaluate only the first N prompts of the eval set."""
     before_training: bool = True
     """Hold training until the run's first eval round (at v0: the baseline) is done, so that
     round measures v0 alone; false lets training start beside it, and the fleet's next
@@ -336,14 +382,25 @@ class EvalSpec(_Section):
 
 
 class ExperimentSpec(_Section):
+    """One RL experiment: what `asyncrl submit` sends (`asyncrl spec --defaults` prints every
+    field with its default)."""
+
     name: str = Field("experiment", max_length=MAX_NAME)
+    """A label for people; the experiment's id is derived from it."""
     model: ModelSpec
+    """The model trained."""
     dataset: DatasetSpec
+    """The prompts trained on (a JSONL file)."""
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    """Generation: engine, group size, staleness bound, sampling."""
     reward: RewardSpec = Field(default_factory=RewardSpec)
+    """How samples are scored."""
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    """Training: backend, optimizer, objective, checkpoints, weight sync."""
     eval: EvalSpec = Field(default_factory=EvalSpec)
+    """Evaluation every few versions; off unless `eval.dataset_path` is set."""
     seed: int = 1
+    """Seeds the dataset's shuffle (and the Megatron backend's random state)."""
     share: float = Field(1.0, gt=0)
     """This experiment's weight when LoRA experiments on the same base share rollout replicas:
     the scheduler divides the shared replicas' group slots between the running ones in

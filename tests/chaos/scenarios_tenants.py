@@ -62,7 +62,7 @@ EXTRA = (("acme", "acme-2", 2.0), ("bcorp", "bcorp-1", 1.0))
 VICTIM = "bcorp-1"
 """The experiment whose trainer is killed."""
 USUAL_RECOVERY_S = {"rollout": 6.3, "trainer": 16.1, "scheduler": 7.2}
-"""The slowest recovery of each kill with one experiment (README, "Failure semantics")."""
+"""The slowest recovery of each kill with one experiment (docs/failures.md)."""
 STEP_ALLOWANCE = 3
 """Steps of an experiment's own median step time allowed on top (the machine's load)."""
 

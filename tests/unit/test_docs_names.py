@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ["docs/architecture.md", "README.md", "docs/workflows.md"]
+DOCS = [
+    "docs/architecture.md",
+    "README.md",
+    "docs/workflows.md",
+    "docs/operations.md",
+    "docs/failures.md",
+    "docs/security.md",
+]
 CODE_DIRS = ["libs/asyncrl", "services", "protos", "bench", "examples"]
 CODE_FILES = ["Makefile", "pyproject.toml"]
 
@@ -104,7 +111,7 @@ def paths(doc: str) -> list[str]:
 @pytest.mark.parametrize("doc", DOCS)
 def test_every_code_name_in_the_doc_is_in_the_code(doc):
     found = names(doc)
-    assert len(found) > 20, "the extraction found almost nothing: is the doc still there?"
+    assert len(found) >= 10, "the extraction found almost nothing: is the doc still there?"
     wrong = {n: why for n in dict.fromkeys(found) if n not in EXTERNAL and (why := missing(n))}
     assert not wrong, f"{doc} names what the code does not have: {wrong}"
 
