@@ -125,3 +125,28 @@ async def test_resume_cancelled_redispatches_cancelled_groups_same_ids_first(
     assert report.totals["left_over"] == 0, report.totals  # (the fake trainer records no step)
     again = [p for p in report.prompts if set(first) & set(p.groups)]
     assert [p.last_status for p in again] == ["accepted", "accepted"]
+
+
+async def test_resume_failed_experiment_starts_the_trainer_from_its_checkpoint(cluster, files):
+    """A run FAILED by its trainer (failed twice in a row) resumes once the trainer is fixed:
+    StartExperiment again, at the version the trainer says it resumes from."""
+    await cluster.start_scheduler(trainer_poll_interval_s=0.05, max_start_failures=2)
+    trainer = FakeTrainer()
+    rollout = FakeRollout(hold=True)
+    exp_id = await running_experiment(
+        cluster, files, rollout, fake_trainer=trainer, trainer={"total_steps": 10}
+    )
+    await wait_until(lambda: len(rollout.group_ids()) == 2)
+    await cluster.commit(exp_id, 1)
+    trainer.fail("ValueError: token id 99999 past the vocabulary")
+    runner = cluster.scheduler.get(exp_id)
+    await wait_until(lambda: runner.terminal, timeout=10)
+    assert (await cluster.experiment(exp_id)).state == scheduler_pb2.EXPERIMENT_STATE_FAILED
+    trainer.failure, trainer.version, trainer.uri = "", 1, "file:///w/v1"  # its checkpoint
+    exp = await resume(cluster, exp_id)
+    assert exp.state == scheduler_pb2.EXPERIMENT_STATE_PENDING
+    resumed = cluster.scheduler.get(exp_id)
+    await wait_until(lambda: resumed.state.value == "RUNNING", timeout=10)
+    assert trainer.started == [exp_id, exp_id, exp_id]
+    assert resumed.version == 1 and resumed.committed_version == 1
+    await wait_until(lambda: len(rollout.group_ids()) >= 4)  # dispatching again
