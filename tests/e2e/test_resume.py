@@ -19,8 +19,9 @@ from tests.e2e.experiment import ledger_report, small_spec, start_cluster
 pytestmark = pytest.mark.timeout(900)
 
 B = 2
+EPOCHS = 3
 CANCEL_AT = 3
-"""The fleet version at which the run is cancelled (of 64 prompts / B = 32 steps)."""
+"""The fleet version at which the run is cancelled (of 3 x 64 prompts / B = 96 steps)."""
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +47,9 @@ async def poll_until(client: AsyncrlClient, exp_id: str, pred, timeout: float):
 
 def test_cancelled_run_resumed_completes_every_prompt_trained_once(cluster, task):
     spec = small_spec(task, total_steps=10_000, checkpoint_every=1_000, batch_size=B)
-    spec["dataset"]["epochs"] = 1  # 64 prompts: the run ends when its data does
+    spec["dataset"]["epochs"] = EPOCHS  # the run ends when its data does
     spec["eval"] = {}
-    n_prompts = sum(1 for _ in Path(task[1]).open())
+    n_prompts = EPOCHS * sum(1 for _ in Path(task[1]).open())  # a prompt of each epoch
 
     async def until_cancelled():
         async with AsyncrlClient(cluster.scheduler) as client:
@@ -62,6 +63,7 @@ def test_cancelled_run_resumed_completes_every_prompt_trained_once(cluster, task
     assert "CANCELLED" in cli(cluster, "cancel", exp_id)
     before = ledger_report(cluster, _Exp(exp_id))
     assert before["totals"]["trained"] < n_prompts, before["totals"]
+    assert before["totals"]["left_over"] > 0, before["totals"]  # what the resume must pick up
     assert before["totals"]["trained_twice"] == before["totals"]["lost"] == 0, before["totals"]
 
     resumed = cli(cluster, "resume", exp_id)
