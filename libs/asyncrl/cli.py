@@ -34,8 +34,10 @@ from asyncrl.client import (
 from asyncrl.errors import BadRequest, Conflict, NotFound
 from asyncrl.ledger import fetch_report
 from asyncrl.natsutil import nats_url
+from asyncrl.runlog import run_log_hints
 from asyncrl.security import AuthError
 from asyncrl.security_cli import app as secrets_app
+from asyncrl.settings import settings
 from asyncrl.spec import ExperimentSpec, SpecError, apply_overrides, json_schema, validate_spec
 from asyncrl.spec_defaults import defaults_yaml
 from asyncrl.v1 import common_pb2, scheduler_pb2
@@ -193,6 +195,8 @@ def submit(
             _print_json(exp)
         else:
             out.print(exp.id)
+            for hint in run_log_hints(exp.id, validated.trainer.loggers):
+                err.print(hint, soft_wrap=True)  # stdout stays the id alone
         code = await _watch(_address(ctx), exp.id, as_json, plain) if watch else 0
         return exp.id, code
 
@@ -314,6 +318,70 @@ def cancel(ctx: typer.Context, experiment_id: str) -> None:
 
     exp = _run(go())
     out.print(f"{exp.id}: {state_name(exp.state)}")
+
+
+@app.command()
+def resume(
+    ctx: typer.Context,
+    experiment_id: str,
+    watch: Annotated[bool, typer.Option("--watch", help="Watch until it ends.")] = False,
+    plain: Annotated[bool, typer.Option("--plain", help=PLAIN_HELP)] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Continue a CANCELLED or FAILED experiment from its trainer's last checkpoint, with the
+    same ledger: the prompts it did not train are dispatched again (`asyncrl ledger ID`)."""
+
+    async def go() -> int:
+        async with AsyncrlClient(_address(ctx)) as client:
+            exp = await client.resume(experiment_id)
+        if as_json:
+            _print_json(exp)
+        else:
+            out.print(f"{exp.id}: {state_name(exp.state)} ({exp.message})")
+        return await _watch(_address(ctx), exp.id, as_json, plain) if watch else 0
+
+    raise typer.Exit(_run(go()))
+
+
+@app.command()
+def checkpoint(
+    ctx: typer.Context,
+    experiment_id: str,
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="Seconds to wait for the trainer to save.")
+    ] = 300.0,
+) -> None:
+    """Have the experiment's trainer checkpoint now (at its next step boundary); print the
+    checkpoint's path and step."""
+
+    async def go():
+        async with AsyncrlClient(_address(ctx)) as client:
+            return await client.checkpoint(experiment_id, timeout_s=timeout)
+
+    resp = _run(go())
+    out.print(f"{experiment_id}: checkpoint at step {resp.step}: {resp.path}", soft_wrap=True)
+
+
+@app.command()
+def logs(
+    service: Annotated[
+        str | None,
+        typer.Argument(
+            help="nats, scheduler, reward, rollout, trainer, supervisor, or e.g. rollout-1"
+            " (default: all)."
+        ),
+    ] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep following.")] = False,
+    lines: Annotated[int, typer.Option("--lines", "-n", help="Lines of each log.")] = 50,
+    var: Annotated[
+        Path | None,
+        typer.Option("--var", help="State directory of `make up` (default: env ASYNCRL_VAR)."),
+    ] = None,
+) -> None:
+    """The service logs of the local cluster `make up` started (as `make logs`)."""
+    from asyncrl.supervisor.commands import logs as supervisor_logs  # tail(1) replaces us
+
+    supervisor_logs(var or settings().var, service, follow, lines)
 
 
 @app.command()

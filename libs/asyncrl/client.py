@@ -26,10 +26,14 @@ from asyncrl.retry import RETRYABLE_CODES, idempotent_rpc
 from asyncrl.settings import settings
 from asyncrl.spec import ExperimentSpec, spec_from_json
 from asyncrl.types import TrajectoryGroup
-from asyncrl.v1 import scheduler_pb2, scheduler_pb2_grpc
+from asyncrl.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 CANCEL_TIMEOUT_S = 60.0
 """Cancel's deadline: the scheduler stops the trainer (up to 10 s) before it answers."""
+RESUME_TIMEOUT_S = 60.0
+"""Resume's deadline: the scheduler reads the dataset again before it answers."""
+CHECKPOINT_TIMEOUT_S = 300.0
+"""Checkpoint's deadline: the trainer saves at its next step boundary (model and optimizer)."""
 
 TERMINAL_STATES = frozenset(
     {
@@ -139,6 +143,41 @@ class AsyncrlClient:
             scheduler_pb2.CancelExperimentRequest(experiment_id=experiment_id),
             timeout_s=max(self.timeout_s, CANCEL_TIMEOUT_S),
         )
+
+    async def resume(self, experiment_id: str) -> scheduler_pb2.Experiment:
+        """Continue a CANCELLED or FAILED experiment from its trainer's last checkpoint, with
+        the same ledger (FAILED_PRECONDITION names any other state). Not retried: a second
+        resume of a resumed run is refused."""
+        return await self._once(
+            self._stub.ResumeExperiment,
+            scheduler_pb2.ResumeExperimentRequest(experiment_id=experiment_id),
+            timeout_s=max(self.timeout_s, RESUME_TIMEOUT_S),
+        )
+
+    async def checkpoint(
+        self, experiment_id: str, timeout_s: float = CHECKPOINT_TIMEOUT_S
+    ) -> trainer_pb2.CheckpointNowResponse:
+        """Have the experiment's trainer checkpoint now (at its next step boundary): the
+        trainer bound to it (from ListWorkers) gets `CheckpointNow`; its answer has the path and
+        the step. FAILED_PRECONDITION when no trainer runs the experiment."""
+        trainers = [
+            w
+            for w in await self.workers()
+            if w.kind == common_pb2.WORKER_KIND_TRAINER and w.experiment_id == experiment_id
+        ]
+        if not trainers:
+            await self.get(experiment_id)  # NOT_FOUND for an unknown id
+            raise AsyncrlError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"experiment_id: no trainer runs {experiment_id} now",
+            )
+        trainer_channel = channel(trainers[0].address)
+        try:
+            stub = trainer_pb2_grpc.TrainerStub(trainer_channel)
+            request = trainer_pb2.CheckpointNowRequest(experiment_id=experiment_id)
+            return await self._once(stub.CheckpointNow, request, timeout_s=timeout_s)
+        finally:
+            await trainer_channel.close()
 
     async def workers(self) -> list[scheduler_pb2.WorkerInfo]:
         resp = await self._idempotent(self._stub.ListWorkers, scheduler_pb2.ListWorkersRequest())

@@ -11,6 +11,9 @@ order they were made; an event whose write was acked survives any crash:
     scheduler  retried     {"group", "reason"}        an infrastructure fault: same id again
     scheduler  dropped     {"group", "reason"}        too stale: the prompt gets a new attempt
     scheduler  left_over   {"groups"|"prompts": [...]} in flight or re-queued when the run ended
+    scheduler  resumed     {"state", "requeued", "version"}  a cancelled or failed run goes on:
+                                                      what was left over before is dispatched
+                                                      or trained again, no longer left over
     trainer    left_over   {"groups": [...]}          published, taken by no step when it ended
     trainer    trained     {"step", "version", "groups": [...], "run", "fingerprint",
                             "samples": {group: [{v: k} per sample]},
@@ -288,6 +291,9 @@ def summarize(events: list[dict]) -> LedgerReport:
         elif kind == "left_over":  # applied below: the trainer's may precede the dispatch
             left_groups.extend(e.get("groups", []))
             left_prompts.extend(tuple(key) for key in e.get("prompts", []))
+        elif kind == "resumed":  # the run goes on: what it left over comes again
+            left_groups.clear()
+            left_prompts.clear()
         elif kind == "quarantined":  # applied below, as left_over
             counts["quarantined"] += 1
             quarantined.append((group, e.get("reason", "")))

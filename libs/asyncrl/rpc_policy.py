@@ -24,6 +24,7 @@ POLICY: dict[str, frozenset[str]] = {
         {
             "SubmitExperiment": ["admin"],
             "CancelExperiment": ["admin"],
+            "ResumeExperiment": ["admin"],
             "GetExperiment": _VIEW,
             "ListExperiments": _VIEW,
             "WatchExperiment": _VIEW,
@@ -74,6 +75,7 @@ TENANT_METHODS = frozenset(
             for m in (
                 "SubmitExperiment",
                 "CancelExperiment",
+                "ResumeExperiment",
                 "GetExperiment",
                 "ListExperiments",
                 "WatchExperiment",

@@ -61,6 +61,17 @@ def run_dir(experiment_id: str) -> Path:
     return settings().var.absolute() / "runs" / experiment_id
 
 
+def run_log_hints(experiment_id: str, loggers: list[str]) -> list[str]:
+    """Where each of `loggers` writes the experiment's run logs, and the command that reads
+    them (what `asyncrl submit` prints); the directory is on the scheduler's host."""
+    root = run_dir(experiment_id)
+    hints = {
+        "tensorboard": f"TensorBoard: tensorboard --logdir {root / 'tensorboard'}",
+        "wandb": f"W&B: {root / 'wandb'} (an offline run uploads with: wandb sync <its dir>)",
+    }
+    return [hints[name] for name in loggers if name in hints]
+
+
 def _scalars(record: Any) -> dict[str, float]:
     """A flat dataclass's numeric fields by name (the x-axis left out), as floats."""
     return {

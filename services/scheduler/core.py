@@ -17,10 +17,11 @@ import asyncio
 import re
 import secrets
 import time
+from collections.abc import Callable
 
 import grpc
 
-from asyncrl.errors import BadRequest, NotFound, PermissionDenied
+from asyncrl.errors import BadRequest, Conflict, NotFound, PermissionDenied
 from asyncrl.ledger import ensure_ledger
 from asyncrl.logging import get_logger, keep_running
 from asyncrl.rewards import check_reward_function
@@ -48,7 +49,7 @@ from services.scheduler.context import (
 from services.scheduler.dataset import Prompt, load_prompts
 from services.scheduler.experiments import ExperimentRunner
 from services.scheduler.history import HistoryLog
-from services.scheduler.records import CommitResult, Event, ExperimentRecord
+from services.scheduler.records import RESUMABLE, CommitResult, Event, ExperimentRecord
 from services.scheduler.registry import Registry, Worker, WorkerKind
 from services.scheduler.sharing import bind_rollouts
 from services.scheduler.state import StateStore
@@ -86,6 +87,40 @@ def load_datasets(spec: ExperimentSpec) -> tuple[list[Prompt], list[Prompt]]:
             field="eval.dataset_path",
         )
     return prompts, eval_prompts
+
+
+def _check_resumable(runner: ExperimentRunner) -> None:
+    if runner.state not in RESUMABLE:
+        raise Conflict(
+            f"experiment_id: {runner.id} is {runner.state.value}; only a CANCELLED or FAILED"
+            " experiment can be resumed"
+        )
+
+
+async def reopened_runner(
+    runner: ExperimentRunner, ctx: RunnerContext, current: Callable[[], ExperimentRunner]
+) -> ExperimentRunner:
+    """A runner that continues `runner`'s ended run: PENDING, its trainer resumed from its last
+    checkpoint (StartExperiment), the groups cancelled in flight dispatched first under their
+    own ids (a copy published before the cancel is one message to JetStream), then the prompts
+    re-queued and those never dispatched. Accepted groups the trainer did not take are still
+    in the stream after its checkpoint's position: it reads them again. The ledger's `resumed`
+    event takes back what the end had called left over. `current()` is the experiment's
+    runner now: another resume that got there first is refused."""
+    spec = validate_spec(runner.record.spec)
+    prompts, eval_prompts = await asyncio.to_thread(load_datasets, spec)  # still there?
+    _check_resumable(current())
+    record = runner.record
+    was = record.state
+    requeued = len(record.cancelled) + len(record.cursor.get("requeue", []))
+    record.reopen(f"resumed from {was.value}")
+    record.updated_unix_ms = int(time.time() * 1000)
+    resumed = ExperimentRunner(record, spec, prompts, eval_prompts, ctx)
+    await resumed.dispatcher.ledger.record(
+        "resumed", state=was.value, requeued=requeued, version=record.progress.version
+    )
+    log.info("experiment_resumed", experiment=record.id, was=was.value, requeued=requeued)
+    return resumed
 
 
 class Scheduler:
@@ -234,6 +269,18 @@ class Scheduler:
         runner = self.get(experiment_id)
         await runner.cancel()
         return runner
+
+    async def resume(self, experiment_id: str) -> ExperimentRunner:
+        """Continue a CANCELLED or FAILED experiment (Conflict naming any other state) with the
+        same ledger, as a new runner over its record (`reopened_runner`)."""
+        runner = self.get(experiment_id)
+        _check_resumable(runner)
+        resumed = await reopened_runner(runner, self._ctx, lambda: self.get(experiment_id))
+        self.runners[resumed.id] = resumed
+        await self.store.save(resumed.snapshot())
+        resumed.start()
+        self._reconcile()
+        return resumed
 
     async def commit(
         self,

@@ -128,12 +128,15 @@ class Dispatcher:
         self.awaiting: dict[str, Ticket] = {t.group_id(record.id): t for t in record.awaiting}
         """Accepted training groups the trainer may still report dropped, oldest first: the
         newest `awaiting_max`."""
+        self.cancelled: list[Ticket] = list(record.cancelled)
+        """Training groups cancelled in flight as the run ended: a resume sends them again."""
 
     def save_into(self, record: ExperimentRecord) -> None:
-        """What a resume needs: the cursor and the tickets in flight and awaiting."""
+        """What a resume needs: the cursor and the tickets in flight, awaiting and cancelled."""
         record.cursor = self.cursor.state()
         record.inflight = [i.ticket for i in self.inflight.values() if i.ticket]
         record.awaiting = list(self.awaiting.values())
+        record.cancelled = list(self.cancelled)
 
     @property
     def awaiting_max(self) -> int:
@@ -328,6 +331,7 @@ class Dispatcher:
             elif item.ticket is not None:
                 self.staleness.on_cancel()
                 self._aborted.add(item.group_id)
+                self.cancelled.append(item.ticket)
         self.sender.withdraw(items)
         cancelled = [i for i in items if how == "cancel" and i.ticket is not None]
         if cancelled:

@@ -39,6 +39,10 @@ class ExperimentState(StrEnum):
         )
 
 
+RESUMABLE = frozenset({ExperimentState.CANCELLED, ExperimentState.FAILED})
+"""The states `asyncrl resume` continues from."""
+
+
 @dataclass
 class GroupCounters:
     """Training groups by outcome: what admission counts (`policy.StalenessManager` is their
@@ -96,6 +100,9 @@ class ExperimentRecord:
     awaiting: list[Ticket] = field(default_factory=list)
     """Tickets of the newest accepted training groups, which the trainer may still report
     dropped (`Dispatcher.report_dropped` accepts no other id)."""
+    cancelled: list[Ticket] = field(default_factory=list)
+    """Tickets of the training groups cancelled in flight as the run ended (left over): a
+    resume dispatches them again under the same group id (`Scheduler.resume`)."""
     fleet_uri: str = ""
     weight_uris: dict[int, str] = field(default_factory=dict)
     """Weights URI per committed version (to roll the fleet back to a trainer's checkpoint)."""
@@ -108,6 +115,17 @@ class ExperimentRecord:
         self.weight_uris[version] = uri
         for old in [v for v in self.weight_uris if 0 < v <= version - KEPT]:
             del self.weight_uris[old]
+
+    def reopen(self, message: str) -> None:
+        """A CANCELLED or FAILED run goes on (`Scheduler.resume`): PENDING again, the groups
+        cancelled in flight sent first under their own ids (as a restart sends those in
+        flight), nothing counted left over any more (the prompts re-queued in the cursor are
+        dispatched again as they are)."""
+        assert self.state in RESUMABLE, f"{self.id} is {self.state}"
+        self.state, self.message = ExperimentState.PENDING, message
+        self.inflight = self.cancelled + self.inflight
+        self.cancelled = []
+        self.progress.left_over = 0
 
     def add_step(self, step: StepMetrics) -> list[StepMetrics]:
         """Append a step; steps of versions >= its version (a lineage a restarted trainer
@@ -125,6 +143,7 @@ class ExperimentRecord:
         data["progress"] = flat_dict(self.progress)
         data["inflight"] = [t.to_json() for t in self.inflight]
         data["awaiting"] = [t.to_json() for t in self.awaiting]
+        data["cancelled"] = [t.to_json() for t in self.cancelled]
         data["last_step"] = data_or_none(self.history[-1] if self.history else None)
         data["evals"] = [flat_dict(e) for e in self.evals[-KEPT:]]
         top = sorted(self.failure_reasons.items(), key=lambda kv: -kv[1])[:KEPT]
@@ -142,7 +161,7 @@ class ExperimentRecord:
             raw["history"] = [build_dataclass(StepMetrics, last)]
         raw["evals"] = [build_dataclass(EvalResult, e) for e in raw.get("evals", [])]
         raw["weight_uris"] = {int(k): v for k, v in raw.get("weight_uris", {}).items()}
-        for key in ("inflight", "awaiting"):
+        for key in ("inflight", "awaiting", "cancelled"):
             raw[key] = [Ticket.from_json(t) for t in raw.get(key, [])]
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in raw.items() if k in names})

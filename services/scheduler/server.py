@@ -82,6 +82,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def CancelExperiment(self, request, context):
         return _experiment(await self.scheduler.cancel(self._get(request.experiment_id).id))
 
+    async def ResumeExperiment(self, request, context):
+        return _experiment(await self.scheduler.resume(self._get(request.experiment_id).id))
+
     async def WatchExperiment(self, request, context):
         """A `snapshot` first, then `step` / `eval` / `state` events as they happen and a
         `snapshot` every snapshot_interval_s; ends once the experiment is terminal."""

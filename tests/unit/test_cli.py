@@ -143,3 +143,38 @@ def test_progress_view_events_fold_into_latest_state():
     assert "0.625" in text and "0.750 (v3)" in text
     line = view.line("step")
     assert line.startswith("[step] RUNNING v2") and "reward=0.625" in line and "eval=0.750" in line
+
+
+def test_submit_hints_name_each_logger_dir_under_runs(monkeypatch, tmp_path):
+    from asyncrl.runlog import run_log_hints
+
+    monkeypatch.setenv("ASYNCRL_VAR", str(tmp_path))
+    runs = tmp_path.absolute() / "runs" / "exp-1"
+    assert run_log_hints("exp-1", []) == []
+    tb, wandb = run_log_hints("exp-1", ["tensorboard", "wandb"])
+    assert tb == f"TensorBoard: tensorboard --logdir {runs / 'tensorboard'}"
+    assert wandb.startswith(f"W&B: {runs / 'wandb'}")
+
+
+def test_logs_tails_the_service_logs_of_the_var_dir(monkeypatch, tmp_path):
+    (tmp_path / "log").mkdir()
+    for name in ("trainer-0.log", "rollout-0.log", "rollout-1.log"):
+        (tmp_path / "log" / name).write_text("line\n")
+    calls = []
+    monkeypatch.setattr("os.execvp", lambda prog, argv: calls.append(argv))
+    result = runner.invoke(app, ["logs", "rollout", "--follow", "--var", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    logs = [str(tmp_path / "log" / f"rollout-{i}.log") for i in (0, 1)]
+    assert calls == [["tail", "-n", "50", "-F", *logs]]
+    result = runner.invoke(app, ["logs", "reward", "--var", str(tmp_path)])
+    assert result.exit_code == 1 and "no logs for reward" in result.output
+
+
+def test_checkpoint_unreachable_scheduler_exits_2_unavailable():
+    result = runner.invoke(app, ["--scheduler", f"127.0.0.1:{free_port()}", "checkpoint", "x"])
+    assert result.exit_code == 2 and "UNAVAILABLE" in result.output
+
+
+def test_resume_unreachable_scheduler_exits_2_unavailable():
+    result = runner.invoke(app, ["--scheduler", f"127.0.0.1:{free_port()}", "resume", "x"])
+    assert result.exit_code == 2 and "UNAVAILABLE" in result.output

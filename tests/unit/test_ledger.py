@@ -249,3 +249,29 @@ def test_trained_event_without_sample_fields_has_no_sample_rows():
     """A ledger written before the fields existed still reads."""
     p0 = summarize([dispatched("g0", 0), settled("g0"), trained(1, "g0")]).prompts[0]
     assert (p0.fate, p0.samples) == ("trained", [])
+
+
+def test_resumed_run_takes_back_what_the_end_left_over():
+    """A cancelled run left g1 (in flight) and p2 (re-queued) over, and the trainer g0
+    (published, untrained); after `resumed` they are trained, or filtered: no longer left
+    over. What the resumed run leaves over at its own end is."""
+    events = [
+        *(dispatched(f"g{i}", i) for i in range(4)),
+        settled("g0"),
+        {"event": "retried", "group": "g2", "reason": "rollout lost"},
+        {"event": "left_over", "groups": ["g1"], "reason": "in flight when the run ended"},
+        {"event": "left_over", "prompts": [[0, 2]], "reason": "re-queued when the run ended"},
+        {"event": "left_over", "groups": ["g0"], "reason": "not trained when it ended"},
+        {"event": "resumed", "state": "CANCELLED", "requeued": 2, "version": 0},
+        dispatched("g1", 1),
+        dispatched("g2", 2),
+        settled("g1"),
+        settled("g2", "rejected", "constant reward 0"),
+        settled("g3"),
+        trained(1, "g0", "g1"),
+        {"event": "left_over", "groups": ["g3"], "reason": "not trained when it ended"},
+    ]
+    report = summarize(events)
+    fates = {p.prompt: p.fate for p in report.prompts}
+    assert fates == {"p0": "trained", "p1": "trained", "p2": "filtered", "p3": "left_over"}
+    assert report.totals["lost"] == report.totals["trained_twice"] == 0

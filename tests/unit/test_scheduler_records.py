@@ -8,9 +8,16 @@ from dataclasses import asdict
 
 import pytest
 
+from asyncrl.ticket import Ticket
 from asyncrl.types import EvalResult, StepMetrics
 from services.scheduler.history import HistoryLog, history_subject
-from services.scheduler.records import KEPT, ExperimentRecord, Progress, flat_dict
+from services.scheduler.records import (
+    KEPT,
+    ExperimentRecord,
+    ExperimentState,
+    Progress,
+    flat_dict,
+)
 
 
 def _record() -> ExperimentRecord:
@@ -99,3 +106,22 @@ def test_the_flusher_waits_its_interval_or_nine_times_what_a_large_flush_took():
     assert flush_pause(0.0015, 0.2) == 0.2  # B = 32: a record of 16 KB, ~1.5 ms
     assert flush_pause(0.065, 0.2) == pytest.approx(0.585)  # B = 2,048: ~1 MB, ~65 ms
     assert flush_pause(0.0, 0.5) == 0.5
+
+
+def test_reopen_cancelled_record_sends_cancelled_tickets_first_and_clears_left_over():
+    record = ExperimentRecord(id="e", name="e", spec={}, state=ExperimentState.CANCELLED)
+    record.cancelled = [Ticket(0, 3), Ticket(0, 5, attempt=1)]
+    record.progress.left_over = 4
+    record = ExperimentRecord.from_json(record.to_json())  # persisted as it is
+    assert record.cancelled == [Ticket(0, 3), Ticket(0, 5, attempt=1)]
+    record.reopen("resumed from CANCELLED")
+    assert (record.state, record.message) == (ExperimentState.PENDING, "resumed from CANCELLED")
+    assert record.inflight == [Ticket(0, 3), Ticket(0, 5, attempt=1)]
+    assert (record.cancelled, record.progress.left_over) == ([], 0)
+
+
+@pytest.mark.parametrize("state", [ExperimentState.COMPLETED, ExperimentState.RUNNING])
+def test_reopen_of_a_state_not_resumable_is_a_bug(state):
+    record = ExperimentRecord(id="e", name="e", spec={}, state=state)
+    with pytest.raises(AssertionError):
+        record.reopen("resumed")
