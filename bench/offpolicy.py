@@ -15,14 +15,18 @@ the trained groups, and the fraction of tokens masked or truncated by the correc
 (eta, correction) cell) and `<out>/offpolicy.png` (final accuracy and steps to accuracy against
 eta, one line per correction).
 
-How staleness is made to bite on two cores. The knobs are the spec's own, nothing hidden in an
-engine: `max_concurrent_rollouts` is at least (eta + 1) x batch, so admission, not the slot
-count, bounds how far generation runs ahead; the demo's `minibatches` (4 optimizer updates per
-version) and learning rate (3e-4, decaying linearly to a tenth) move the policy every version,
-so a sample a few versions old is off-policy (lr 1e-3 collapsed every run to accuracy 0 within
-5 steps here, eta = 0 included: nothing left to compare). Whether generation runs ahead depends
-on the machine (the trainer gets stale samples only when the rollout outpaces it); the report
-carries each run's mean staleness, so whether it bit is measured, not assumed.
+The runs are the demo's: its batch (16 groups of 16), its 250 steps, its learning rate (3e-4,
+decaying linearly to a tenth) and its 4 optimizer updates per version, so a sample a few
+versions old is off-policy.
+
+How staleness is made to bite. `max_concurrent_rollouts` is at least (eta + 1) x batch, so
+admission, not the slot count, bounds how far generation runs ahead; and each trainer step
+takes at least `min_step_s` (the bench knob ASYNCRL_BENCH_MIN_STEP_S: the trainer waits out the
+rest of the step, as a bigger model's step would; nothing in the engines), so generation
+outpaces training and the trainer takes groups as old as eta allows. Without it, on two cores
+shared by several runs, generation bounded staleness at ~3 whatever eta was. The report carries
+each run's measured mean staleness, and `staleness_bites` says per eta whether it reached
+0.6 x eta.
 
 `rollout.filter` is `none`: a run whose policy collapses to all-wrong groups still ends at its
 step count (under `nonconstant_reward` every group of a collapsed policy is rejected, the
@@ -78,18 +82,20 @@ class Plan:
     etas: tuple[int, ...] = (0, 4, 8)
     corrections: tuple[str, ...] = CORRECTIONS
     seeds: tuple[int, ...] = (1, 2, 3)
-    steps: int = 20
-    batch: int = 8
+    steps: int = 250
+    batch: int = 16
     n_samples: int = 16
     minibatches: int = 4
     lr: float = 3e-4
-    eval_every: int = 5
+    eval_every: int = 25
     eval_prompts: int = 100
-    threshold: float = 0.2
+    threshold: float = 0.5
     """The accuracy whose first crossing is each run's steps to accuracy."""
     parallel: int = 4
     """Experiments at once (trainer and rollout replicas of the one deployment)."""
-    timeout_s: float = 900.0
+    min_step_s: float = 1.0
+    """Each trainer step takes at least this long (ASYNCRL_BENCH_MIN_STEP_S)."""
+    timeout_s: float = 1800.0
 
     def runs(self) -> list[tuple[int, int, str]]:
         """(seed, eta, correction) of every run: eta = 0 first, then the highest, then the
@@ -106,7 +112,16 @@ class Plan:
 
 
 QUICK = Plan(
-    etas=(0, 4), corrections=(DEFAULT, "icepop"), seeds=(1,), steps=10, eval_prompts=50, parallel=3
+    etas=(0, 4),
+    corrections=(DEFAULT, "icepop"),
+    seeds=(1,),
+    steps=10,
+    batch=8,
+    eval_every=5,
+    eval_prompts=50,
+    threshold=0.2,
+    parallel=3,
+    min_step_s=0.0,
 )
 
 
@@ -236,7 +251,7 @@ class Deployment:
     experiments run at once. With one replica the rollout has a core of its own
     (ASYNCRL_CPU_AFFINITY=1, as `make demo`) unless ASYNCRL_CPU_AFFINITY=0."""
 
-    def __init__(self, var: Path, replicas: int = 1):
+    def __init__(self, var: Path, replicas: int = 1, min_step_s: float = 0.0):
         self.var = var
         self.replicas = replicas
         affinity = os.environ.get("ASYNCRL_CPU_AFFINITY", "1") if replicas == 1 else "0"
@@ -251,6 +266,7 @@ class Deployment:
             "OMP_NUM_THREADS": "1",
             "ASYNCRL_TRAINER_ARGS": "--threads 1",
             "ASYNCRL_CPU_AFFINITY": affinity,
+            "ASYNCRL_BENCH_MIN_STEP_S": str(min_step_s),
         }
         if not settings().insecure:
             from asyncrl.security import ensure_secrets
@@ -398,7 +414,7 @@ def run_matrix(plan: Plan, var: Path, log: Path, progress=print) -> list[RunReco
             f"masked {r.masked_fraction:.3f}, {r.wall_s:.0f}s"
         )
 
-    with Deployment(var, replicas=plan.parallel) as dep:
+    with Deployment(var, replicas=plan.parallel, min_step_s=plan.min_step_s) as dep:
         pool = ThreadPoolExecutor(plan.parallel)
         try:
             for f in [pool.submit(one, i, *run) for i, run in enumerate(todo, 1)]:
@@ -422,9 +438,20 @@ def report(plan: Plan, records: list[RunRecord], argv: list[str]) -> dict:
         "machine": machine(),
         "default": DEFAULT,
         "clear_winner_at_top_eta": clear_winner(cells, top),
+        "staleness_by_eta": staleness_by_eta(records),
         "cells": [asdict(c) for c in cells],
         "runs": [asdict(r) for r in records],
     }
+
+
+def staleness_by_eta(records: Sequence[RunRecord]) -> dict[str, dict]:
+    """Per eta: the mean staleness of the trained groups over its runs, and whether it bit
+    (at least 0.6 x eta)."""
+    out = {}
+    for eta in sorted({r.eta for r in records}):
+        mean = statistics.fmean(r.staleness_mean for r in records if r.eta == eta)
+        out[str(eta)] = {"mean": round(mean, 3), "bites": eta == 0 or mean >= 0.6 * eta}
+    return out
 
 
 def machine() -> dict:
@@ -505,6 +532,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, help="override the plan's learning rate")
     ap.add_argument("--n-samples", type=int, help="override the plan's group size")
     ap.add_argument("--parallel", type=int, help="experiments at once (trainer/rollout replicas)")
+    ap.add_argument("--min-step-s", type=float, help="each trainer step takes at least this long")
     ap.add_argument("--out", type=Path, default=ROOT / "var" / "bench")
     ap.add_argument("--from-runs", type=Path, help="report the runs of this offpolicy-runs.jsonl")
     return ap.parse_args(argv)
@@ -516,8 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {"etas": args.etas, "seeds": args.seeds, "corrections": args.corrections}
     plan = Plan(**{**asdict(plan), **{k: tuple(v) for k, v in overrides.items() if v}})
     sizes = {"steps": args.steps, "lr": args.lr, "n_samples": args.n_samples,
-             "parallel": args.parallel}  # fmt: skip
-    plan = Plan(**{**asdict(plan), **{k: v for k, v in sizes.items() if v}})
+             "parallel": args.parallel, "min_step_s": args.min_step_s}  # fmt: skip
+    plan = Plan(**{**asdict(plan), **{k: v for k, v in sizes.items() if v is not None}})
     argv = list(argv if argv is not None else sys.argv[1:])
     if args.from_runs:  # the report of runs already made (a matrix cut short)
         lines = args.from_runs.read_text().splitlines()
@@ -528,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         rep = run_and_write(plan, args.out, argv, progress=lambda m: print(m, flush=True))
     print(table(rep))
     print(f"clear winner at eta={max(plan.etas)}: {rep['clear_winner_at_top_eta'] or 'none'}")
+    print(f"mean staleness by eta: {rep['staleness_by_eta']}")
     print(f"report: {args.out / 'offpolicy.json'}, plot: {args.out / 'offpolicy.png'}")
     return 0
 

@@ -76,6 +76,11 @@ class Settings(BaseSettings):
     """Base of fixed /metrics ports for `make up` (scheduler B, trainer B+1.., rollout B+10..)."""
     trainer_nproc: int = 1
     """`make up` runs each trainer as `torchrun --nproc_per_node N` when N > 1."""
+    bench_min_step_s: float = Field(0.0, ge=0)
+    """A benchmark knob, 0 in use: each train step of the trainer takes at least this long (it
+    waits out the rest), as a bigger model's step would, so that generation runs ahead of
+    training and staleness reaches eta (`bench.offpolicy`). The step's metrics time the
+    training alone."""
     rollout_engine: str = "torch"
     """Engine of the rollouts `make up` starts."""
     cpu_affinity: bool = False

@@ -40,6 +40,7 @@ from asyncrl.errors import Conflict, NotFound
 from asyncrl.ledger import Ledger, ensure_ledger
 from asyncrl.logging import get_logger
 from asyncrl.runtime import freeze_heap
+from asyncrl.settings import settings
 from asyncrl.spec import ExperimentSpec, SpecError, spec_from_json
 from asyncrl.storage import storage_error, storage_message
 from asyncrl.types import StepMetrics, TrainerState, TrajectoryGroup
@@ -190,6 +191,7 @@ class TrainerService:
         self._train_end: float | None = None  # when the last train_step of this run ended
         self._after = StepTimes()  # checkpoint_s of the last version, sent with the next
         self.publisher: Publisher | None = None  # the run's versions on their way out
+        self.min_step_s = settings().bench_min_step_s
 
     # -- RPC-facing operations ------------------------------------------------------------
     async def start_experiment(self, experiment_id: str, spec_json: str) -> tuple[int, bool]:
@@ -488,9 +490,11 @@ class TrainerService:
 
     def _step(self, groups: list[TrajectoryGroup]) -> tuple[dict[str, float], float, dict]:
         """(In a worker thread) train on `groups`; the stats, when it ended, the new weights."""
+        began = time.perf_counter()
         stats = self.backend.train_step(groups)
         check_finite_step(self.backend, stats, self.step + 1)  # before a version exists
         ended = time.perf_counter()
+        time.sleep(max(0.0, self.min_step_s - (ended - began)))  # a bench knob; 0 in use
         self._stage = "serialize weights"
         return stats, ended, self.backend.hf_files()
 
