@@ -20,12 +20,14 @@ DOCS = [
     "docs/operations.md",
     "docs/failures.md",
     "docs/security.md",
+    "docs/objective.md",
+    "docs/rewards.md",
 ]
 CODE_DIRS = ["libs/asyncrl", "services", "protos", "bench", "examples"]
 CODE_FILES = ["Makefile", "pyproject.toml"]
 
-EXTERNAL = {"GroupedRolloutWorkflow"}
-"""Other projects' names the docs cite (AReaL's)."""
+EXTERNAL = {"GroupedRolloutWorkflow", "os._exit"}
+"""Other projects' names the docs cite (AReaL's, Python's)."""
 
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 SPAN = re.compile(r"`([^`\n]+)`")
