@@ -53,7 +53,7 @@ chaos: venv protos ## fault suite, one netns per scenario (root); table + var/ch
 multihost: venv protos ## the demo on 3 hosts (netns, root): NATS cluster R3, weights over NATS (MULTIHOST_ARGS="--faults nats,link,host --steps 80")
 	$(PY) -m tests.multihost $(MULTIHOST_ARGS)
 
-gpu-check: venv protos ## GPU readiness: megatron steps, torch engine, whole stack on one GPU -> var/gpu-check/report.{json,md} (GPU_ARGS=--dry-run: tiny, CPU)
+gpu-check: venv protos ## GPU readiness: megatron steps, torch engine, math recipe, whole stack on one GPU -> var/gpu-check/report.{json,md} (GPU_ARGS=--dry-run: tiny, CPU)
 	$(PY) -m bench.gpu $(GPU_ARGS)
 
 # --- local cluster (asyncrl.supervisor); state, logs and weights live under $(VAR)/

@@ -29,7 +29,11 @@ def run_job(job: dict) -> dict:
         from bench.gpu import stack
 
         return stack.run(job["shape"], work, job["sizes"], job["device"], job["cap_s"])
-    raise ValueError(f"part: unknown part {job['part']!r} (train | engine | stack)")
+    if job["part"] == "math":
+        from bench.gpu import math_recipe
+
+        return math_recipe.run(job["shape"], work, job["sizes"], job["device"], job["cap_s"])
+    raise ValueError(f"part: unknown part {job['part']!r} (train | engine | math | stack)")
 
 
 def main(job_file: str, out_file: str) -> None:

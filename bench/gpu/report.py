@@ -68,6 +68,28 @@ def _stack(p: dict) -> str:
     return "### Whole stack (SmolLM2 task)\n\n" + _table(["", ""], rows)
 
 
+def _math(p: dict) -> str:
+    ledger = p.get("ledger") or {}
+    totals = ledger.get("totals", {})
+    fates = ", ".join(f"{k} {totals[k]}" for k in ("trained", "left_over", "lost", "trained_twice", "in_flight") if k in totals)  # fmt: skip
+    evals = ", ".join(f"v{e['version']} {_fmt(e['accuracy'])} ({e['n_prompts']} prompts)" for e in p.get("evals", []))  # fmt: skip
+    rows = [
+        ["spec", f"{p['spec']} ({p['engine']} engine, {p['backend']} trainer, {p['reward']})"],
+        ["changed for this machine", ", ".join(f"`{o}`" for o in p["overrides"])],
+        ["model", f"{p['shape']} (random weights, char tokenizer)"],
+        ["services start s", p.get("start_s")],
+        ["GPU placement (CUDA_VISIBLE_DEVICES)", p.get("gpus")],
+        ["steps (state)", f"{p.get('steps')} of {p['total_steps']} ({p.get('experiment_state')}{', cancelled at the cap' if p.get('cancelled_at_cap') else ''})"],
+        ["run s / s per step / trainer step s (median)", f"{p.get('run_s')} / {p.get('s_per_step')} / {p.get('step_time_s')}"],
+        ["B x n x max_new_tokens", f"{p['batch_size']} x {p['n_samples']} x {p['max_new_tokens']}"],
+        ["reward_mean per step", p.get("reward_mean_per_step")],
+        ["samples read back: reward mean, not final_answer of their text", f"{p.get('samples')}: {_fmt(p.get('reward_mean'))}, {p.get('reward_mismatches')}"],
+        ["eval accuracy", evals or None],
+        ["ledger", f"{'clean' if p.get('ledger_clean') else 'NOT clean'}: {fates}; {ledger.get('steps')} steps, {ledger.get('trained_groups')} groups"],
+    ]  # fmt: skip
+    return "### Math recipe (examples/math/gpu.yaml)\n\n" + _table(["", ""], rows)
+
+
 def markdown(report: dict) -> str:
     m = report["machine"]
     out = [
@@ -88,6 +110,8 @@ def markdown(report: dict) -> str:
     for p in parts:
         if p["ok"] and p["part"] == "engine":
             out += ["", _engine(p)]
+        if p["ok"] and p["part"] == "math":
+            out += ["", _math(p)]
         if p["ok"] and p["part"] == "stack":
             out += ["", _stack(p)]
     problems = [f"- {p['part']} {p['shape']}: {x}" for p in parts for x in p.get("problems", [])]

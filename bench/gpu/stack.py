@@ -33,23 +33,13 @@ DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
 def run(shape: str, work: Path, sizes: dict, device: str, cap_s: float) -> dict:
-    from asyncrl.net import free_port
     from examples.smollm2.data import build as build_data
 
     started = time.monotonic()
     model = build(shape, work / "models" / shape)
     build_data(work / "data", sizes["n_train"], 8, seed=0)
     var = (work / "var").resolve()
-    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
-    env.update(
-        ASYNCRL_NATS_PORT=str(free_port()),
-        ASYNCRL_SCHEDULER_PORT=str(free_port()),
-        ASYNCRL_VAR=str(var),
-        ASYNCRL_SECRETS=str(var / "secrets"),
-        ASYNCRL_ROLLOUT_ARGS=f"--engine-opt device={device}",
-        PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
-    )
-    os.environ.update(env)  # this process's client reads the same settings
+    env = cluster_env(var, device)
     sup = Supervisor(var, env)
     result: dict = {"shape": shape, "device": device, "random_weights": True, **sizes}
     try:
@@ -69,6 +59,24 @@ def run(shape: str, work: Path, sizes: dict, device: str, cap_s: float) -> dict:
     result["mismatch_megatron"] = _mismatch_megatron(groups, snapshots, model, sizes)
     result["mismatch_hf_fp32"] = _mismatch_hf(groups, snapshots, model, device)
     return result
+
+
+def cluster_env(var: Path, device: str) -> dict:
+    """The environment `make up` gets (free ports, state under `var`, the torch engine on
+    `device`), also set in this process: its client reads the same settings."""
+    from asyncrl.net import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    env.update(
+        ASYNCRL_NATS_PORT=str(free_port()),
+        ASYNCRL_SCHEDULER_PORT=str(free_port()),
+        ASYNCRL_VAR=str(var),
+        ASYNCRL_SECRETS=str(var / "secrets"),
+        ASYNCRL_ROLLOUT_ARGS=f"--engine-opt device={device}",
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
+    )
+    os.environ.update(env)
+    return env
 
 
 def placement(var: Path) -> str:

@@ -1,8 +1,9 @@
 """`make gpu-check GPU_ARGS=--dry-run`: the GPU readiness script end to end on the CPU.
 
 Every part runs for real with tiny shapes (megatron-core train steps, the torch engine with an
-interrupt + weight update, nats + all services under the supervisor with the megatron trainer)
-and the report must say what each part measured. On the CPU everything is fp32, so the
+interrupt + weight update, the math recipe's GPU spec and the SmolLM2 task through nats + all
+services under the supervisor with the megatron trainer) and the report must say what each
+part measured. On the CPU everything is fp32, so the
 rollout/trainer logprob mismatch is float rounding only: a regression in either side's
 logprobs (or in the bookkeeping of versions) shows up as a large mismatch.
 """
@@ -48,11 +49,12 @@ def test_every_part_passes(report):
         ("train", "tiny-llama"),
         ("train", "tiny-qwen2"),
         ("engine", "tiny-llama"),
+        ("math", "tiny-qwen2"),
         ("stack", "tiny-llama"),
     ]
     assert report["device"] == "cpu" and report["dry_run"] is True
     # no failed checkpoint round trip, no error-level event in any service's log
-    assert [p.get("problems") for p in report["parts"] if p["part"] != "engine"] == [[], [], []]
+    assert [p.get("problems") for p in report["parts"] if p["part"] != "engine"] == [[]] * 4
 
 
 def test_train_steps_are_timed(report):
@@ -79,6 +81,23 @@ def test_engine_interrupt_switches_versions_mid_generation(report):
     # the recorded logprobs are those of the version that sampled each token (fp32)
     assert i["logprob_check"]["tokens"] == 8 * 64  # the first 8 requests
     assert i["logprob_check"]["max_abs"] < 1e-4
+
+
+def test_math_recipe_runs_its_steps_scored_by_its_reward_ledger_clean(report):
+    [p] = _parts(report, "math")
+    assert p["spec"] == "examples/math/gpu.yaml"
+    assert (p["engine"], p["backend"], p["reward"]) == (
+        "torch",
+        "megatron",
+        "plugin:examples.math.reward:final_answer",
+    )
+    assert p["experiment_state"] == "COMPLETED" and p["steps"] == 2 and not p["cancelled_at_cap"]
+    assert len(p["reward_mean_per_step"]) == 2
+    # every sample read back carries final_answer of its text: the recipe's reward scored it
+    assert p["samples"] >= 2 * 2 * 2 and p["reward_mismatches"] == 0
+    assert p["ledger_clean"] and p["ledger"]["trained_groups"] == 2 * 2
+    assert [e["version"] for e in p["evals"]] == [0, 2]  # the recipe's eval, at v0 and the end
+    assert "Math recipe" in report["_md"] and "ledger | clean" in report["_md"]
 
 
 def test_stack_trains_and_measures_the_mismatch(report):

@@ -1,6 +1,9 @@
-"""bench.gpu: the logprob-mismatch arithmetic and the parameter count, exact values by hand."""
+"""bench.gpu: the logprob-mismatch arithmetic, the parameter count and the math part's ledger
+verdict and spec overrides, exact values by hand."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -76,3 +79,47 @@ def test_trainer_diff_is_token_weighted_over_the_steps_that_measured_it():
         "max_abs": 0.05,
     }
     assert _trainer_diff([{"step": 1}]) == {"steps": 0, "tokens": 0}
+
+
+def _ledger(steps: int, groups: int, **fates) -> dict:
+    totals = {"trained": groups, "left_over": 0, "lost": 0, "trained_twice": 0, "in_flight": 0}
+    return {"totals": totals | fates, "steps": steps, "trained_groups": groups}
+
+
+def test_math_ledger_problems_clean_ledger_finds_none():
+    from bench.gpu.math_recipe import ledger_problems
+
+    assert ledger_problems(_ledger(3, 12, left_over=5), steps=3, batch_size=4) == []
+
+
+def test_math_ledger_problems_lost_or_short_steps_are_findings():
+    from bench.gpu.math_recipe import ledger_problems
+
+    assert ledger_problems(_ledger(3, 12, lost=1), 3, 4) == ["ledger: 1 lost"]
+    assert ledger_problems(_ledger(2, 8), 3, 4) == ["ledger: 2 steps, the experiment 3"]
+    # a step that took 3 groups of B=4, and a prompt trained twice counted once in `trained`
+    assert ledger_problems(_ledger(3, 11, trained=10, trained_twice=1), 3, 4) == [
+        "ledger: 1 trained_twice",
+        "ledger: 11 groups in 3 steps of 4",
+        "ledger: 10 prompts trained, 11 groups",
+    ]
+
+
+def test_math_overrides_keep_the_recipes_reward_trainer_and_objective():
+    from asyncrl.cli import load_spec_dict
+    from bench.gpu.math_recipe import DATA, SPEC, overrides
+
+    sizes = dict(batch_size=4, n_samples=4, max_new_tokens=64, total_steps=3, eval_prompts=4)
+    recipe = load_spec_dict(SPEC)
+    spec = load_spec_dict(SPEC, overrides(Path("/m"), sizes))
+    assert spec["model"]["path"] == "/m" and spec["dataset"]["path"] == str(DATA)
+    assert spec["rollout"]["engine"] == "torch" and spec["rollout"]["filter"] == "none"
+    assert spec["trainer"]["total_steps"] == 3
+    assert spec["rollout"]["gconfig"]["max_new_tokens"] == 64
+    assert spec["reward"] == recipe["reward"]
+    # the trainer section (backend, optimizer, objective) is the recipe's but for its sizes
+    sized = {"batch_size", "total_steps"}
+    assert {k: v for k, v in spec["trainer"].items() if k not in sized} == {
+        k: v for k, v in recipe["trainer"].items() if k not in sized
+    }
+    assert spec["trainer"]["backend"] == "megatron"
