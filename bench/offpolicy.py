@@ -1,8 +1,7 @@
 """The off-policy ablation: `python -m bench.offpolicy [--quick] [--out DIR]`.
 
 The arith task of `make demo` (little-endian three-digit addition, the same warm-started tiny
-model, exact-match reward) trained through all four services at eta = 0, 4, 8 (and 16 with
-`--etas`) with the default loss and each off-policy correction of `trainer.offpolicy_correction`
+model, exact-match reward) trained through all four services at eta = 0, 4, 8 and 16 with the default loss and each off-policy correction of `trainer.offpolicy_correction`
 (services/trainer/losses.py), several seeds each. Every run of the matrix goes through one
 deployment (`make up`: nats and the four services under the supervisor in <out>/offpolicy-var,
 one torch thread each) scaled to `parallel` trainers and rollouts (`make scale`), so that many
@@ -79,7 +78,7 @@ DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 @dataclass(frozen=True)
 class Plan:
-    etas: tuple[int, ...] = (0, 4, 8)
+    etas: tuple[int, ...] = (0, 4, 8, 16)
     corrections: tuple[str, ...] = CORRECTIONS
     seeds: tuple[int, ...] = (1, 2, 3)
     steps: int = 250
@@ -91,9 +90,9 @@ class Plan:
     eval_prompts: int = 100
     threshold: float = 0.5
     """The accuracy whose first crossing is each run's steps to accuracy."""
-    parallel: int = 4
+    parallel: int = 5
     """Experiments at once (trainer and rollout replicas of the one deployment)."""
-    min_step_s: float = 1.0
+    min_step_s: float = 2.0
     """Each trainer step takes at least this long (ASYNCRL_BENCH_MIN_STEP_S)."""
     timeout_s: float = 1800.0
 
