@@ -1,7 +1,8 @@
 """The off-policy ablation: `python -m bench.offpolicy [--quick] [--out DIR]`.
 
 The arith task of `make demo` (little-endian three-digit addition, the same warm-started tiny
-model, exact-match reward) trained through all four services at eta = 0, 4, 8 and 16 with the default loss and each off-policy correction of `trainer.offpolicy_correction`
+model, exact-match reward) trained through all four services at eta = 0, 4, 8 and 16 with the
+default loss and each off-policy correction of `trainer.offpolicy_correction`
 (services/trainer/losses.py), several seeds each. Every run of the matrix goes through one
 deployment (`make up`: nats and the four services under the supervisor in <out>/offpolicy-var,
 one torch thread each) scaled to `parallel` trainers and rollouts (`make scale`), so that many
