@@ -1,0 +1,43 @@
+"""How a run ends under `make up`, and what the ledger then says of every prompt.
+
+A model that diverges: `trainer.lr: 1e30` (a valid float) moves every weight by ~1e30 in the
+first step, finite in fp32 but overflowing the next forward. The run must stop FAILED at that
+version, with the reason, before any rollout serves it: the prompts it did not reach stay
+untouched and none is lost."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncrl.client import state_name
+from asyncrl.ledger import fetch_report
+from tests.e2e.experiment import run_experiment, small_spec, start_cluster
+
+pytestmark = pytest.mark.timeout(600)
+
+COIN_REWARD = "plugin:tests.fixtures_plugins.rewards:coin"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    yield from start_cluster(tmp_path_factory.mktemp("var"), engine="torch")
+
+
+def test_lr_1e30_run_failed_diverged_at_v1_untouched_prompts_not_failed(cluster, task):
+    spec = small_spec(task, total_steps=200, lr=1e30)
+    spec["dataset"]["epochs"] = 1
+    spec["eval"] = {}
+    # rewards that differ inside a group (a random model never adds up): a gradient to follow
+    spec["reward"] = {"function": COIN_REWARD}
+    exp = asyncio.run(run_experiment(cluster.scheduler, spec, timeout=240))
+    assert state_name(exp.state) == "FAILED", exp.message
+    assert exp.message.startswith("diverged: non-finite weights at v1 "), exp.message
+    assert exp.progress.version == 0  # v1 was never committed, so never served
+    ledger = asyncio.run(fetch_report(exp.id, f"nats://127.0.0.1:{cluster.nats_port}"))
+    assert ledger.steps == 0, ledger.totals
+    assert ledger.totals["lost"] == 0, ledger.totals
+    assert ledger.totals["failed"] == 0, ledger.totals
+    assert ledger.totals["in_flight"] == 0, ledger.totals
+    assert len(ledger.prompts) < 64  # the prompts it did not reach: in no fate at all
