@@ -8,10 +8,13 @@ untouched and none is lost."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 
 import pytest
 
-from asyncrl.client import state_name
+from asyncrl.client import AsyncrlClient, is_terminal, state_name
 from asyncrl.ledger import fetch_report
 from tests.e2e.experiment import run_experiment, small_spec, start_cluster
 
@@ -41,3 +44,41 @@ def test_lr_1e30_run_failed_diverged_at_v1_untouched_prompts_not_failed(cluster,
     assert ledger.totals["failed"] == 0, ledger.totals
     assert ledger.totals["in_flight"] == 0, ledger.totals
     assert len(ledger.prompts) < 64  # the prompts it did not reach: in no fate at all
+
+
+def test_cancel_mid_run_trainer_gone_message_status_and_ledger_agree(cluster, task):
+    """The trainer is killed as the run is cancelled: it cannot write what it left over, yet
+    the groups accepted and trained by no step are left over, not lost, and the final
+    message, `progress.left_over` and the ledger give the same figure."""
+    spec = small_spec(task, total_steps=200)
+    spec["eval"] = {}
+    spec["reward"] = {"function": COIN_REWARD}
+
+    async def run_and_cancel():
+        async with AsyncrlClient(cluster.scheduler) as client:
+            exp = await client.submit(spec)
+            deadline = time.monotonic() + 120
+            while exp.progress.version < 2:
+                assert time.monotonic() < deadline, exp.message
+                await asyncio.sleep(0.1)
+                exp = await client.get(exp.id)
+            (trainer,) = cluster.procs("trainer")
+            os.kill(trainer["pid"], signal.SIGKILL)
+            await client.cancel(exp.id)
+            while not is_terminal(exp):
+                assert time.monotonic() < deadline + 60, exp.message
+                await asyncio.sleep(0.2)
+                exp = await client.get(exp.id)
+            return exp
+
+    exp = asyncio.run(run_and_cancel())
+    ledger = asyncio.run(fetch_report(exp.id, f"nats://127.0.0.1:{cluster.nats_port}"))
+    assert state_name(exp.state) == "CANCELLED", exp.message
+    totals = ledger.totals
+    assert totals["lost"] == 0 and totals["in_flight"] == 0, (exp.message, totals)
+    assert totals["trained_twice"] == 0, totals
+    assert exp.progress.left_over == totals["left_over"], (exp.progress.left_over, totals)
+    if totals["left_over"]:
+        assert f"; {totals['left_over']} prompts left over" in exp.message, (exp.message, totals)
+    else:
+        assert "left over" not in exp.message, (exp.message, totals)
