@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from asyncrl.errors import Unavailable
 from asyncrl.ledger import Ledger, read_events, summarize, unaccounted
 from asyncrl.logging import get_logger
 from asyncrl.runlog import RunLog, run_dir
@@ -502,8 +503,12 @@ class ExperimentRunner:
         self.ctx.store.mark_dirty(self.id, self.snapshot)
 
     async def persist_now(self) -> None:
-        self._persist()  # and return once the record is stored
+        """Return once the record is stored; Unavailable when it cannot be now (NATS away: at
+        once, the caller retries; the record stays marked and is written once NATS is back)."""
+        self._persist()
         await self.ctx.store.flush()
+        if not self.ctx.store.stored(self.id):
+            raise Unavailable("the experiment's state cannot be stored now (NATS unavailable)")
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
