@@ -46,13 +46,29 @@ def test_lr_1e30_run_failed_diverged_at_v1_untouched_prompts_not_failed(cluster,
     assert len(ledger.prompts) < 64  # the prompts it did not reach: in no fate at all
 
 
-def test_cancel_mid_run_trainer_gone_message_status_and_ledger_agree(cluster, task):
-    """The trainer is killed as the run is cancelled: it cannot write what it left over, yet
-    the groups accepted and trained by no step are left over, not lost, and the final
-    message, `progress.left_over` and the ledger give the same figure."""
+def test_cancel_mid_run_trainer_frozen_message_status_and_ledger_agree(cluster, task):
+    """The trainer is frozen (SIGSTOP) when the run is cancelled, holding accepted groups it
+    has not trained: it cannot write them as left over, yet they are left over, not lost, and
+    the final message, `progress.left_over` and the ledger give the same figure. It is frozen
+    where its ledger holds every committed step (not between a commit and its record)."""
     spec = small_spec(task, total_steps=200)
     spec["eval"] = {}
     spec["reward"] = {"function": COIN_REWARD}
+    nats_url = f"nats://127.0.0.1:{cluster.nats_port}"
+    (trainer,) = cluster.procs("trainer")
+    frozen: list[int] = []
+
+    async def freeze_trainer(client, exp_id) -> None:
+        while True:
+            os.kill(trainer["pid"], signal.SIGSTOP)
+            frozen.append(trainer["pid"])
+            await asyncio.sleep(0.3)  # what it sent before is handled and stored
+            exp = await client.get(exp_id)
+            if (await fetch_report(exp_id, nats_url)).steps == exp.progress.version:
+                return
+            os.kill(trainer["pid"], signal.SIGCONT)
+            frozen.remove(trainer["pid"])
+            await asyncio.sleep(0.05)
 
     async def run_and_cancel():
         async with AsyncrlClient(cluster.scheduler) as client:
@@ -62,8 +78,11 @@ def test_cancel_mid_run_trainer_gone_message_status_and_ledger_agree(cluster, ta
                 assert time.monotonic() < deadline, exp.message
                 await asyncio.sleep(0.1)
                 exp = await client.get(exp.id)
-            (trainer,) = cluster.procs("trainer")
-            os.kill(trainer["pid"], signal.SIGKILL)
+            await freeze_trainer(client, exp.id)
+            while exp.progress.accepted - exp.progress.trained_groups < 2:  # held by it
+                assert time.monotonic() < deadline, exp.progress
+                await asyncio.sleep(0.1)
+                exp = await client.get(exp.id)
             await client.cancel(exp.id)
             while not is_terminal(exp):
                 assert time.monotonic() < deadline + 60, exp.message
@@ -71,8 +90,12 @@ def test_cancel_mid_run_trainer_gone_message_status_and_ledger_agree(cluster, ta
                 exp = await client.get(exp.id)
             return exp
 
-    exp = asyncio.run(run_and_cancel())
-    ledger = asyncio.run(fetch_report(exp.id, f"nats://127.0.0.1:{cluster.nats_port}"))
+    try:
+        exp = asyncio.run(run_and_cancel())
+        ledger = asyncio.run(fetch_report(exp.id, nats_url))
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
     assert state_name(exp.state) == "CANCELLED", exp.message
     totals = ledger.totals
     assert totals["lost"] == 0 and totals["in_flight"] == 0, (exp.message, totals)
