@@ -196,6 +196,19 @@ class PromptFate:
         return "in_flight" if self.open else "lost"
 
 
+def unaccounted(report: LedgerReport, untrained: int) -> list[str]:
+    """Of the `untrained` groups the scheduler saw accepted and no committed step train, those
+    nobody wrote as left over (their prompts read `lost`; the trainer that should have said so
+    failed, or was frozen past its stop): the latest such groups, as many as are missing.
+    Once the run has ended they are its left over."""
+    written = sum(p.fate == "left_over" and p.last_status == "accepted" for p in report.prompts)
+    missing = untrained - written
+    if missing <= 0:
+        return []
+    lost = [p for p in report.prompts if p.fate == "lost" and p.last_status == "accepted"]
+    return [p.groups[-1] for p in lost[-missing:]]
+
+
 @dataclass
 class LedgerReport:
     totals: dict[str, int]

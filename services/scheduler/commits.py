@@ -67,8 +67,12 @@ class CommitHandler:
         The caller was authorized first (`TrainerAuthority.authorize`)."""
         t0 = time.perf_counter()
         fleet, over = self.fleet, self.lifecycle.stopping
-        if over or version <= fleet.committed_version:  # a retry, or late
+        if over:  # late
             return CommitResult(fleet_version=fleet.version, stop=over)
+        if version <= fleet.committed_version:  # a retry: answered as the first call would be
+            await self.hooks.persist()  # the first may have failed to store it (NATS away)
+            await fleet.reaches(version - fleet_lag(self.spec.rollout), version)
+            return CommitResult(fleet_version=fleet.version, stop=self.lifecycle.stopping)
         fleet.commit(version, uri, self.hooks.spawn, fingerprint)
         self.supervisor.committed()
         aborted = self.dispatcher.abort_stale(version)

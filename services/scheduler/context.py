@@ -3,6 +3,7 @@ the state store and a way to say "workers changed, re-bind"."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,17 +17,34 @@ from services.scheduler.history import HistoryLog
 from services.scheduler.registry import Registry, Worker
 from services.scheduler.state import StateStore
 
+CLOSE_GRACE_S = 60.0
+"""How long a gone worker's channel stays open for the calls still in flight on it. Each ends by
+its own deadline first (the longest the scheduler gives a worker call is the weight update's,
+30 s by default); closing at once would cancel them, and a cancelled call raises CancelledError
+in its caller, which cannot tell it from being cancelled itself (a cancel whose StopExperiment
+was cut so never answered)."""
+
 
 class ChannelPool:
     """One gRPC channel per worker address, closed when the worker is gone."""
 
     def __init__(self):
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._retired: dict[grpc.aio.Channel, asyncio.Task] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
             self._channels[address] = channel(address, "scheduler")
         return self._channels[address]
+
+    def retire(self, address: str) -> None:
+        """The worker at `address` is gone: later calls get a new channel, and this one closes
+        once the calls in flight on it ended (at most CLOSE_GRACE_S)."""
+        ch = self._channels.pop(address, None)
+        if ch is not None:
+            task = asyncio.create_task(ch.close(CLOSE_GRACE_S), name=f"close-{address}")
+            self._retired[ch] = task
+            task.add_done_callback(lambda _: self._retired.pop(ch, None))
 
     async def close(self, address: str) -> None:
         ch = self._channels.pop(address, None)
@@ -34,8 +52,11 @@ class ChannelPool:
             await ch.close()
 
     async def close_all(self) -> None:
+        """At once, the retired channels' calls in flight too (the scheduler is stopping)."""
         for address in list(self._channels):
             await self.close(address)
+        for ch in list(self._retired):
+            await ch.close()
 
 
 FLEET_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

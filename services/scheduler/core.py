@@ -466,7 +466,7 @@ class Scheduler:
                 self.registry.unbind(worker)
                 runner.trainer_lost(worker)
         if not any(w.address == worker.address for w in self.registry.workers()):
-            await self.channels.close(worker.address)
+            self.channels.retire(worker.address)  # its calls in flight end by their deadlines
 
     # ---- binding -----------------------------------------------------------------------------
 

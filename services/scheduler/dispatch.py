@@ -387,9 +387,10 @@ class Dispatcher:
         return self._end(lambda i: i.ticket is not None or not training_only, "cancel")
 
     def left_over_at_end(self, trained_groups: int) -> int:
-        """The prompts the ledger counts left over once the run ended: what `cancel` wrote as
-        left over, and the accepted groups never trained (the trainer writes those as it
-        stops). The one figure of left over: `status`, the final message and the ledger."""
+        """The prompts left over as the run finishes: what `cancel` wrote as left over, and the
+        accepted groups never trained (the trainer writes those as it stops). At the end the
+        ledger's own count replaces it (`experiments.close_ledger`), this estimate only when
+        the ledger cannot be read."""
         return len(self._left_over) + max(0, self.staleness.counts.accepted - trained_groups)
 
     def report_dropped(self, group_ids: list[str]) -> int:

@@ -25,7 +25,8 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from asyncrl.ledger import Ledger
+from asyncrl.errors import Unavailable
+from asyncrl.ledger import Ledger, read_events, summarize, unaccounted
 from asyncrl.logging import get_logger
 from asyncrl.runlog import RunLog, run_dir
 from asyncrl.spec import ExperimentSpec
@@ -52,6 +53,25 @@ LEDGER_FLUSH_S = 5.0
 """A stopping scheduler waits this long at most for each runner's ledger events to be stored."""
 CRASH_END_ATTEMPTS = 5
 CRASH_RETRY_S = 2.0
+
+
+async def close_ledger(ledger: Ledger, js, experiment_id: str, untrained: int, log) -> int | None:
+    """The run's prompts left over, as `asyncrl ledger` counts them (the one figure the final
+    message and `progress.left_over` give), read once the trainer stopped and the runner's
+    events are stored: of the `untrained` groups (accepted, in no committed step), those no
+    one wrote as left over are written so first (`ledger.unaccounted`). None when the ledger
+    cannot be read (NATS away)."""
+    try:
+        report = summarize(await asyncio.wait_for(read_events(js, experiment_id), LEDGER_FLUSH_S))
+        groups = unaccounted(report, untrained)
+        if groups:
+            reason = "accepted, trained by no step when the run ended"
+            record = ledger.record("left_over", groups=groups, reason=reason)
+            await asyncio.wait_for(record, LEDGER_FLUSH_S)
+    except Exception as e:  # noqa: BLE001 - NATS away: the runner's estimate stands
+        log.warning("ledger_not_closed", error=f"{type(e).__name__}: {e}")
+        return None
+    return report.totals["left_over"] + len(groups)
 
 
 async def flush_ledger(ledger: Ledger, log) -> None:
@@ -456,7 +476,12 @@ class ExperimentRunner:
         for w in self.rollouts():  # bound while the trainer stopped (still live, finishing):
             self.registry.release(w, self.id)  # a terminal experiment must hold no worker
         await self.book.close_logs()  # complete when a client sees the end
-        self.book.left_over = self.dispatcher.left_over_at_end(self.book.trained_groups)
+        untrained = max(0, self.staleness.counts.accepted - self.book.trained_groups)
+        ledger = self.dispatcher.ledger
+        left_over = await close_ledger(ledger, self.ctx.js, self.id, untrained, self.log)
+        if left_over is None:
+            left_over = self.dispatcher.left_over_at_end(self.book.trained_groups)
+        self.book.left_over = left_over
         message = left_over_note(phase, message, self.book.left_over)
         self._enter(phase, message=message)
         self.log.info(
@@ -478,8 +503,12 @@ class ExperimentRunner:
         self.ctx.store.mark_dirty(self.id, self.snapshot)
 
     async def persist_now(self) -> None:
-        self._persist()  # and return once the record is stored
+        """Return once the record is stored; Unavailable when it cannot be now (NATS away: at
+        once, the caller retries; the record stays marked and is written once NATS is back)."""
+        self._persist()
         await self.ctx.store.flush()
+        if not self.ctx.store.stored(self.id):
+            raise Unavailable("the experiment's state cannot be stored now (NATS unavailable)")
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)

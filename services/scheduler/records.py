@@ -75,7 +75,8 @@ class Progress(GroupCounters):
     left_over: int = 0
     """Prompts left over when the run ended, as the ledger counts them: groups cancelled in
     flight, prompts re-queued and not dispatched again, accepted groups never trained
-    (`Dispatcher.left_over_at_end`, the one figure: the final message says it too)."""
+    (read from the ledger at the end, `experiments.close_ledger`: the one figure, the final
+    message says it too)."""
 
 
 @dataclass

@@ -43,6 +43,8 @@ class StateStore:
         self.js = js
         self.min_interval_s = min_interval_s
         self._dirty: dict[str, Callable[[], ExperimentRecord]] = {}
+        self._unstored: set[str] = set()
+        """Experiments whose last flush could not write their record (`stored`)."""
         self._event = asyncio.Event()
         self._flushing = asyncio.Lock()
         self._task: asyncio.Task | None = None
@@ -97,17 +99,28 @@ class StateStore:
     def start(self) -> None:
         self._task = asyncio.create_task(self._flush_forever(), name="state-flusher")
 
+    def stored(self, experiment_id: str) -> bool:
+        """The last flush stored the experiment's record (or had nothing of it to write)."""
+        return experiment_id not in self._unstored
+
     async def flush(self) -> None:
         """Write every experiment marked dirty; a flush already under way finishes first, so
-        on return everything marked before the call is in KV (or failed and is dirty again)."""
+        on return everything marked before the call is in KV (or failed and is dirty again).
+        With the connection to NATS down it writes nothing and returns at once (a write would
+        only wait out its timeout): all stays dirty for the next flush."""
         async with self._flushing:
+            if not self.js._nc.is_connected:  # the client's state: reconnecting, closed
+                self._unstored |= self._dirty.keys()
+                return
             dirty, self._dirty = self._dirty, {}
             for experiment_id, snapshot in dirty.items():
                 try:
                     await self.save(snapshot())
+                    self._unstored.discard(experiment_id)
                 except (TimeoutError, nats.errors.Error) as e:
                     log.warning("state_save_failed", experiment=experiment_id, error=str(e))
                     self._dirty.setdefault(experiment_id, snapshot)
+                    self._unstored.add(experiment_id)
 
     async def close(self) -> None:
         """Stop the flusher and write what is still dirty."""

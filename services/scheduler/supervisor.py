@@ -201,6 +201,8 @@ class TrainerSupervisor:
             self.paused = f"trainer {trainer.worker_id}: {status.message}"
         if mine and state == TrainerState.FAILED and self.paused:  # also NATS recovering after
             return f"paused: {self.paused}", ""  # started again, never counted as failing
+        if mine and state == TrainerState.FAILED and status.fatal:
+            return f"trainer {trainer.worker_id} failed: {status.message}", status.message
         if mine and state == TrainerState.FAILED:
             self._failures += 1
             why = f"trainer {trainer.worker_id} failed: {status.message or 'no message'}"

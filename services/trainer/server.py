@@ -49,6 +49,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             last_step=s.last_metrics.to_proto() if s.last_metrics else None,
             state=s.state,
             message=s.message,
+            fatal=s.fatal,
         )
 
     async def StartExperiment(self, request, context):

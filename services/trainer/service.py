@@ -45,7 +45,7 @@ from asyncrl.spec import ExperimentSpec, SpecError, spec_from_json
 from asyncrl.storage import storage_error, storage_message
 from asyncrl.types import StepMetrics, TrainerState, TrajectoryGroup
 from services.trainer.backends import make_backend
-from services.trainer.backends.base import check_finite_step
+from services.trainer.backends.base import Diverged, check_finite_step
 from services.trainer.checkpoint import (
     BACKEND_DIR,
     CheckpointState,
@@ -171,6 +171,8 @@ class TrainerService:
         self.backend = None
         self.state = TrainerState.IDLE
         self.message = ""
+        self.fatal = False
+        """The failure is the run's own (a diverged model): started again, it would repeat it."""
         self.version = 0
         self.step = 0
         self.resumed = False
@@ -270,7 +272,7 @@ class TrainerService:
 
     def _reset(self, experiment_id: str, spec: ExperimentSpec) -> None:
         self.experiment_id, self.spec = experiment_id, spec
-        self.state, self.message = TrainerState.LOADING, ""
+        self.state, self.message, self.fatal = TrainerState.LOADING, "", False
         self.version = self.step = self._boundary_seq = 0
         self.resumed, self.last_metrics = False, None
         self._trained = RecentIds()
@@ -342,7 +344,8 @@ class TrainerService:
 
     def _fail(self, exc: BaseException, where: str) -> None:
         self.state = TrainerState.FAILED
-        self.message = f"{where}: {describe(exc, self.var_dir)}"
+        self.fatal = isinstance(exc, Diverged)  # its message is the run's reason as it stands
+        self.message = str(exc) if self.fatal else f"{where}: {describe(exc, self.var_dir)}"
         at = {"where": where, "version": self.version, "step": self.step}
         self.log.error("trainer_failed", **at, error=self.message, exc_info=exc)
 
@@ -366,11 +369,23 @@ class TrainerService:
             self.log.info("experiment_stopped", version=self.version, step=self.step)
         except asyncio.CancelledError:
             raise
+        except Diverged as exc:  # the run ends here: what no step took is left over
+            await self._left_over_after(exc)
+            self._fail(exc, self._stage)
         except Exception as exc:  # noqa: BLE001 - recorded as the failed state, never hidden
             self._fail(exc, self._stage)
         finally:
             self.publisher.cancel()
             await self._close_sender()
+
+    async def _left_over_after(self, exc: Diverged) -> None:
+        """Before the failure is reported (the scheduler then ends the run): the groups no
+        committed step took, the diverged step's included, recorded as left over."""
+        try:
+            await self._record_left_over()
+            await self.ledger.flush()
+        except Exception:  # noqa: BLE001 - the failure is reported either way
+            self.log.exception("left_over_not_recorded", error=str(exc))
 
     async def _record_left_over(self) -> None:
         """The training groups no step took when the run ended: reported, never silent."""
@@ -492,7 +507,7 @@ class TrainerService:
         """(In a worker thread) train on `groups`; the stats, when it ended, the new weights."""
         began = time.perf_counter()
         stats = self.backend.train_step(groups)
-        check_finite_step(self.backend, stats, self.step + 1)  # before a version exists
+        check_finite_step(self.backend, stats, self.version + 1)  # before a version exists
         ended = time.perf_counter()
         time.sleep(max(0.0, self.min_step_s - (ended - began)))  # a bench knob; 0 in use
         self._stage = "serialize weights"

@@ -54,3 +54,9 @@ def exact_or_hang(completion: str, answer: str, prompt: str, **kwargs: str) -> f
     if zlib.crc32(prompt.encode()) % int(kwargs.get("one_in", "8")) == 0:
         sleep_forever(completion, answer, prompt)
     return exact_match(completion, answer, prompt)
+
+
+def coin(completion: str, answer: str, prompt: str, **kwargs: str) -> float:
+    """1.0 or 0.0 by a checksum of the completion: rewards that differ inside a group of a
+    random model (which never gets an exact match), so each step has a gradient."""
+    return float(zlib.crc32(completion.encode()) % 2)

@@ -181,7 +181,7 @@ def test_nonfinite_weight_named_and_step_check_names_step(model_dir):
     be = make_backend(model_dir)
     assert be.nonfinite_weight() is None
     check_finite_step(be, {"loss": 0.5, "grad_norm": 1.0}, 3)  # finite: nothing raised
-    with pytest.raises(Diverged, match=r"^step 3 diverged: grad_norm is inf$"):
+    with pytest.raises(Diverged, match=r"^diverged: grad_norm is inf at the step to v3$"):
         check_finite_step(be, {"loss": 0.5, "grad_norm": float("inf")}, 3)
     name, param = next(iter(be.model.named_parameters()))
     with torch.no_grad():
@@ -189,4 +189,9 @@ def test_nonfinite_weight_named_and_step_check_names_step(model_dir):
     assert be.nonfinite_weight() == name
     with pytest.raises(Diverged) as e:
         check_finite_step(be, {"loss": 0.5, "grad_norm": 1.0}, 4)
-    assert str(e.value) == f"step 4 diverged: weight {name} is not finite"
+    assert str(e.value) == f"diverged: non-finite weights at v4 ({name})"
+    with torch.no_grad():  # finite in fp32, but its square (a forward's norm) is not
+        param.view(-1)[0] = 1e30
+    assert be.nonfinite_weight() == name
+    param.data.view(-1)[0] = 1e19  # within the bound: a forward keeps it finite
+    assert be.nonfinite_weight() is None

@@ -495,11 +495,12 @@ async def test_torchrun_launcher_killed_outright_its_ranks_die_too(
                 os.kill(pid, signal.SIGKILL)
 
 
-async def test_trainer_diverging_step_failed_names_step_and_commits_no_nan_version(
+async def test_trainer_diverging_step_failed_fatal_names_version_and_commits_nothing(
     tiny, scheduler, start_trainer, js
 ):
     # lr 1e30 is finite (the spec takes it): Adam's first update moves each weight by about
-    # lr, so v1 holds ~1e30 weights (finite in fp32) and step 2's forward overflows
+    # lr, so v1 would hold ~1e30 weights, finite in fp32 but overflowing the next forward
+    # (every generation on it fails): the step is refused before v1 exists
     service, stub = await start_trainer()
     spec_json = _spec(tiny[0], lr=1e30)
     await stub.StartExperiment(
@@ -507,11 +508,9 @@ async def test_trainer_diverging_step_failed_names_step_and_commits_no_nan_versi
     )
     for gid in ("g0", "g1"):
         await publish_group(js, _group(tiny, gid, 0))
-    await _wait_commits(scheduler, 1)
-    for gid in ("g2", "g3"):  # generated at v1 (eta 0: v0 groups would be dropped as stale)
-        await publish_group(js, _group(tiny, gid, 1))
     await wait_until(lambda: service.state == "failed", timeout=60)
     st = await _status(stub)
-    assert st.message == "training: Diverged: step 2 diverged: loss is nan"
-    assert [c.version for c in scheduler.commits] == [1]  # no version 2 was published
-    assert (st.version, st.step) == (1, 1)
+    assert st.message.startswith("diverged: non-finite weights at v1 ("), st.message
+    assert st.fatal  # the scheduler ends the run: a restart would diverge again
+    assert scheduler.commits == []  # no version was published
+    assert (st.version, st.step) == (0, 0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncrl.ledger import counted_steps, summarize
+from asyncrl.ledger import counted_steps, summarize, unaccounted
 
 
 def dispatched(group: str, index: int, epoch: int = 0, attempt: int = 0) -> dict:
@@ -275,3 +275,13 @@ def test_resumed_run_takes_back_what_the_end_left_over():
     fates = {p.prompt: p.fate for p in report.prompts}
     assert fates == {"p0": "trained", "p1": "trained", "p2": "filtered", "p3": "left_over"}
     assert report.totals["lost"] == report.totals["trained_twice"] == 0
+
+
+def test_unaccounted_the_latest_accepted_untrained_not_written_left_over():
+    events = [dispatched(f"g{i}", i) for i in range(4)] + [settled(f"g{i}") for i in range(4)]
+    events += [trained(1, "g0"), {"event": "left_over", "groups": ["g1"]}]
+    report = summarize(events)
+    assert report.totals["lost"] == 2  # g2, g3: accepted, trained by none, never written
+    assert unaccounted(report, untrained=3) == ["g2", "g3"]  # g1 is written already
+    assert unaccounted(report, untrained=2) == ["g3"]  # never more than the scheduler saw
+    assert unaccounted(report, untrained=1) == []

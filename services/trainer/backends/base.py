@@ -27,21 +27,30 @@ from services.trainer.losses import (
 )
 
 
+def finite_bound(dtype: torch.dtype) -> float:
+    """The largest weight magnitude a forward in `dtype` keeps finite: sqrt of fp32's max, where
+    a product of two such values (an embedding row's square in RMSNorm, q.k, a logit) overflows
+    (lr 1e30 makes ~1e30 weights: finite in fp32, inf in the next forward), and at most what
+    `dtype` holds (fp16: 65504), so the published cast stays finite too."""
+    return min(torch.finfo(dtype).max, torch.finfo(torch.float32).max ** 0.5)
+
+
 class Diverged(RuntimeError):
     """A step produced a non-finite loss, gradient norm or weight: the run stops there, before
-    the version is published."""
+    the version is published. The run's own failure: a trainer started again from its
+    checkpoint would only repeat it."""
 
 
-def check_finite_step(backend: TrainerBackend, stats: dict[str, float], step: int) -> None:
-    """Diverged naming `step` when its loss or gradient norm, or a weight after it, is not
-    finite (a NaN version must never be committed)."""
+def check_finite_step(backend: TrainerBackend, stats: dict[str, float], version: int) -> None:
+    """Diverged naming `version` (the one the step makes) when its loss or gradient norm, or a
+    weight after it, is not finite (a version that cannot be served must never be committed)."""
     for key in ("loss", "grad_norm"):
         value = float(stats.get(key, 0.0))
         if not math.isfinite(value):
-            raise Diverged(f"step {step} diverged: {key} is {value}")
+            raise Diverged(f"diverged: {key} is {value} at the step to v{version}")
     name = backend.nonfinite_weight()
     if name is not None:
-        raise Diverged(f"step {step} diverged: weight {name} is not finite")
+        raise Diverged(f"diverged: non-finite weights at v{version} ({name})")
 
 
 class TrainerBackend(ABC):
@@ -94,8 +103,9 @@ class TrainerBackend(ABC):
         """Per group, per sample, the current model's logprobs of the output tokens."""
 
     def nonfinite_weight(self) -> str | None:
-        """The name of a weight holding NaN or inf, if any (checked after each step). None by
-        default: a backend without the check relies on its loss and gradient norm."""
+        """The name of a weight that is NaN or inf in a forward, if any (checked after each
+        step): NaN, inf, or beyond `finite_bound` of its dtype. None by default: a backend
+        without the check relies on its loss and gradient norm."""
         return None
 
     def close(self) -> None:

@@ -38,7 +38,7 @@ from services.trainer.algo import (
     token_logprobs,
     unpack_output_logprobs,
 )
-from services.trainer.backends.base import TrainerBackend
+from services.trainer.backends.base import TrainerBackend, finite_bound
 from services.trainer.losses import Correction, aggregation_weights, minibatch_loss
 
 MODEL_FILE = "model.pt"
@@ -203,8 +203,10 @@ class TorchBackend(TrainerBackend):
     @torch.no_grad()
     def nonfinite_weight(self) -> str | None:
         assert self.model is not None, "load() first"
+        bound = finite_bound(self.dtype)
         for name, param in self.model.named_parameters():  # the base too: it is read
-            if not torch.isfinite(param).all():
+            low, high = param.aminmax()  # one pass, no copy; NaN fails both comparisons
+            if not (-bound <= low.item() and high.item() <= bound):
                 return name
         return None
 
