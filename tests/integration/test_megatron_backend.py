@@ -400,3 +400,17 @@ def test_trainer_logprobs_and_entropy_are_at_the_sampling_temperature(tiny_model
                 assert lp == pytest.approx(want[row, p - 1 : p - 1 + n].tolist(), abs=1e-5)
                 assert lp != pytest.approx(unscaled[row, p - 1 : p - 1 + n].tolist(), abs=1e-3)
                 row += 1
+
+
+def test_a_diverged_step_names_a_weight_beyond_the_finite_bound(tiny_models):
+    """lr 1e30: the first step moves the weights by ~1e30, finite in fp32 but inf in the next
+    forward; the megatron backend names a weight, as the torch one does."""
+    from services.trainer.backends.base import Diverged, check_finite_step
+
+    src = tiny_models["qwen2"]
+    mine = _loaded(src, lr=1e30)
+    assert mine.nonfinite_weight() is None
+    stats = mine.train_step(make_groups(src, seed=8))
+    assert mine.nonfinite_weight() is not None
+    with pytest.raises(Diverged, match="non-finite weights at v1"):
+        check_finite_step(mine, stats, 1)

@@ -28,7 +28,7 @@ from asyncrl.errors import SpecError
 from asyncrl.types import TrajectoryGroup
 from asyncrl.weights import copy_tokenizer, load_state_dict_files
 from services.trainer.algo import PackedBatch, lr_at, unpack_output_logprobs
-from services.trainer.backends.base import TrainerBackend
+from services.trainer.backends.base import TrainerBackend, finite_bound
 from services.trainer.losses import aggregation_weights, minibatch_loss
 from services.trainer.megatron import model as mg
 from services.trainer.megatron.optim import build_optimizer
@@ -194,12 +194,25 @@ class MegatronBackend(TrainerBackend):
         return unpack_output_logprobs(groups, logp)
 
     # -- persistence ----------------------------------------------------------------------
+    @torch.no_grad()
+    def nonfinite_weight(self) -> str | None:
+        """This rank's shard (rank 0's under TP/DP: the check runs where the step is served):
+        a divergence such as lr 1e30 moves every shard at once."""
+        assert self.built is not None, "load() first"
+        bound = finite_bound(self._published_dtype())
+        for name, param in self.built.model.named_parameters():
+            low, high = param.aminmax()  # one pass, no copy; NaN fails both comparisons
+            if not (-bound <= low.item() and high.item() <= bound):
+                return name
+        return None
+
+    def _published_dtype(self) -> torch.dtype:
+        cfg = self.built.hf_config
+        return DTYPES.get(cfg.get("dtype") or cfg.get("torch_dtype"), torch.float32)
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The model in HuggingFace names and shapes, in the source model's dtype (all ranks)."""
-        dtype = DTYPES.get(
-            self.built.hf_config.get("dtype") or self.built.hf_config.get("torch_dtype"),
-            torch.float32,
-        )
+        dtype = self._published_dtype()
         return {k: v.to(dtype) for k, v in mg.gather_hf_weights(self.built, tp_group()).items()}
 
     def save_hf(self, out_dir: Path) -> None:
