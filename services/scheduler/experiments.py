@@ -74,6 +74,24 @@ async def close_ledger(ledger: Ledger, js, experiment_id: str, untrained: int, l
     return report.totals["left_over"] + len(groups)
 
 
+def eval_done(runner: ExperimentRunner, result: EvalResult) -> None:
+    """An eval round finished: record it; the fleet may take the newest version again."""
+    runner.book.add_eval(result)
+    if runner.dispatcher.evaluator.idle:
+        runner.fleet.release(runner._spawn)
+
+
+async def final_left_over(runner: ExperimentRunner) -> int:
+    """The ended run's prompts left over: the ledger's count (`close_ledger`), else the
+    runner's estimate when the ledger cannot be read."""
+    untrained = max(0, runner.staleness.counts.accepted - runner.book.trained_groups)
+    ledger = runner.dispatcher.ledger
+    left_over = await close_ledger(ledger, runner.ctx.js, runner.id, untrained, runner.log)
+    if left_over is None:
+        return runner.dispatcher.left_over_at_end(runner.book.trained_groups)
+    return left_over
+
+
 async def flush_ledger(ledger: Ledger, log) -> None:
     """Store what the runner emitted (its cancelled tasks included) before NATS closes: a
     prompt is left "in flight" in a finished run's ledger otherwise. At most LEDGER_FLUSH_S."""
@@ -150,7 +168,7 @@ class ExperimentRunner:
             eval_prompts,
             self.calls,
             ctx.registry,
-            DispatchHooks(**hooks, eval_done=self._eval_done),
+            DispatchHooks(**hooks, eval_done=lambda result: eval_done(self, result)),
             self.log,
             lambda: self.version,
             Ledger(ctx.js, record.id),
@@ -380,12 +398,6 @@ class ExperimentRunner:
             await self._wake.wait()
             self._idle.clear()
 
-    def _eval_done(self, result: EvalResult) -> None:
-        """An eval round finished: record it; the fleet may take the newest version again."""
-        self.book.add_eval(result)
-        if self.dispatcher.evaluator.idle:
-            self.fleet.release(self._spawn)
-
     def _first_eval_holds(self) -> bool:
         """`eval.before_training`: the first eval round is still open."""
         return self.spec.eval.before_training and self.dispatcher.evaluator.first is not None
@@ -476,12 +488,7 @@ class ExperimentRunner:
         for w in self.rollouts():  # bound while the trainer stopped (still live, finishing):
             self.registry.release(w, self.id)  # a terminal experiment must hold no worker
         await self.book.close_logs()  # complete when a client sees the end
-        untrained = max(0, self.staleness.counts.accepted - self.book.trained_groups)
-        ledger = self.dispatcher.ledger
-        left_over = await close_ledger(ledger, self.ctx.js, self.id, untrained, self.log)
-        if left_over is None:
-            left_over = self.dispatcher.left_over_at_end(self.book.trained_groups)
-        self.book.left_over = left_over
+        self.book.left_over = await final_left_over(self)
         message = left_over_note(phase, message, self.book.left_over)
         self._enter(phase, message=message)
         self.log.info(

@@ -148,6 +148,16 @@ async def ledger_behind(ledger: Ledger, step: int, log) -> bool:
     return True
 
 
+async def left_over_after(service: TrainerService, exc: Diverged) -> None:
+    """Before a diverged run's failure is reported (the scheduler then ends the run): the
+    groups no committed step took, the diverged step's included, recorded as left over."""
+    try:
+        await service._record_left_over()
+        await service.ledger.flush()
+    except Exception:  # noqa: BLE001 - the failure is reported either way
+        service.log.exception("left_over_not_recorded", error=str(exc))
+
+
 class TrainerService:
     """State and training loop of one trainer; the gRPC servicer is a thin layer over it."""
 
@@ -370,22 +380,13 @@ class TrainerService:
         except asyncio.CancelledError:
             raise
         except Diverged as exc:  # the run ends here: what no step took is left over
-            await self._left_over_after(exc)
+            await left_over_after(self, exc)
             self._fail(exc, self._stage)
         except Exception as exc:  # noqa: BLE001 - recorded as the failed state, never hidden
             self._fail(exc, self._stage)
         finally:
             self.publisher.cancel()
             await self._close_sender()
-
-    async def _left_over_after(self, exc: Diverged) -> None:
-        """Before the failure is reported (the scheduler then ends the run): the groups no
-        committed step took, the diverged step's included, recorded as left over."""
-        try:
-            await self._record_left_over()
-            await self.ledger.flush()
-        except Exception:  # noqa: BLE001 - the failure is reported either way
-            self.log.exception("left_over_not_recorded", error=str(exc))
 
     async def _record_left_over(self) -> None:
         """The training groups no step took when the run ended: reported, never silent."""

@@ -63,7 +63,9 @@ def test_cancelled_run_resumed_completes_every_prompt_trained_once(cluster, task
     assert "CANCELLED" in cli(cluster, "cancel", exp_id)
     before = ledger_report(cluster, _Exp(exp_id))
     assert before["totals"]["trained"] < n_prompts, before["totals"]
-    assert before["totals"]["left_over"] > 0, before["totals"]  # what the resume must pick up
+    # what the resume picks up: the prompts left over (the groups in flight or accepted but not
+    # trained at the cancel: none when it lands between a step and the next dispatch, as on a
+    # loaded machine) and those never dispatched
     assert before["totals"]["trained_twice"] == before["totals"]["lost"] == 0, before["totals"]
 
     resumed = cli(cluster, "resume", exp_id)
