@@ -35,6 +35,11 @@ def model_dtype(model_dir: str | Path) -> torch.dtype:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return torch.float32
+    return config_dtype(config)
+
+
+def config_dtype(config: dict) -> torch.dtype:
+    """The floating dtype a model's config.json (as a dict) declares; float32 when none."""
     name = config.get("torch_dtype") or config.get("dtype")
     return DTYPES.get(str(name).removeprefix("torch."), torch.float32)
 

@@ -78,7 +78,7 @@ def eval_done(runner: ExperimentRunner, result: EvalResult) -> None:
     """An eval round finished: record it; the fleet may take the newest version again."""
     runner.book.add_eval(result)
     if runner.dispatcher.evaluator.idle:
-        runner.fleet.release(runner._spawn)
+        runner.fleet.catch_up(runner._spawn)
 
 
 async def final_left_over(runner: ExperimentRunner) -> int:

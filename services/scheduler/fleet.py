@@ -145,7 +145,7 @@ class Fleet:
         """The newest update done (reported with the next step's metrics)."""
         self.held: Callable[[], bool] = lambda: False
         """While true the fleet takes no new version (an eval round measures one version);
-        `release` takes it to the newest commit after."""
+        `catch_up` takes it to the newest commit after."""
         self.commit_s = 0.0
         """The last commit's bookkeeping time (reported with the next step's metrics)."""
         self._moved = asyncio.Event()
@@ -189,12 +189,12 @@ class Fleet:
             self.fingerprints[version] = fingerprint
         self.set_target(version, uri)
         self.record.add_weights(version, uri)
-        if self.task is None or self.task.done():
-            self.task = spawn(self.update())
+        self.catch_up(spawn)
 
-    def release(self, spawn: Callable) -> None:
-        """The hold ended (`held`): take the fleet to the newest commit, if it is behind."""
-        if self.target[0] > self.version and (self.task is None or self.task.done()):
+    def catch_up(self, spawn: Callable) -> None:
+        """Take the fleet to the newest commit in the background (`spawn` runs `update`),
+        unless an update is under way: after a commit, or when a hold (`held`) ends."""
+        if self.task is None or self.task.done():
             self.task = spawn(self.update())
 
     def commit_took(self, seconds: float) -> None:
@@ -230,7 +230,7 @@ class Fleet:
                 previous = self.version
                 if version <= previous:  # up to date (or the trainer was started again)
                     return
-                if self.held():  # `release` starts the update again
+                if self.held():  # `catch_up` starts the update again
                     return
                 update = await self.broadcast(self.ready_rollouts(), version, uri)
                 for w, reason in update.failed:

