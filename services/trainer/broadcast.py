@@ -134,6 +134,8 @@ class BroadcastSender(WeightSender):
         self.host, self.port = host, int(port)
         self.bucket_bytes = trainer.broadcast_bucket_mb << 20
         self.hello_timeout_s = hello_timeout_s
+        self.group_timeout_s = 3 * hello_timeout_s
+        """How long a rank waits on the others in a collective (a dead one: then it fails)."""
         self.backend = collective_backend()
         self.tcp = None  # the TCPStore, hosted from the first snapshot on
         self.group, self.group_name, self.world = None, "", 0
@@ -248,7 +250,9 @@ class BroadcastSender(WeightSender):
         }
         self.tcp.set(key, json.dumps(plan))
         if fresh:
-            self.group = own_group(self.tcp, self.backend, 0, len(held) + 1, self.group_name)
+            self.group = own_group(
+                self.tcp, self.backend, 0, len(held) + 1, self.group_name, self.group_timeout_s
+            )
             self.world = len(held) + 1
         t2 = time.perf_counter()
         for buf in snap.buffers:
