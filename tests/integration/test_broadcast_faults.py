@@ -40,13 +40,17 @@ def _rank(stderr: Path, *args: str) -> subprocess.Popen:
     )
 
 
-async def _line(proc: subprocess.Popen, starts: str, timeout: float = 60.0) -> str:
-    async def read():  # `starts`: a prefix, or a tuple of them
+async def _line(proc: subprocess.Popen, starts, timeout: float = 60.0) -> str:
+    """The first line of `proc`'s output that starts with `starts` (a prefix or a tuple)."""
+    seen = []
+
+    async def read():
         while True:
             line = await asyncio.to_thread(proc.stdout.readline)
-            assert line, f"rank exited ({proc.wait()}) before printing {starts!r}: {proc.args}"
+            assert line, f"{proc.args} exited ({proc.wait()}) before {starts!r}: {seen[-3:]}"
             if line.startswith(starts):
                 return line.strip()
+            seen.append(line.strip()[:300])
 
     return await asyncio.wait_for(read(), timeout)
 
@@ -65,7 +69,7 @@ async def test_receiver_killed_mid_broadcast_the_step_goes_on_and_the_store_has_
     spec = TrainerSpec(weight_sync="broadcast", nccl_master=master, broadcast_bucket_mb=BUCKET_MB)
     (tmp_path / "tok").mkdir()
     store = Store(root=tmp_path / "w", experiment_id=EXP, tokenizer_dir=tmp_path / "tok", keep=2)
-    sender = BroadcastSender(DiskSender(store), spec, structlog.get_logger(), 20.0)
+    sender = BroadcastSender(DiskSender(store), spec, structlog.get_logger(), 90.0)  # slow starts
     snap = await asyncio.to_thread(sender.snapshot, Backend())
     await sender.publish(1, snap)
     victim = _rank(tmp_path / "victim.err", "stalls", master, EXP, "1", "2", "2")
