@@ -139,7 +139,8 @@ class BroadcastSender(WeightSender):
         self.backend = collective_backend()
         self.tcp = None  # the TCPStore, hosted from the first snapshot on
         self.group, self.group_name, self.world = None, "", 0
-        self._pool: dict[int, list[torch.Tensor]] = {}  # version parity -> buffers
+        self._pool: dict[int, list[torch.Tensor]] = {}  # two sets, alternating
+        self._packed = 0
         self._snaps: dict[int, Snapshot] = {}
         self._writes: dict[int, asyncio.Task] = {}
         self.last: dict[str, float] = {}
@@ -172,7 +173,8 @@ class BroadcastSender(WeightSender):
         t0 = time.perf_counter()
         state, config = backend.hf_state()
         p = buckets.plan_of_state(state, self.bucket_bytes)
-        slot = backend.steps % 2
+        self._packed += 1
+        slot = self._packed % 2  # the other set may still be in flight (sent, written)
         buffers = self._pool.get(slot)
         if buffers is None or [b.numel() for b in buffers] != list(p.sizes):
             buffers = self._pool[slot] = new_buffers(p, self.device)

@@ -1,7 +1,7 @@
 """`trainer.weight_sync: broadcast` through all services, started the way `make up` starts them:
 the trainer streams every version to the torch rollouts over one gloo group on loopback, and a
 second rollout that joins mid-run loads the newest stored version first, then takes the
-broadcasts (the group rebuilt with it)."""
+broadcasts (the group rebuilt with it); the demo's Megatron trainer streams the same way."""
 
 from __future__ import annotations
 
@@ -13,7 +13,15 @@ import pytest
 from asyncrl.client import AsyncrlClient, is_terminal
 from asyncrl.net import free_port
 from tests.cluster import wait_for
-from tests.e2e.experiment import _settled_ledger, log_events, small_spec, start_cluster
+from tests.e2e.experiment import (
+    _settled_ledger,
+    assert_completed,
+    assert_ledger_clean,
+    log_events,
+    run_experiment,
+    small_spec,
+    start_cluster,
+)
 
 pytestmark = pytest.mark.timeout(900)
 STEPS = 10_000  # runs until cancelled, once the joined rollout took broadcasts
@@ -68,3 +76,19 @@ def test_broadcast_run_goes_on_and_a_joining_rollout_takes_the_store_then_the_st
     streamed = _events(cluster, "rollout-1.log", "weights_streamed")
     assert loaded and streamed, "the second rollout loads from the store, then streams"
     assert loaded[0]["version"] >= 3 and loaded[0]["version"] < streamed[0]["version"]
+
+
+def test_megatron_trainer_streams_to_the_torch_engine(cluster, task):
+    """The demo's backend (Megatron-Core, TP = 1): its gathered HF weights are what is packed."""
+    pytest.importorskip("megatron.core")
+    spec = small_spec(
+        task, backend="megatron", weight_sync="broadcast", nccl_master=f"127.0.0.1:{free_port()}"
+    )
+    exp = asyncio.run(run_experiment(cluster.scheduler, spec))
+    assert_completed(exp)
+    assert_ledger_clean(cluster, exp)
+    sent = [
+        e for e in _events(cluster, "trainer-0.log", "broadcast_sent") if e["experiment"] == exp.id
+    ]
+    assert len(sent) >= 2 and all(e["rollouts"] >= 1 for e in sent)
+    assert not _events(cluster, "scheduler-0.log", "weights_fingerprint_mismatch")
