@@ -65,3 +65,5 @@ _.model_info  # SGLangEngine.model_info: the SGLang contract tests
 ppo_decoupled_loss  # services/trainer/algo.py: the loss on one minibatch, for parity tests
 unshard  # services/trainer/megatron/convert.py: shard's inverse, the TP round-trip test
 latest_checkpoint  # services/trainer/checkpoint.py: tests read the newest checkpoint (the service verifies via resume_point)
+_.rootRank  # asyncrl.collective.Group.broadcast: torch's BroadcastOptions, read by the C++ side
+_.rootTensor  # the same

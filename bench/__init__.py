@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "control_plane": "bench.control_plane",
     "weight_sync": "bench.weight_sync",
     "weight_transfer": "bench.weight_transfer",
+    "weights": "bench.weights",
     "fingerprint": "bench.fingerprint",
     "scale": "bench.scale",
     "offpolicy": "bench.offpolicy",

@@ -11,6 +11,11 @@ one sha256 pass over the weights and no copy of them (memoryview slices): on thi
 model (3 GiB) is ~2 s, off the trainer's critical path (the publish task) and, on a rollout,
 in the read phase before generation pauses.
 
+A version streamed by `trainer.weight_sync: broadcast` has the other kind, a bucket fingerprint
+(`asyncrl.buckets`: xxh3 per bucket, `xxh3/b<bucket bytes>:...`); its manifest in the weight
+store records that one, and `of_dir` / `of_state(..., like=)` compute the kind they are asked
+to prove.
+
 "" means unverified: an engine that cannot say what it holds, or a message from before the
 field existed. It is counted, never treated as a mismatch.
 """
@@ -23,6 +28,8 @@ import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from asyncrl import buckets
 
 if TYPE_CHECKING:
     import torch
@@ -79,14 +86,24 @@ def of_files(files: Mapping[str, bytes]) -> str:
 
 
 def of_dir(model_dir: str | Path) -> str:
-    """The fingerprint of the *.safetensors files in `model_dir`, as read now."""
+    """The fingerprint of the *.safetensors files in `model_dir`, as read now, of the kind its
+    manifest records (a bucket fingerprint for a streamed version, else sha256)."""
     d = Path(model_dir)
+    like = read_manifest(d)
+    if buckets.bucket_bytes_of(like) is not None:
+        from asyncrl.weights import load_state_dict_files
+
+        return of_state(load_state_dict_files(d), like=like)
     return of_files({p.name: p.read_bytes() for p in sorted(d.glob("*.safetensors"))})
 
 
-def of_state(state: Mapping[str, torch.Tensor]) -> str:
+def of_state(state: Mapping[str, torch.Tensor], like: str = "") -> str:
     """The fingerprint of tensors in memory (a state dict): equal to `of_files` of the
-    safetensors files they were saved to or loaded from."""
+    safetensors files they were saved to or loaded from; of the bucket kind when `like` is a
+    bucket fingerprint (the version's manifest or the committed one)."""
+    size = buckets.bucket_bytes_of(like)
+    if size is not None:
+        return buckets.fingerprint_of_state(state, size)
 
     def raw(t: torch.Tensor) -> memoryview:
         import torch

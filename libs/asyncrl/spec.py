@@ -307,14 +307,18 @@ class TrainerSpec(_Section):
     tp_size x dp_size processes, `ASYNCRL_TRAINER_NPROC`)."""
     dp_size: int = Field(1, gt=0)
     """Megatron backend: data-parallel ranks."""
-    weight_sync: Literal["disk", "nats", "nccl"] = "disk"
+    weight_sync: Literal["disk", "nats", "nccl", "broadcast"] = "disk"
     """How rollouts get a new version (services/trainer/transport.py): `disk` (they load it
     from the weight store, a shared filesystem), `nats` (the trainer also uploads it to the NATS
-    object store, rollouts fetch it into their cache: no shared filesystem) or `nccl` (the
-    trainer also broadcasts it to the SGLang engines' GPUs as rank 0; NCCL when the trainer has
-    CUDA, else gloo). The weight store is written in every case."""
+    object store, rollouts fetch it into their cache: no shared filesystem), `nccl` (also
+    broadcast to the SGLang engines' GPUs, the trainer rank 0; NCCL with CUDA, else gloo) or
+    `broadcast` (streamed from the parameters in checksummed buckets to the torch engines over
+    one process group, the store written beside it: services/trainer/broadcast.py). The weight
+    store is written in every case."""
     nccl_master: str | None = Field(None, pattern=r"^.+:\d+$")
-    """host:port the trainer listens on as rank 0 (the engines' `nccl_master`)."""
+    """host:port of rank 0, the trainer (the engines' `nccl_master`; `broadcast`: its store)."""
+    broadcast_bucket_mb: int = Field(64, gt=0, le=4096)
+    """`broadcast`: MiB per bucket (one collective each)."""
     nccl_world_size: int | None = Field(None, gt=1)
     """Ranks of the weight-update group: 1 (the trainer) + the TP ranks of all engines."""
     loggers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=lambda: ["tensorboard"])
@@ -353,6 +357,8 @@ class TrainerSpec(_Section):
     def _nccl_needs_its_group(self) -> TrainerSpec:
         if self.weight_sync == "nccl" and not (self.nccl_master and self.nccl_world_size):
             raise ValueError("weight_sync nccl needs nccl_master and nccl_world_size")
+        if self.weight_sync == "broadcast" and not self.nccl_master:
+            raise ValueError("weight_sync broadcast needs nccl_master (host:port of its store)")
         return self
 
 
@@ -475,11 +481,21 @@ def check_lora(spec: ExperimentSpec) -> None:
             f"LoRA trains on the torch backend only, not {spec.trainer.backend!r}: the megatron "
             "backend has no adapter layers (set trainer.backend: torch, or drop trainer.lora)",
         )
-    if spec.trainer.weight_sync == "nccl":
+    if spec.trainer.weight_sync in ("nccl", "broadcast"):
         raise SpecError(
             "trainer.lora",
-            "LoRA versions reach the engines as adapter files, not by weight_sync 'nccl' (a "
-            "broadcast of the model's tensors): set trainer.weight_sync to disk or nats",
+            "LoRA versions reach the engines as adapter files, not a broadcast of the model's "
+            f"tensors ({spec.trainer.weight_sync!r}): set trainer.weight_sync to disk or nats",
+        )
+
+
+def check_broadcast(spec: ExperimentSpec) -> None:
+    """`broadcast` streams into the torch engine; SGLang takes collective updates by `nccl`."""
+    if spec.trainer.weight_sync == "broadcast" and spec.rollout.engine != "torch":
+        raise SpecError(
+            "trainer.weight_sync",
+            f"broadcast streams into the torch engine, not {spec.rollout.engine!r}: set "
+            "trainer.weight_sync to nccl for SGLang (or disk, nats)",
         )
 
 
@@ -490,6 +506,7 @@ def validate_spec(data: dict) -> ExperimentSpec:
     except ValidationError as e:
         raise _spec_error(e) from None
     check_lora(spec)
+    check_broadcast(spec)
     return spec
 
 
@@ -502,6 +519,7 @@ def spec_from_json(text: str | bytes) -> ExperimentSpec:
         raise _spec_error(e) from None
     check_sizes(spec.model_dump())
     check_lora(spec)
+    check_broadcast(spec)
     return spec
 
 

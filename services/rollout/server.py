@@ -175,7 +175,11 @@ class RolloutServicer(GroupsServicer):
 
     async def UpdateWeights(self, request, context):
         r = await self.service.update_weights(
-            request.experiment_id, request.version, request.uri, request.fingerprint
+            request.experiment_id,
+            request.version,
+            request.uri,
+            request.fingerprint,
+            (request.group_rank, request.group_size),
         )
         return rollout_pb2.UpdateWeightsResponse(
             version=r.version,

@@ -110,6 +110,14 @@ async def engine_update(engine: Engine, binding: Binding, lane: str, path: Path,
     return await engine.update_weights(str(path), version, lane=lane, keep=keep)
 
 
+async def stored(path: Path, timeout_s: float) -> None:
+    """Wait until a version's store copy is in place (a `broadcast` version is written beside
+    its broadcast, so a rollout that falls back or joins may be there first)."""
+    deadline = time.monotonic() + timeout_s
+    while not (path / "config.json").is_file() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
 WEIGHTS_CACHE = "weights-cache"
 """Where, under `settings().var`, a rollout keeps the versions it fetched from NATS."""
 FETCH_RETRY_S = 20.0
@@ -155,6 +163,8 @@ class Serving:
         """This host's copies of the `nats-obj://` versions it loaded (a few, the newest)."""
         self.receiver = NatsReceiver(js, self.weights_cache, retry_s=FETCH_RETRY_S)
         """The rollout's side of the weights transport (services/trainer/transport.py)."""
+        self.streams = None
+        """`broadcast` experiments: the rollout's `BroadcastReceiver` (made on first use)."""
         self.update_seconds = Histogram(
             "asyncrl_rollout_weight_update_seconds",
             "UpdateWeights by phase: read, pause, load, resume, and the whole call (total)",
@@ -190,11 +200,13 @@ class Serving:
         log.info("experiment_bound", experiment=experiment_id, beside=others if beside else [])
 
     async def update_weights(
-        self, experiment_id: str, version: int, uri: str, fp: str = ""
+        self, experiment_id: str, version: int, uri: str, fp: str = "", group=(0, 0)
     ) -> WeightsResult:
         """First load of a bound experiment (model + tokenizer, or its lane on the shared
         base), or an interrupting weight update of its lane (again if it holds other weights
-        than fingerprint `fp`). Another experiment's requests are not touched."""
+        than fingerprint `fp`). Another experiment's requests are not touched. `group`: this
+        rollout's rank and the rollouts' count in a `broadcast` experiment's weight group (0, 0:
+        load from `uri`)."""
         binding = self.bindings.get(experiment_id)
         if binding is None:
             raise Conflict(
@@ -202,28 +214,16 @@ class Serving:
                 f" not {experiment_id!r} (BindExperiment first)"
             )
         start = time.perf_counter()
-        phases = UpdatePhases()
         async with self._lock:
-            path, fetch_s = await self._local_dir(version, uri)
-            adapter = is_adapter_dir(path)  # a LoRA version: the base is the spec's model
-            if not adapter and not (path / "config.json").is_file():
-                raise BadRequest("uri", f"no HuggingFace config.json in {path}")
             loaded = self.loaded.get(experiment_id)
-            if loaded is None:
-                loaded = await self._load(binding, path, version, adapter)
-                interrupted = 0  # nothing of this experiment ran before
-            elif version == self.engine.version_of(loaded.lane) and not differs(
-                fp, self.engine.fingerprint_of(loaded.lane)
-            ):
-                interrupted = 0  # a retried UpdateWeights: already served
-            else:
-                interrupted = await engine_update(self.engine, binding, loaded.lane, path, version)
-                phases = self.engine.last_update
+            moved = None
+            if loaded is not None and group[1] and binding.spec.trainer.weight_sync == "broadcast":
+                moved = await self._streamed(binding, version, uri, group)
+            if moved is None:
+                loaded, moved = await self._from_uri(binding, loaded, version, uri, fp)
+            interrupted, phases = moved
             now = self.engine.version_of(loaded.lane)
             loaded.serve(now, self.engine.fingerprint_of(loaded.lane))
-            if fetch_s or phases is self.engine.last_update:  # fetched, or an engine update
-                phases = replace(phases, read_s=phases.read_s + fetch_s)  # fetched, then read
-                self._observe(experiment_id, phases)
         seconds = time.perf_counter() - start
         self.update_seconds.labels(experiment_id, "total").observe(seconds)
         log.info(
@@ -236,6 +236,59 @@ class Serving:
             **{k: round(v, 4) for k, v in asdict(phases).items()},
         )
         return WeightsResult(now, seconds, interrupted, phases, loaded.served[now])
+
+    async def _from_uri(self, binding: Binding, loaded: Loaded | None, version, uri, fp):
+        """The version read from `uri` (fetched first from NATS): ((interrupted, phases))."""
+        phases = UpdatePhases()
+        path, fetch_s = await self._local_dir(version, uri)
+        if binding.spec.trainer.weight_sync == "broadcast":  # its store copy may be on its way
+            await stored(path, binding.spec.rollout.weight_update_timeout_s)
+        adapter = is_adapter_dir(path)  # a LoRA version: the base is the spec's model
+        if not adapter and not (path / "config.json").is_file():
+            raise BadRequest("uri", f"no HuggingFace config.json in {path}")
+        if loaded is None:
+            loaded = await self._load(binding, path, version, adapter)
+            interrupted = 0  # nothing of this experiment ran before
+        elif version == self.engine.version_of(loaded.lane) and not differs(
+            fp, self.engine.fingerprint_of(loaded.lane)
+        ):
+            interrupted = 0  # a retried UpdateWeights: already served
+        else:
+            interrupted = await engine_update(self.engine, binding, loaded.lane, path, version)
+            phases = self.engine.last_update
+        if fetch_s or phases is self.engine.last_update:  # fetched, or an engine update
+            phases = replace(phases, read_s=phases.read_s + fetch_s)  # fetched, then read
+            self._observe(binding.experiment_id, phases)
+        return loaded, (interrupted, phases)
+
+    async def _streamed(self, binding: Binding, version: int, uri: str, group):
+        """The version received by broadcast and applied ((interrupted, phases)), or None
+        when it did not come that way or not intact (then it is read from the store)."""
+        from services.rollout.broadcast_receiver import BroadcastReceiver, Mismatch, Unavailable
+
+        if self.streams is None:
+            self.streams = BroadcastReceiver(getattr(self.engine, "device", "cpu"))
+        spec = binding.spec
+        timeout = spec.rollout.weight_update_timeout_s / 2
+        try:
+            got = await asyncio.to_thread(
+                self.streams.receive,
+                binding.experiment_id,
+                spec.trainer.nccl_master,
+                version,
+                *group,
+                timeout,
+            )
+        except (Unavailable, Mismatch) as exc:
+            log.warning("broadcast_not_taken", version=version, reason=str(exc), then="store")
+            return None
+        path = await self.receiver.receive(version, uri)  # where it is (or will be) stored
+        interrupted = await self.engine.apply_state(
+            str(path), version, got.state, got.fingerprint, got.seconds
+        )
+        log.info("weights_streamed", version=version, bytes=got.nbytes, seconds=got.seconds)
+        self._observe(binding.experiment_id, self.engine.last_update)
+        return interrupted, self.engine.last_update
 
     async def _local_dir(self, version: int, uri: str) -> tuple[Path, float]:
         """The version's directory on this host (`self.receiver`) and the seconds it took to

@@ -87,9 +87,10 @@ POOLED_LAYERS = {"full_attention", "sliding_attention"}
 
 
 def _read_state(model_dir: str) -> tuple[dict[str, torch.Tensor], str]:
-    """A version's tensors as read, and their fingerprint (before the pause: one sha256 pass)."""
+    """A version's tensors as read, and their fingerprint (before the pause: one hash pass, of
+    the kind the version's manifest records)."""
     state = load_state_dict_files(model_dir)
-    return state, fingerprint.of_state(state)
+    return state, fingerprint.of_state(state, like=fingerprint.read_manifest(Path(model_dir)))
 
 
 def sample_token(
@@ -168,18 +169,14 @@ class TorchEngine(Engine):
     ):
         if adapter_update not in ("interrupt", "finish"):
             raise ValueError(f"adapter_update: {adapter_update!r} (interrupt or finish)")
-        self.adapter_update = adapter_update
-        self.adapter_keep = 2
-        """LoRA versions kept loaded (at least eta + 1: the service sets it per experiment)."""
+        self.adapter_update, self.adapter_keep = adapter_update, 2  # LoRA versions kept loaded
         self.adapters: AdapterBank | None = None
         self.device = devices.pick_device(device)
         self.dtype_option = dtype
         self.device_name = devices.describe(self.device)
         devices.pick_dtype(dtype, self.device, "")  # an unknown name fails at start
-        self.keep_kv_on_update = keep_kv_on_update
-        self.seed = seed
-        self.kv_cache = kv_cache
-        self.max_batch = max_batch
+        self.keep_kv_on_update, self.seed = keep_kv_on_update, seed
+        self.kv_cache, self.max_batch = kv_cache, max_batch
         self.model = None
         self.model_dir: str | None = None
         self.model_dir_base = ""
@@ -272,6 +269,12 @@ class TorchEngine(Engine):
         read_s = time.perf_counter() - t0
         op = Op(kind, str(model_dir), version, self._new_future(), state, read_s, fp, lane=lane)
         op.keep = keep
+        return await self._submit_op(op)
+
+    async def apply_state(self, model_dir: str, version: int, state: dict, fp: str, read_s: float):
+        """`update_weights` with weights received elsewhere (a broadcast's staging buffers, of
+        fingerprint `fp`); `model_dir`: where the version is stored. Returns how many moved."""
+        op = Op("update", str(model_dir), version, self._new_future(), state, read_s, fp)
         return await self._submit_op(op)
 
     async def generate(self, req: GenRequest) -> Completion:

@@ -163,13 +163,25 @@ class WorkerCalls:
         return list((await stub.AbortGroups(request, timeout=timeout)).aborted)
 
     async def update_weights(
-        self, worker: Worker, version: int, uri: str, timeout: float, fingerprint: str = ""
+        self,
+        worker: Worker,
+        version: int,
+        uri: str,
+        timeout: float,
+        fingerprint: str = "",
+        group: tuple[int, int] = (0, 0),
     ) -> rollout_pb2.UpdateWeightsResponse:
         """`fingerprint`: the committed one ("" unknown); a rollout that serves `version` with
-        other weights loads it again."""
+        other weights loads it again. `group`: the rollout's rank and the rollouts' count in
+        the weight group of a `broadcast` experiment ((0, 0): it loads from `uri`)."""
         stub = rollout_pb2_grpc.RolloutStub(self.channels.get(worker.address))
         request = rollout_pb2.UpdateWeightsRequest(
-            experiment_id=self.experiment_id, version=version, uri=uri, fingerprint=fingerprint
+            experiment_id=self.experiment_id,
+            version=version,
+            uri=uri,
+            fingerprint=fingerprint,
+            group_rank=group[0],
+            group_size=group[1],
         )
         return await stub.UpdateWeights(request, timeout=timeout)
 

@@ -269,11 +269,19 @@ class Fleet:
         the reason. That deadline, not a frozen worker's lease, bounds how long it waits."""
         timeout = self.calls.spec.rollout.weight_update_timeout_s
         expected = self.fingerprints.get(version, "")
+        ranked = sorted(workers, key=lambda w: w.worker_id)  # a broadcast's ranks 1..n
+        group = self.calls.spec.trainer.weight_sync == "broadcast"
         t0 = time.perf_counter()
         results = await asyncio.gather(
-            *(self.calls.update_weights(w, version, uri, timeout, expected) for w in workers),
+            *(
+                self.calls.update_weights(
+                    w, version, uri, timeout, expected, (rank, len(ranked)) if group else (0, 0)
+                )
+                for rank, w in enumerate(ranked, start=1)
+            ),
             return_exceptions=True,
         )
+        workers = ranked
         update = FleetUpdate(version, seconds=time.perf_counter() - t0)
         for w, result in zip(workers, results, strict=True):
             if isinstance(result, BaseException):

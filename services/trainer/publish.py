@@ -34,22 +34,29 @@ def write_version(
     tokenizer_dir: Path,
     keep: int,
     last: int | None = None,
+    weights_fingerprint: str | None = None,
 ) -> str:
     """`files` (+ the tokenizer's) as `version` in the weight store: written to a temporary
     directory and renamed into place, so a reader never sees it partial; the newest `keep`
     versions up to `version` are kept, and those above it removed (an abandoned lineage: a
     resumed trainer rewrites the version of its checkpoint, then trains on from there: see
     `prune`); the `last` version (`trainer.total_steps`: what the run ends on, what `asyncrl
-    export` takes) is never removed for the count. Its manifest records the weights' fingerprint (`asyncrl.fingerprint`,
-    one sha256 pass over the tensors' bytes). Returns the version's URI."""
+    export` takes) is never removed for the count. Its manifest records the weights' fingerprint:
+    `weights_fingerprint` when given (a streamed version's), else one sha256 pass over the
+    tensors' bytes (`asyncrl.fingerprint`). A file's data is bytes, or a list of buffers
+    written one after the other (a streamed version's buckets, not copied again). Returns the
+    version's URI."""
     final = version_dir(root, experiment_id, version)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
         for name, data in files.items():
-            (tmp / name).write_bytes(data)
-        fingerprint.write_manifest(tmp, version, fingerprint.of_files(files))
+            with open(tmp / name, "wb") as f:
+                for part in [data] if isinstance(data, bytes) else data:
+                    f.write(part)
+        fp = weights_fingerprint or fingerprint.of_files(files)
+        fingerprint.write_manifest(tmp, version, fp)
         _add_tokenizer(Path(tokenizer_dir), version_dir(root, experiment_id, version - 1), tmp)
         uri = publish_version(tmp, final)
     finally:

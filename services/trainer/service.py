@@ -301,7 +301,8 @@ class TrainerService:
             final=spec.trainer.total_steps,
         )
         self._scheduler = SchedulerCalls(self.scheduler, experiment_id, self._worker, self.log)
-        self.sender = sender_for(spec.trainer, store, self.js, self._observe, self.log)
+        timeout = spec.rollout.weight_update_timeout_s
+        self.sender = sender_for(spec.trainer, store, self.js, self._observe, self.log, timeout)
         self.publisher = Publisher(
             sender=self.sender,
             commit=self._scheduler.commit,
@@ -512,7 +513,7 @@ class TrainerService:
         ended = time.perf_counter()
         time.sleep(max(0.0, self.min_step_s - (ended - began)))  # a bench knob; 0 in use
         self._stage = "serialize weights"
-        return stats, ended, self.backend.hf_files()
+        return stats, ended, self.sender.snapshot(self.backend)
 
     async def _wait_published(self) -> None:
         """Wait for the version in flight to be committed; its failure is raised, named by the

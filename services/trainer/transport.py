@@ -5,6 +5,8 @@ one knob `trainer.weight_sync` of the experiment spec (`sender_for`):
         filesystem they share with the trainer).
   nats  written there, then uploaded to the NATS object store (`asyncrl.weights_nats`);
         rollouts fetch its nats-obj:// URI into their own cache (no shared filesystem).
+  broadcast  streamed from the trainer's parameters in buckets to the torch engines over one
+        process group, the store written beside it from the same snapshot (`broadcast.py`).
   nccl  written there, and broadcast to the SGLang engines' GPUs (the trainer is rank 0 of
         their weight-update group, `weight_sync.py`) while the scheduler commits the version
         and has the engines receive it.
@@ -60,7 +62,7 @@ class Store:
     def dir(self, version: int) -> Path:
         return version_dir(self.root, self.experiment_id, version)
 
-    def write(self, version: int, files: Files) -> None:
+    def write(self, version: int, files: Files, fingerprint: str | None = None) -> None:
         write_version(
             self.root,
             self.experiment_id,
@@ -69,6 +71,7 @@ class Store:
             self.tokenizer_dir,
             self.keep,
             last=self.final,
+            weights_fingerprint=fingerprint,
         )
 
     def rewind(self, version: int) -> None:
@@ -81,6 +84,11 @@ class WeightSender:
     `asyncrl.weights.WeightReceiver`."""
 
     name = ""
+
+    def snapshot(self, backend):
+        """The trained weights as `publish` takes them, a copy no later step changes (in the
+        step's thread: the trainer's stall): the backend's files here."""
+        return backend.hf_files()
 
     def uri(self, version: int) -> str:
         """What CommitWeights carries for `version`: where rollouts load it ("" for the base)."""
@@ -230,9 +238,17 @@ def transport_of(trainer: TrainerSpec, log) -> tuple[str, bool]:
     return ("nats" if trainer.weight_sync == "disk" else trainer.weight_sync), True
 
 
-def sender_for(trainer: TrainerSpec, store: Store, js, observe: Observe, log) -> WeightSender:
-    """The sender `trainer.weight_sync` names; nothing is joined or uploaded yet."""
+def sender_for(
+    trainer: TrainerSpec, store: Store, js, observe: Observe, log, update_timeout_s: float = 30.0
+) -> WeightSender:
+    """The sender `trainer.weight_sync` names; nothing is joined or uploaded yet.
+    `update_timeout_s`: the rollouts' UpdateWeights deadline (a third of it bounds how long a
+    broadcast waits for them)."""
     name, via_nats = transport_of(trainer, log)
+    if name == "broadcast":
+        from services.trainer.broadcast import BroadcastSender
+
+        return BroadcastSender(DiskSender(store), trainer, log, update_timeout_s / 3)
     files = NatsSender(store, js, observe, log) if via_nats else DiskSender(store)
     if name == "nccl":
         return NcclSender(files, WeightBroadcaster.from_spec(trainer))

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from asyncrl.collective import TIMEOUT_S, collective_backend, init_custom_group
 from asyncrl.weights import load_state_dict_files
 
 if TYPE_CHECKING:
@@ -37,55 +37,13 @@ if TYPE_CHECKING:
 
 GROUP_NAME = "asyncrl-weights"
 """The weight-update group's name (the SGLang engine's default `nccl_group`)."""
-TIMEOUT_S = 600.0
-"""Rendezvous and per-broadcast timeout."""
-
-
-def collective_backend() -> str:
-    """NCCL when this process has a CUDA device, else gloo."""
-    import torch
-
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def init_custom_group(
-    backend: str,
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str,
-    timeout_s: float = TIMEOUT_S,
-):
-    """A process group outside torch's default group (the trainer has its own world), built
-    the way SGLang builds its side: tcp rendezvous (rank 0 hosts the store), a store prefixed
-    by `group_name`, then torch's group helper. Uses private torch API, as SGLang does."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
-
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
-    store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        Backend(backend),
-        PrefixStore(group_name, store),
-        group_name=group_name,
-        timeout=timeout,
-    )
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    assert dist.get_world_size(pg) == world_size
-    return pg
+__all__ = [
+    "GROUP_NAME",
+    "TIMEOUT_S",
+    "WeightBroadcaster",
+    "collective_backend",
+    "init_custom_group",
+]
 
 
 class WeightBroadcaster:

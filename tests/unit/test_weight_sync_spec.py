@@ -47,7 +47,9 @@ def test_weight_sync_nccl_builds_rank_0_broadcaster_of_the_group():
         ),
         ({"nccl_master": "no-port"}, "trainer.nccl_master", "should match pattern"),
         ({"nccl_world_size": 1}, "trainer.nccl_world_size", "greater than 1"),
-        ({"weight_sync": "shm"}, "trainer.weight_sync", "'disk', 'nats' or 'nccl'"),
+        ({"weight_sync": "shm"}, "trainer.weight_sync", "'disk', 'nats', 'nccl' or 'broadcast'"),
+        ({"weight_sync": "broadcast"}, "trainer", "broadcast needs nccl_master"),
+        ({"broadcast_bucket_mb": 0}, "trainer.broadcast_bucket_mb", "greater than 0"),
     ],
 )
 def test_weight_sync_invalid_fields_raise_spec_error_naming_them(fields, field, reason):
@@ -55,3 +57,14 @@ def test_weight_sync_invalid_fields_raise_spec_error_naming_them(fields, field, 
         _trainer(**fields)
     assert exc.value.field == field
     assert reason in exc.value.reason
+
+
+def test_weight_sync_broadcast_is_for_the_torch_engine_and_full_models():
+    fields = {"weight_sync": "broadcast", "nccl_master": "h:1"}
+    assert _trainer(**fields).broadcast_bucket_mb == 64
+    with pytest.raises(SpecError) as exc:
+        validate_spec(MINIMAL | {"trainer": fields, "rollout": {"engine": "sglang"}})
+    assert exc.value.field == "trainer.weight_sync" and "nccl for SGLang" in exc.value.reason
+    with pytest.raises(SpecError) as exc:
+        validate_spec(MINIMAL | {"trainer": fields | {"backend": "torch", "lora": {}}})
+    assert exc.value.field == "trainer.lora" and "'broadcast'" in exc.value.reason

@@ -7,6 +7,7 @@ import math
 import random
 import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +91,13 @@ class TrainerBackend(ABC):
         with tempfile.TemporaryDirectory() as d:
             self.save_hf(Path(d))
             return {p.name: p.read_bytes() for p in Path(d).iterdir() if p.is_file()}
+
+    def hf_state(self) -> tuple[Mapping[str, torch.Tensor], bytes]:
+        """The weights as HF names -> tensors in the published dtype (the live parameters where
+        they are already that: not a copy; a tied lm_head left out) and config.json's bytes,
+        for `trainer.weight_sync: broadcast` to pack. Every rank calls it (the writer's
+        answer is used)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot stream its weights")
 
     @abstractmethod
     def save_checkpoint(self, ckpt_dir: Path) -> None:

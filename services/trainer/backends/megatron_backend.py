@@ -214,6 +214,12 @@ class MegatronBackend(TrainerBackend):
         dtype = self._published_dtype()
         return {k: v.to(dtype) for k, v in mg.gather_hf_weights(self.built, tp_group()).items()}
 
+    def hf_state(self) -> tuple[dict[str, torch.Tensor], bytes]:
+        """`hf_state_dict` (gathered: new tensors) and the source's config.json (all ranks)."""
+        assert self.built is not None, "load() first"
+        _announce("hf_state")
+        return self.hf_state_dict(), (self.model_dir / "config.json").read_bytes()
+
     def save_hf(self, out_dir: Path) -> None:
         """config.json (copied from the source) + model.safetensors + tokenizer files. All
         ranks must call it (the TP shards are gathered); rank 0 writes."""

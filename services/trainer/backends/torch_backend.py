@@ -209,6 +209,22 @@ class TorchBackend(TrainerBackend):
                 return name
         return None
 
+    def hf_state(self) -> tuple[dict[str, torch.Tensor], bytes]:
+        """The state dict (a tied lm_head left out, as save_pretrained leaves it) in the
+        published dtype, and the model's config as JSON."""
+        assert self.model is not None, "load() first"
+        if lora.is_lora(self.model):
+            raise NotImplementedError("a LoRA version is its adapter files, not streamed")
+        state = self.model.state_dict()
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        state = {k: v.detach().to(self.dtype) for k, v in state.items()}
+        config = json.loads(self.model.config.to_json_string())
+        for key in ("dtype", "torch_dtype"):  # transformers 5 writes `dtype`, 4 `torch_dtype`
+            if key in config or key == "dtype":
+                config[key] = str(self.dtype).removeprefix("torch.")
+        return state, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+
     def hf_files(self) -> dict[str, bytes]:
         """What `save_hf` writes, as bytes: the state dict (a tied lm_head left out, as
         save_pretrained leaves it) serialised by safetensors, and the model's config."""
@@ -217,17 +233,11 @@ class TorchBackend(TrainerBackend):
         assert self.model is not None, "load() first"
         if lora.is_lora(self.model):
             return lora.adapter_files(self.model)
-        state = self.model.state_dict()
-        if getattr(self.model.config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)
-        tensors = {k: v.detach().to("cpu", self.dtype).contiguous() for k, v in state.items()}
-        config = json.loads(self.model.config.to_json_string())
-        for key in ("dtype", "torch_dtype"):  # transformers 5 writes `dtype`, 4 `torch_dtype`
-            if key in config or key == "dtype":
-                config[key] = str(self.dtype).removeprefix("torch.")
+        state, config = self.hf_state()
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
         return {
             "model.safetensors": save(tensors, metadata={"format": "pt"}),
-            "config.json": (json.dumps(config, indent=2, sort_keys=True) + "\n").encode(),
+            "config.json": config,
         }
 
     def save_checkpoint(self, ckpt_dir: Path) -> None:

@@ -1,0 +1,225 @@
+"""A trained version into every engine, per transport, against the machine's bound.
+
+For the demo model's shape (`asyncrl.tiny`, the arith demo's) and SmolLM2-135M's (random fp32
+weights, bench/gpu/shapes.py): a real torch trainer backend holds the model; after a "step"
+(every parameter nudged in place, the optimizer's work left out) the version goes to two real
+torch engines loaded with the base (idle: the transport alone is measured; one trainer and two
+engines in this process, each blocking call in its own thread, as the services run them):
+
+- `disk`: the trainer serialises the version (`hf_files`: its stall), writes it to the weight
+  store, and both engines read it from there, hash it and swap it in (UpdateWeights).
+- `broadcast`: the trainer packs its parameters into buckets (`BroadcastSender.snapshot`: its
+  stall), checksums them, and streams them over a gloo group on loopback to both engines'
+  staging buffers while the store copy is written beside it; each engine checks the bucket
+  checksums and swaps (services/trainer/broadcast.py).
+
+Per transport: `train end -> both serving` (seconds from the nudge to the last engine serving
+the version) against the bound: a memcpy of the bytes the version moves into the engines (2 x
+its bytes), measured in the same run; the trainer's stall against the same bound; and, for disk,
+a `cp` of the version's safetensors file beside it. Settings carry the bytes moved, the phases
+and the time until the store copy is written. NATS is measured by bench `weight_transfer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+
+import structlog
+import torch
+
+from asyncrl.net import free_port
+from asyncrl.spec import ExperimentSpec
+from asyncrl.tiny import build_tiny_model
+from bench.gpu.shapes import build
+from bench.report import Context, Result
+from services.rollout.broadcast_receiver import BroadcastReceiver
+from services.rollout.torch_engine import TorchEngine
+from services.trainer.backends.torch_backend import TorchBackend
+from services.trainer.broadcast import BroadcastSender
+from services.trainer.transport import DiskSender, Store
+
+NAME = "weights"
+EXP = "bench"
+ENGINES = 2
+
+
+def _memcpy_s(nbytes: int, repeats: int = 3) -> float:
+    """The best of `repeats` copies of `nbytes` between two warm buffers."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _cp_s(path: Path, repeats: int = 3) -> float:
+    best = float("inf")
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        shutil.copyfile(path, path.with_name(f"copy-{i}"))
+        best = min(best, time.perf_counter() - t0)
+        path.with_name(f"copy-{i}").unlink()
+    return best
+
+
+class Rig:
+    """The trainer backend, the store and two engines of one model shape."""
+
+    def __init__(self, model_dir: Path, work: Path):
+        self.model_dir, self.work = model_dir, work
+        self.spec = ExperimentSpec(
+            model={"path": str(model_dir)},
+            dataset={"path": "unused.jsonl"},
+            trainer={
+                "backend": "torch",
+                "weight_sync": "broadcast",
+                "nccl_master": f"127.0.0.1:{free_port()}",
+            },
+        )
+        self.store = Store(root=work / "store", experiment_id=EXP, tokenizer_dir=model_dir, keep=2)
+        self.backend = TorchBackend(self.spec, device="cpu")
+        self.engines = [TorchEngine(device="cpu", seed=i, max_batch=4) for i in range(ENGINES)]
+        self.version = 0
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.backend.load, str(self.model_dir))
+        for e in self.engines:
+            await e.start()
+            await e.load(str(self.model_dir), 0)
+
+    async def stop(self) -> None:
+        for e in self.engines:
+            await e.stop()
+
+    def step(self) -> float:
+        """A stand-in step (every parameter nudged); when it ended."""
+        with torch.no_grad():
+            for p in self.backend.model.parameters():
+                p.add_(1e-3)
+        self.version += 1
+        return time.perf_counter()
+
+    @property
+    def nbytes(self) -> int:
+        state, _ = self.backend.hf_state()
+        return sum(t.numel() * t.element_size() for t in state.values())
+
+
+async def _disk(rig: Rig) -> dict:
+    ended = rig.step()
+    files = await asyncio.to_thread(rig.backend.hf_files)
+    stall = time.perf_counter() - ended
+    await asyncio.to_thread(rig.store.write, rig.version, files)
+    written = time.perf_counter() - ended
+    path = str(rig.store.dir(rig.version))
+    await asyncio.gather(*(e.update_weights(path, rig.version) for e in rig.engines))
+    return {"serving_s": time.perf_counter() - ended, "stall_s": stall, "stored_s": written}
+
+
+async def _broadcast(rig: Rig, sender: BroadcastSender, receivers) -> dict:
+    ended = rig.step()
+    snap = await asyncio.to_thread(sender.snapshot, rig.backend)
+    stall = time.perf_counter() - ended
+    v, master = rig.version, rig.spec.trainer.nccl_master
+    uri = await sender.publish(v, snap)
+    served: list[float] = []
+
+    async def one(rank: int):
+        got = await asyncio.to_thread(receivers[rank - 1].receive, EXP, master, v, rank, 2, 60.0)
+        engine = rig.engines[rank - 1]
+        await engine.apply_state(uri, v, got.state, got.fingerprint, got.seconds)
+        assert engine.fingerprint == sender.fingerprint(v)
+        served.append(time.perf_counter())
+
+    async def commit():
+        await asyncio.gather(*(one(r) for r in range(1, ENGINES + 1)))
+
+    await sender.send(v, commit())
+    return {
+        "serving_s": max(served) - ended,
+        "stall_s": stall,
+        "stored_s": time.perf_counter() - ended,
+        **{k: v for k, v in sender.last.items() if k.endswith("_s")},
+    }
+
+
+async def _shape(ctx: Context, label: str, model_dir: Path, repeats: int) -> list[Result]:
+    rig = Rig(model_dir, ctx.work_dir / f"weights-{label}")
+    await rig.start()
+    sender = BroadcastSender(DiskSender(rig.store), rig.spec.trainer, structlog.get_logger(), 60)
+    receivers = [BroadcastReceiver() for _ in rig.engines]
+    runs: dict[str, list[dict]] = {"disk": [], "broadcast": []}
+    try:
+        for _ in range(repeats + 1):  # the first of each: warm-up (buffers, the group)
+            runs["disk"].append(await _disk(rig))
+            runs["broadcast"].append(await _broadcast(rig, sender, receivers))
+        nbytes = rig.nbytes
+        memcpy = _memcpy_s(ENGINES * nbytes)
+        cp = _cp_s(rig.store.dir(rig.version) / "model.safetensors")
+    finally:
+        await sender.close()
+        await rig.stop()
+    mib = nbytes / (1 << 20)
+    out = []
+    for transport, rows in runs.items():
+        best = min(rows[1:], key=lambda r: r["serving_s"])
+        settings = {
+            "model": label,
+            "version_mib": round(mib, 1),
+            "mib_moved": round(mib * (ENGINES + 1), 1),  # into the engines + the store
+            "engines": ENGINES,
+            **{k: round(v, 4) for k, v in best.items()},
+            "repeats": repeats,
+        }
+        out.append(
+            Result(
+                NAME,
+                f"{label} {transport}: train end -> {ENGINES} engines serving (s)",
+                best["serving_s"],
+                "s",
+                f"memcpy of {ENGINES} x {mib:.1f} MiB",
+                memcpy,
+                settings,
+            )
+        )
+        out.append(
+            Result(
+                NAME,
+                f"{label} {transport}: trainer stall (s)",
+                best["stall_s"],
+                "s",
+                f"memcpy of {ENGINES} x {mib:.1f} MiB",
+                memcpy,
+                settings,
+            )
+        )
+        if transport == "disk":
+            out.append(
+                Result(
+                    NAME,
+                    f"{label} disk: train end -> {ENGINES} engines serving (s) vs cp",
+                    best["serving_s"],
+                    "s",
+                    f"cp of the {mib:.1f} MiB file",
+                    cp,
+                    settings,
+                )
+            )
+    return out
+
+
+def run(ctx: Context) -> list[Result]:
+    demo = ctx.work_dir / "weights-demo-model"
+    build_tiny_model(demo)  # the arith demo's shape (examples/arith/build.py)
+    smol = build("smollm2-135m", ctx.work_dir / "weights-smollm2-model")
+    repeats = ctx.size(3, 1)
+    results = asyncio.run(_shape(ctx, "demo", demo, repeats))
+    results += asyncio.run(_shape(ctx, "smollm2-135m", smol, repeats))
+    return results

@@ -1,0 +1,161 @@
+"""A version as fixed-size buckets of flattened tensors (`trainer.weight_sync: broadcast`), and
+the proof of what arrived.
+
+`plan` lays the tensors of a version (name, dtype, shape; in name order) into buckets of at
+most `bucket_bytes`: each tensor at an offset aligned to `ALIGN` bytes inside one flat byte
+buffer (a tensor larger than a bucket gets a bucket of its own). Both ends derive the same plan
+from the same metadata, the trainer packs its parameters into the buckets, and each bucket is
+one broadcast.
+
+Each bucket's checksum is xxh3-64 over its tensors' bytes, in plan order (the alignment padding
+is not part of it), computed by the trainer as it packs and by an engine as it receives. The
+version's fingerprint (`fingerprint`) is one xxh3-128 over the plan and the bucket checksums,
+named with the bucket size: `xxh3/b<bucket_bytes>:<hex>`. The same fingerprint comes from the
+tensors anywhere else (`fingerprint_of_state`: the weight store's copy, an engine's live
+weights), so an engine that loads the version from the store proves it the same way. xxh3 runs
+at several GB/s per core (bench `weights` measures it); sha256 (`asyncrl.fingerprint`'s default
+kind) at ~1.4.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import xxhash
+
+if TYPE_CHECKING:
+    import torch
+
+ALIGN = 8
+"""Every tensor starts at a multiple of this many bytes in its bucket (any dtype's view)."""
+PREFIX = "xxh3/b"
+"""A bucket fingerprint starts with this, then the bucket size, ':' and the hash."""
+
+_ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor's place: its bucket, its byte offset and size there."""
+
+    name: str
+    dtype: str  # torch dtype name, e.g. "float32"
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where every tensor of a version goes; `sizes[i]` is bucket i's buffer size in bytes."""
+
+    bucket_bytes: int
+    slots: tuple[Slot, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The tensors' bytes (what a version moves, padding left out)."""
+        return sum(s.nbytes for s in self.slots)
+
+    def bucket(self, i: int) -> list[Slot]:
+        return [s for s in self.slots if s.bucket == i]
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "bucket_bytes": self.bucket_bytes,
+                "tensors": [[s.name, s.dtype, list(s.shape)] for s in self.slots],
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        metas = [(name, dtype, tuple(shape)) for name, dtype, shape in data["tensors"]]
+        return plan(metas, data["bucket_bytes"])
+
+
+def nbytes_of(dtype: str, shape: Iterable[int]) -> int:
+    if dtype not in _ITEMSIZE:
+        raise ValueError(f"dtype {dtype!r} cannot be bucketed (one of {sorted(_ITEMSIZE)})")
+    n = _ITEMSIZE[dtype]
+    for d in shape:
+        n *= d
+    return n
+
+
+def plan(metas: Iterable[tuple[str, str, tuple[int, ...]]], bucket_bytes: int) -> Plan:
+    """The buckets of tensors `metas` (name, torch dtype name, shape), laid out in name order."""
+    if bucket_bytes < ALIGN:
+        raise ValueError(f"bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
+    slots: list[Slot] = []
+    sizes: list[int] = []
+    for name, dtype, shape in sorted(metas):
+        n = nbytes_of(dtype, shape)
+        offset = -(-sizes[-1] // ALIGN) * ALIGN if sizes else 0
+        if not sizes or (offset + n > bucket_bytes and sizes[-1] > 0):
+            sizes.append(0)
+            offset = 0
+        slots.append(Slot(name, dtype, tuple(shape), len(sizes) - 1, offset, n))
+        sizes[-1] = offset + n
+    return Plan(bucket_bytes, tuple(slots), tuple(sizes))
+
+
+def plan_of_state(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> Plan:
+    return plan(
+        ((k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in state.items()),
+        bucket_bytes,
+    )
+
+
+def checksum(views: Iterable[memoryview]) -> int:
+    """xxh3-64 of the byte views, one after the other (a bucket's tensors)."""
+    h = xxhash.xxh3_64()
+    for v in views:
+        h.update(v)
+    return h.intdigest()
+
+
+def fingerprint(p: Plan, checksums: Iterable[int]) -> str:
+    """The version's fingerprint: its plan and its buckets' checksums, hashed."""
+    h = xxhash.xxh3_128(p.to_json().encode())
+    h.update(json.dumps(list(checksums)).encode())
+    return f"{PREFIX}{p.bucket_bytes}:{h.hexdigest()}"
+
+
+def bucket_bytes_of(fp: str) -> int | None:
+    """The bucket size a bucket fingerprint was made with; None for another kind."""
+    if not fp.startswith(PREFIX):
+        return None
+    return int(fp[len(PREFIX) :].split(":", 1)[0])
+
+
+def raw(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes, without a copy (a GPU tensor is copied to the host first)."""
+    import torch
+
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def fingerprint_of_state(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> str:
+    """The bucket fingerprint of tensors held anywhere (equal to the streamed one)."""
+    p = plan_of_state(state, bucket_bytes)
+    sums = [checksum(raw(state[s.name]) for s in p.bucket(i)) for i in range(len(p.sizes))]
+    return fingerprint(p, sums)

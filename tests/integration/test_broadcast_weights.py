@@ -1,0 +1,152 @@
+"""`trainer.weight_sync: broadcast` over gloo on loopback: a real torch trainer backend trains
+a step of the tiny model, `BroadcastSender` streams the version in buckets to two real torch
+engines (each with its `BroadcastReceiver`, as a rollout's Serving drives it) while they
+generate, and writes the weight store's copy from the same snapshot. Every rank lives in this
+process (groups of their own, `asyncrl.collective.own_group`); each rank's blocking calls run in
+threads, as in the services."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import structlog
+import torch
+
+from asyncrl import fingerprint
+from asyncrl.net import free_port
+from asyncrl.spec import ExperimentSpec, SamplingParams
+from services.rollout.broadcast_receiver import BroadcastReceiver, Mismatch
+from services.rollout.engine import GenRequest
+from services.rollout.torch_engine import TorchEngine
+from services.trainer.backends.torch_backend import TorchBackend
+from services.trainer.broadcast import BroadcastSender
+from services.trainer.transport import DiskSender, Store
+from tests.fakes.trainer_env import EXP, _group
+
+pytestmark = pytest.mark.slow
+
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=200)
+
+
+def _spec(tiny_dir, port: int) -> ExperimentSpec:
+    return ExperimentSpec(
+        model={"path": str(tiny_dir)},
+        dataset={"path": "unused.jsonl"},
+        trainer={
+            "backend": "torch",
+            "lr": 1e-2,
+            "weight_sync": "broadcast",
+            "nccl_master": f"127.0.0.1:{port}",
+            "broadcast_bucket_mb": 1,
+        },
+    )
+
+
+async def _setup(tiny, tmp_path):
+    spec = _spec(tiny[0], free_port())
+    backend = TorchBackend(spec, device="cpu")
+    backend.load(str(tiny[0]))
+    store = Store(root=tmp_path / "w", experiment_id=EXP, tokenizer_dir=tiny[0], keep=4)
+    sender = BroadcastSender(DiskSender(store), spec.trainer, structlog.get_logger(), 10.0)
+    engines = [TorchEngine(device="cpu", seed=i) for i in range(2)]
+    for e in engines:
+        await e.start()
+        await e.load(str(tiny[0]), 0)
+    return spec, backend, sender, engines
+
+
+async def _version(tiny, spec, backend, sender, receivers, engines, version: int, started=()):
+    """Train a step, publish, and (beside the commit) have each engine receive and apply it:
+    what the engines answered (the number of requests moved, or the exception). `started`:
+    called once the step is trained (requests to run during the update)."""
+    await asyncio.to_thread(backend.train_step, [_group(tiny, f"g{version}", version - 1)])
+    snap = await asyncio.to_thread(sender.snapshot, backend)
+    for start in started:
+        start()
+    uri = await sender.publish(version, snap)
+
+    async def one(rank, receiver, engine):
+        got = await asyncio.to_thread(
+            receiver.receive, EXP, spec.trainer.nccl_master, version, rank, len(engines), 10.0
+        )
+        return await engine.apply_state(uri, version, got.state, got.fingerprint, got.seconds)
+
+    async def commit():
+        return await asyncio.gather(
+            *(one(r, rc, e) for r, (rc, e) in enumerate(zip(receivers, engines, strict=False), 1)),
+            return_exceptions=True,
+        )
+
+    return await sender.send(version, commit())
+
+
+def _trained(backend) -> dict[str, torch.Tensor]:
+    state, _ = backend.hf_state()
+    return {k: v.clone() for k, v in state.items()}
+
+
+def _held(engine) -> dict[str, torch.Tensor]:
+    return engine.model.state_dict()
+
+
+async def test_two_engines_take_streamed_versions_mid_decode_and_the_store_gets_the_same(
+    tiny, tmp_path
+):
+    spec, backend, sender, engines = await _setup(tiny, tmp_path)
+    receivers = [BroadcastReceiver() for _ in engines]
+    prompt = tiny[2]("1+2=")["input_ids"]
+    running = []
+
+    def start():
+        for i, e in enumerate(engines):
+            running.append(asyncio.ensure_future(e.generate(GenRequest(f"r{i}", prompt, PARAMS))))
+
+    try:
+        for version in (1, 2):
+            starts = [start] if version == 1 else []
+            moved = await _version(tiny, spec, backend, sender, receivers, engines, version, starts)
+            want, fp = _trained(backend), sender.fingerprint(version)
+            assert fp.startswith("xxh3/b1048576:")
+            for engine in engines:
+                assert engine.version == version and engine.fingerprint == fp
+                held = _held(engine)
+                for name, tensor in want.items():
+                    assert torch.equal(held[name], tensor), name
+            stored = sender.files.store.dir(version)
+            assert fingerprint.read_manifest(stored) == fp
+            assert fingerprint.of_dir(stored) == fp  # recomputed from the files
+            assert sender.last["bytes"] == sum(t.numel() * 4 for t in want.values())
+            assert moved is not None
+        assert receivers[0].group_name == receivers[1].group_name == sender.group_name
+        outs = await asyncio.gather(*running)
+        for out in outs:  # started under v0, went on under the streamed version(s)
+            assert out.versions[0] == 0 and out.interruptions >= 1 and out.versions[-1] >= 1
+    finally:
+        await sender.close()
+        for e in engines:
+            await e.stop()
+
+
+async def test_a_flipped_bit_in_one_bucket_is_refused_and_nothing_is_applied(tiny, tmp_path):
+    spec, backend, sender, engines = await _setup(tiny, tmp_path)
+    receivers = [BroadcastReceiver() for _ in engines]
+    before = {k: v.clone() for k, v in _held(engines[1]).items()}
+
+    def flip(i: int, buf: torch.Tensor) -> None:
+        if i == 0:
+            buf[17] ^= 1 << 3
+
+    receivers[1].corrupt = flip
+    try:
+        moved = await _version(tiny, spec, backend, sender, receivers, engines, 1)
+        assert isinstance(moved[1], Mismatch) and "bucket(s) [0]" in str(moved[1])
+        assert engines[1].version == 0 and engines[1].fingerprint != sender.fingerprint(1)
+        for name, tensor in _held(engines[1]).items():
+            assert torch.equal(tensor, before[name]), name  # the live weights untouched
+        assert not isinstance(moved[0], BaseException)
+        assert engines[0].version == 1 and engines[0].fingerprint == sender.fingerprint(1)
+    finally:
+        await sender.close()
+        for e in engines:
+            await e.stop()
