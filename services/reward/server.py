@@ -130,7 +130,8 @@ async def create_reward(
 ) -> tuple[ServiceRuntime, RewardService]:
     """Start the reward service; returns (runtime, service), `runtime.port` is the bound port
     and `await runtime.close()` stops the server and its process pool. With register=True it
-    registers with the scheduler (`scheduler`, else ASYNCRL_SCHEDULER) as a reward worker."""
+    starts its scoring processes (`ScoringPool.warm`), then registers with the scheduler
+    (`scheduler`, else ASYNCRL_SCHEDULER) as a reward worker."""
     runtime = ServiceRuntime("reward", host=host)
     pool = ScoringPool(workers)
     runtime.on_close(pool.close)
@@ -142,6 +143,7 @@ async def create_reward(
             port=port,
         )
         if register:
+            await pool.warm()  # registered means able to score: no cold pool after a hand-over
             await runtime.register(
                 common_pb2.WORKER_KIND_REWARD,
                 capacity=pool.workers,

@@ -141,17 +141,29 @@ def test_scale_reward_2_then_1_workers_follow(cluster):
     wait_for(lambda: len(cluster.reward_workers()) == 1)
 
 
+def _scoring_processes(pid: int) -> int:
+    """The reward process's pool: its forkserver and the workers forked from it."""
+    tree = psutil.Process(pid).children(recursive=True)
+    return sum("multiprocessing.forkserver" in " ".join(p.cmdline()) for p in tree)
+
+
 def test_sigterm_reward_successor_registered_before_the_old_one_leaves(cluster):
     """A SIGTERM the supervisor did not send: the scheduler lists a reward worker at every poll
-    (the successor registers while the old one serves), then only the successor's."""
+    (the successor registers while the old one serves), then only the successor's. Once the
+    successor is listed its scoring processes run (forkserver + one per core, at most 4): its
+    first pooled items wait for no pool to start (2-8 s on the loaded machine)."""
     old = next(p for p in cluster.procs("reward") if p["status"] == "running")
     before = {w.address for w in cluster.reward_workers()}
     os.kill(old["pid"], signal.SIGTERM)
-    counts = []
+    counts, pool = [], None
     while pid_alive(old["pid"]):
         counts.append(len(cluster.reward_workers()))
+        if counts[-1] == 2 and pool is None:
+            [succ] = [p for p in cluster.procs("reward") if p["pid"] != old["pid"]]
+            pool = _scoring_processes(succ["pid"])
         assert len(counts) < 600, "the old reward process did not exit in ~60 s"
     assert min(counts) >= 1 and max(counts) == 2, counts
+    assert pool == 1 + min(4, os.cpu_count() or 1)
     wait_for(lambda: len(cluster.reward_workers()) == 1)
     [after] = cluster.reward_workers()
     assert after.address not in before
