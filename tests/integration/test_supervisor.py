@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 from subprocess import PIPE
@@ -169,6 +170,32 @@ def test_sigterm_reward_successor_registered_before_the_old_one_leaves(cluster):
     assert after.address not in before
     [new] = [p for p in cluster.procs("reward") if p["status"] == "running"]
     assert new["pid"] != old["pid"] and new["handovers"] == old["handovers"] + 1
+
+
+def test_restart_reward_lists_a_reward_worker_at_every_poll_and_replaces_it(cluster):
+    """`restart reward` (make restart): the replica is replaced successor first, as on a
+    SIGTERM not from the supervisor; the command returns once the old process exited."""
+    [old] = [p for p in cluster.procs("reward") if p["status"] == "running"]
+    counts: list[int] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            counts.append(len(cluster.reward_workers()))
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        result = cluster.sup("restart", "reward")
+    finally:
+        done.set()
+        poller.join()
+    assert result.returncode == 0, result.stdout + result.stderr
+    [new] = [p for p in cluster.procs("reward") if p["status"] == "running"]
+    assert f"reward-0: pid {old['pid']} -> {new['pid']}" in result.stdout
+    assert not pid_alive(old["pid"]) and new["handovers"] == old["handovers"] + 1
+    assert min(counts) >= 1 and max(counts) == 2, counts
+    assert cluster.sup("restart", "nats").returncode != 0  # not a service it replaces
 
 
 def _secret_values(secrets: Path) -> list[str]:
