@@ -76,7 +76,11 @@ class WorkerAgent:
 
     async def _beat(self) -> None:
         """One heartbeat after `interval`; registers again when the scheduler forgot this
-        worker or did not answer."""
+        worker or did not answer. The call waits for the connection (`wait_for_ready`, up to
+        three intervals): a scheduler replaced on a hand-over is reached the moment its
+        successor binds (gRPC's reconnect backoff, 0.1-1 s), which answers `known: false`, and
+        the worker registers at once; without it a refused attempt slept its retry backoff
+        (0.1-1.1 s) first and the run waited for that."""
         await asyncio.sleep(self.interval)
         try:
             async for attempt in idempotent_rpc(attempts=3, max_delay_s=self.interval * 3):
@@ -85,7 +89,8 @@ class WorkerAgent:
                         scheduler_pb2.HeartbeatRequest(
                             worker_id=self.worker_id, load=int(self.load())
                         ),
-                        timeout=max(1.0, self.interval),
+                        timeout=max(1.0, self.interval) * 3,
+                        wait_for_ready=True,
                     )
             if self.on_beat is not None:
                 self.on_beat(resp)
