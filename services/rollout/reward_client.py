@@ -161,14 +161,15 @@ class RewardClient:
         return [_score(by_id.get(i.id)) for i in items]
 
     def _fail_over(self, order: tuple[str, ...]):
-        """`order`'s first address, then at once every other replica not tried yet, the newest
-        list's first (`_newest`, read at each step: a heartbeat may come meanwhile). A replica
-        that left (a hand-over, a scale-down) costs one refused attempt, not a backoff: its
-        successor or the other replicas answer the same call."""
+        """`order`'s first address, then at once every other replica not tried yet: the newest
+        heartbeat's, the newest call's, this call's (read at each step: a heartbeat may come
+        meanwhile). A replica that left (a hand-over, a scale-down) costs one refused attempt,
+        not a backoff: its successor or the other replicas answer the same call."""
         tried = {order[0]}
         yield order[0]
         while True:
-            fresh = [a for a in (*self._newest(order), *order) if a not in tried]
+            known = (*self._heard, *self._latest, *order)
+            fresh = [a for a in known if a not in tried]
             if not fresh:
                 return
             tried.add(fresh[0])
