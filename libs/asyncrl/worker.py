@@ -17,6 +17,11 @@ from asyncrl.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = get_logger()
 
+SCHEDULER_CHANNEL = {"grpc.max_reconnect_backoff_ms": 250}
+"""A worker looks for a scheduler that went away (a hand-over, a restart) every 0.1-0.25 s, not
+up to every 1 s: it registers with the successor within 0.25 s of its bind (the run waits for
+every kind of worker to be back; 0.3-0.7 s after the bind with 1 s on the loaded machine)."""
+
 
 class WorkerAgent:
     """Keeps one worker registered. `load` reports current load on each heartbeat."""
@@ -46,7 +51,7 @@ class WorkerAgent:
         self.worker_id: str | None = None
         self.interval = 1.0
         self._task: asyncio.Task | None = None
-        self._channel = channel(self.scheduler, identity)
+        self._channel = channel(self.scheduler, identity, options=SCHEDULER_CHANNEL)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     async def register(self) -> str:
