@@ -40,6 +40,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing import forkserver, resource_tracker
 
 import pebble
 from pebble.common import ProcessExpired
@@ -333,6 +334,24 @@ class ScoringPool:
         """Stop the workers (running items are abandoned) and wait for them to exit."""
         self._pool.stop()
         await asyncio.to_thread(self._pool.join)
+
+
+async def stop_helpers() -> None:
+    """Stop and reap this process's multiprocessing forkserver and resource tracker, once the
+    pool is closed (the service's close): left to exit with it, they were orphans, zombies
+    under an init that does not reap (one pair per reward process since the pool starts
+    warm)."""
+
+    def stop() -> None:
+        for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+            try:
+                helper._stop()
+            except (OSError, AttributeError) as e:  # gone already, or another Python's API
+                log.warning(
+                    "reward_helper_stop_failed", helper=type(helper).__name__, error=repr(e)
+                )
+
+    await asyncio.to_thread(stop)
 
 
 def _since(started: float) -> float:
