@@ -76,6 +76,10 @@ scale: ## change replicas at runtime: make scale SERVICE=rollout N=3
 	@test -n "$(SERVICE)" -a -n "$(N)" || { echo "usage: make scale SERVICE=rollout N=3"; exit 2; }
 	@$(SUPERVISOR) scale $(SERVICE) $(N) --var $(VAR)
 
+restart: ## rolling restart, each replica's successor started before it leaves: make restart SERVICE=reward
+	@test -n "$(SERVICE)" || { echo "usage: make restart SERVICE=reward"; exit 2; }
+	@$(SUPERVISOR) restart $(SERVICE) --var $(VAR)
+
 # --- the demo: a tiny model learns three-digit addition (little-endian) through all the services
 DEMO_DIR := $(VAR)/demo
 DEMO_ARGS ?=
@@ -101,4 +105,4 @@ smollm2-learn: venv protos ## SmolLM2-135M learns on the CPU against an lr=1e-12
 	ASYNCRL_VAR=$(VAR) .venv/bin/asyncrl submit examples/smollm2/learn.yaml --set trainer.lr=1e-12 --set name=smollm2-larger-control --id-file $(LEARN_DIR)/control_id --watch
 	ASYNCRL_VAR=$(VAR) $(PY) -m examples.smollm2.learn --learn $$(cat $(LEARN_DIR)/learn_id) --control $$(cat $(LEARN_DIR)/control_id) --out $(LEARN_DIR)
 
-.PHONY: help venv protos schema test test-fast lint bench chaos multihost gpu-check up down ps logs scale demo smollm2 smollm2-learn
+.PHONY: help venv protos schema test test-fast lint bench chaos multihost gpu-check up down ps logs scale restart demo smollm2 smollm2-learn

@@ -59,17 +59,21 @@ def bearer_interceptors(token: str) -> list:
     return [BearerUnary(token), BearerStream(token), BearerBidi(token)]
 
 
-def channel(address: str, identity: str | None = None, token: bool = True) -> grpc.aio.Channel:
+def channel(
+    address: str, identity: str | None = None, token: bool = True, options: dict | None = None
+) -> grpc.aio.Channel:
     """A channel to `address` over TLS that presents `identity`'s token on every call (default
-    ASYNCRL_IDENTITY, i.e. the CLI's admin). Plain when ASYNCRL_INSECURE."""
+    ASYNCRL_IDENTITY, i.e. the CLI's admin). Plain when ASYNCRL_INSECURE. `options` replace
+    those of CHANNEL_OPTIONS with the same name."""
     creds = credentials(identity or settings().identity)
+    merged = list((dict(CHANNEL_OPTIONS) | (options or {})).items())
     if creds is None:
-        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.aio.insecure_channel(address, options=merged)
     interceptors = bearer_interceptors(creds.token) if token else None
     return grpc.aio.secure_channel(
         address,
         creds.channel_credentials(),
-        options=CHANNEL_OPTIONS,
+        options=merged,
         interceptors=interceptors,
     )
 

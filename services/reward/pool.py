@@ -40,13 +40,17 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing import forkserver, resource_tracker
 
 import pebble
 from pebble.common import ProcessExpired
 
 from asyncrl import rewards
+from asyncrl.logging import get_logger
 from asyncrl.types import RewardStatus, Score, ScoreItem
 from services.reward.fair import FairSlots, NotStarted
+
+log = get_logger()
 
 # Workers fork from a forkserver that has these imported: a fresh worker (also the one that
 # replaces a worker killed at a timeout) starts in milliseconds and does not spend an item's
@@ -60,6 +64,8 @@ COST_WEIGHT = 0.1
 """Weight of the newest item in a function's moving average of seconds per item."""
 TASK_SLACK_S = 0.5
 """Added to a batch task's deadline: the worker's own overhead (unpickling, the hand-off)."""
+WARM_TIMEOUT_S = 120.0
+"""How long `ScoringPool.warm` waits for the processes to start before the service goes on."""
 ANSWER_MARGIN_S = 2.0
 """The Score call answers this long before its deadline (the answer's way back to the
 caller): no task starts later, and a task still running then is stopped."""
@@ -212,6 +218,22 @@ class ScoringPool:
         self._cost: dict[str, float] = {}
         """Moving average of seconds per item, per function scored in the pool."""
 
+    async def warm(self) -> None:
+        """Start the processes now rather than at the first pooled item: the forkserver with
+        PRELOAD imported and every worker forked from it. A reward service registers only after
+        this, so the successor of a hand-over scores its first pooled items at once; a cold pool
+        took 2-8 s for its first item on the loaded 2-core machine, a stall of every run whose
+        reward function is not inline. A pool that does not start in WARM_TIMEOUT_S is left to
+        start on demand (logged)."""
+        started = time.monotonic()
+        tasks = [asyncio.wrap_future(self._pool.schedule(_warm_up)) for _ in range(self.workers)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*tasks), WARM_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - scoring still starts the pool on demand
+            log.warning("reward_pool_cold", error=repr(e), waited_s=_since(started))
+            return
+        log.info("reward_pool_warm", workers=self.workers, seconds=_since(started))
+
     async def score(
         self,
         function: str,
@@ -312,3 +334,25 @@ class ScoringPool:
         """Stop the workers (running items are abandoned) and wait for them to exit."""
         self._pool.stop()
         await asyncio.to_thread(self._pool.join)
+
+
+async def stop_helpers() -> None:
+    """Stop and reap this process's multiprocessing forkserver and resource tracker, once the
+    pool is closed (the service's close): left to exit with it, they were orphans, zombies
+    under an init that does not reap (one pair per reward process since the pool starts
+    warm)."""
+
+    def stop() -> None:
+        for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+            try:
+                helper._stop()
+            except (OSError, AttributeError) as e:  # gone already, or another Python's API
+                log.warning(
+                    "reward_helper_stop_failed", helper=type(helper).__name__, error=repr(e)
+                )
+
+    await asyncio.to_thread(stop)
+
+
+def _since(started: float) -> float:
+    return round(time.monotonic() - started, 3)

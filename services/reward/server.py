@@ -16,7 +16,7 @@ from asyncrl.runtime import ServiceRuntime
 from asyncrl.spec import RewardSpec, spec_from_json
 from asyncrl.types import RewardStatus, Score, ScoreItem
 from asyncrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from services.reward.pool import ScoringPool
+from services.reward.pool import ScoringPool, stop_helpers
 
 log = get_logger()
 
@@ -130,8 +130,10 @@ async def create_reward(
 ) -> tuple[ServiceRuntime, RewardService]:
     """Start the reward service; returns (runtime, service), `runtime.port` is the bound port
     and `await runtime.close()` stops the server and its process pool. With register=True it
-    registers with the scheduler (`scheduler`, else ASYNCRL_SCHEDULER) as a reward worker."""
+    starts its scoring processes (`ScoringPool.warm`), then registers with the scheduler
+    (`scheduler`, else ASYNCRL_SCHEDULER) as a reward worker."""
     runtime = ServiceRuntime("reward", host=host)
+    runtime.on_close(stop_helpers)  # after the pool's close: closed in reverse order
     pool = ScoringPool(workers)
     runtime.on_close(pool.close)
     service = RewardService(pool)
@@ -142,6 +144,7 @@ async def create_reward(
             port=port,
         )
         if register:
+            await pool.warm()  # registered means able to score: no cold pool after a hand-over
             await runtime.register(
                 common_pb2.WORKER_KIND_REWARD,
                 capacity=pool.workers,

@@ -1,8 +1,10 @@
 """Client of Reward.Score with fail-over across reward replicas.
 
-Score is idempotent, so a transient failure (UNAVAILABLE, DEADLINE_EXCEEDED) is retried through
-`asyncrl.retry.idempotent_rpc` for up to `max_wait_s`, and every attempt goes to the next
-address: a dead replica costs one fast failure, not the group, and a restarted one is found
+Score is idempotent, so a transient failure (UNAVAILABLE, DEADLINE_EXCEEDED) goes at once to
+each other replica not tried yet (the newest heartbeat's list first: a replica that left on a
+hand-over or scale-down costs one refused attempt, no backoff), then is retried through
+`asyncrl.retry.idempotent_rpc` for up to `max_wait_s`, every attempt to the next address of the
+newest list: a dead replica costs one fast failure, not the group, and a restarted one is found
 again. A reward service that stays unreachable is an infrastructure fault, not the sample's
 fate: `RewardUnavailable`, which the rollout turns into an UNAVAILABLE GenerateGroup so the
 scheduler retries the group under the same id. A slow or hung reward function is not: the
@@ -68,14 +70,22 @@ class RewardClient:
         """Items asked for in this pass of the event loop, sent together at its end."""
         self._sending: set[asyncio.Task] = set()
         self._latest: tuple[str, ...] = ()
-        """The addresses of the newest call: a retry goes there (a replica that stopped has
-        left the scheduler's list, the one restarted in its place is on it)."""
+        """The addresses of the newest call (a replica that stopped has left the scheduler's
+        list, the one started in its place is on it)."""
+        self._heard: tuple[str, ...] = ()
+        """The scheduler's list at the newest heartbeat (`known`): newer than a call's list,
+        which was the list when its group was dispatched."""
 
     def known(self, addresses) -> None:
         """The scheduler's list of reward addresses now (each heartbeat brings it): retries
         go there. An empty list (the only replica is restarting) keeps the last one."""
         if addresses:
-            self._latest = tuple(addresses)
+            self._heard = tuple(addresses)
+
+    def _newest(self, own: tuple[str, ...]) -> tuple[str, ...]:
+        """Where a failed call turns: the heartbeat's list, else the newest call's, else its
+        own."""
+        return self._heard or self._latest or own
 
     def _stub(self, address: str) -> reward_pb2_grpc.RewardStub:
         stub = self._stubs.get(address)
@@ -122,17 +132,20 @@ class RewardClient:
         for i in items:
             add(id=i.id, prompt=i.prompt, completion=i.completion, answer=i.answer)
         start = next(self._rr)
-        order = [addresses[(start + k) % len(addresses)] for k in range(len(addresses))]
-        tried = self._retry_order(order)
+        order = tuple(addresses[(start + k) % len(addresses)] for k in range(len(addresses)))
         deadline = score_deadline(binding.timeout_s, len(items))
-        address = next(tried)
+        resp = None
         try:
-            try:  # the first attempt outside tenacity: its bookkeeping only after a failure
-                resp = await self._score_once(address, binding, req, deadline)
-            except grpc.aio.AioRpcError as e:
-                if e.code() not in RETRYABLE_CODES:
-                    raise
+            for address in self._fail_over(order):  # no wait: each replica not tried yet
+                try:
+                    resp = await self._score_once(address, binding, req, deadline)
+                    break
+                except grpc.aio.AioRpcError as e:
+                    if e.code() not in RETRYABLE_CODES:
+                        raise
+            if resp is None:
                 # bounded by time, not by attempts: each attempt after the first waits up to 2 s
+                tried = self._retry_order(order)
                 policy = idempotent_rpc(attempts=sys.maxsize, max_delay_s=self.max_wait_s)
                 async for attempt in policy:
                     with attempt:
@@ -147,13 +160,26 @@ class RewardClient:
         by_id = {r.id: r for r in resp.results}
         return [_score(by_id.get(i.id)) for i in items]
 
-    def _retry_order(self, order: list[str]):
-        """`order`'s first address, then round-robin over the newest call's addresses (this
-        call's own while no newer call came)."""
+    def _fail_over(self, order: tuple[str, ...]):
+        """`order`'s first address, then at once every other replica not tried yet: the newest
+        heartbeat's, the newest call's, this call's (read at each step: a heartbeat may come
+        meanwhile). A replica that left (a hand-over, a scale-down) costs one refused attempt,
+        not a backoff: its successor or the other replicas answer the same call."""
+        tried = {order[0]}
         yield order[0]
-        own, k = tuple(order), 1
         while True:
-            pool = self._latest if self._latest and self._latest != own else order
+            known = (*self._heard, *self._latest, *order)
+            fresh = [a for a in known if a not in tried]
+            if not fresh:
+                return
+            tried.add(fresh[0])
+            yield fresh[0]
+
+    def _retry_order(self, order: tuple[str, ...]):
+        """Round-robin over the newest list (`_newest`), after every replica failed once."""
+        k = 1
+        while True:
+            pool = self._newest(order)
             yield pool[k % len(pool)]
             k += 1
 

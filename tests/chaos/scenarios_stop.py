@@ -5,8 +5,15 @@ point 10, and the power cut and full restart of its acceptance).
   rescheduled pod; here not from the supervisor) SIGTERMS times at drawn versions to the only
   replica. The supervisor starts a successor beside it (`asyncrl.supervisor.handover`); the old
   process serves until that is ready, then leaves and drains. Each fault waits for the old
-  process to exit (`exit_s`) and the run to go on; the run fails when it stalled (the longest
-  time without a new version around the fault, `report.stall_s`) more than MAX_STALL_S.
+  process to exit and for AFTER_EXIT new versions after that; the run fails when it stalled
+  (the longest time without a new version from the last one before the signal to the last of
+  those, `report.stall_s`) more than MAX_STALL_S. Each fault records its phases, in seconds
+  after the signal: `successor_s` (the supervisor started the successor), `registered_s` (the
+  scheduler lists it), `left_s` (the old worker is off the list), `back_s` (the old process
+  exited), `done_s` (absolute, the end of the stall window).
+- `sigterm-reward-pool`: `sigterm-reward` with a reward function scored in the reward
+  service's process pool (`regex`), not inline: a successor must have its pool up before it
+  registers.
 - `power-cut`: every process of the deployment (the supervisor, nats-server, each service and
   what it started) frozen and killed -9 at once, then `make up` again; the experiment resumes
   from NATS and the checkpoints and completes.
@@ -25,7 +32,9 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from asyncrl.client import AsyncrlClient
 from asyncrl.proc import pid_alive
+from asyncrl.v1 import common_pb2
 from tests.chaos.scenarios import Scenario, targets
 from tests.chaos.scenarios_df import step_s
 
@@ -40,6 +49,12 @@ SIGTERM_STEPS = {"scheduler": 120, "reward": 120, "rollout": 400}
 step: three of them need more than the suite's 30 steps. A rollout's successor took 11 s on the
 idle 2-core machine and 30 s beside a run at load 6 (~115 steps)."""
 EXIT_TIMEOUT_S = 240.0
+AFTER_EXIT = 3
+"""New versions after the old process exited that the stall window still covers: a successor
+that serves slowly (a cold pool, a reward address not yet known) shows after the exit."""
+KINDS = {"reward": common_pb2.WORKER_KIND_REWARD, "rollout": common_pb2.WORKER_KIND_ROLLOUT}
+POOLED_REWARD = ("reward.function=regex", "reward.kwargs.pattern='^1'")
+"""Scored in the reward service's processes (regex is not an inline built-in)."""
 
 
 async def _gone(pid: int, timeout: float = EXIT_TIMEOUT_S) -> bool:
@@ -51,12 +66,50 @@ async def _gone(pid: int, timeout: float = EXIT_TIMEOUT_S) -> bool:
     return True
 
 
-async def _went_on(run: Run, fault: dict) -> bool:
-    """Wait for new progress; `done_s`: when it came (the end of the stall window)."""
-    if not await run.advance():
-        return False
+async def _went_on(run: Run, fault: dict, versions: int = 1) -> bool:
+    """Wait for `versions` new versions, one after another; `done_s`: when the last came (the
+    end of the stall window)."""
+    for _ in range(versions):
+        if not await run.advance():
+            return False
     fault["done_s"] = run.timeline[-1][0]
     return True
+
+
+async def _phases(run: Run, service: str, pid: int, fault: dict) -> None:
+    """Record when the successor started, registered, and the old worker left (seconds after
+    the signal), polling the supervisor's state and the scheduler's worker list until the old
+    process exited."""
+    kind = KINDS.get(service)
+    started = time.monotonic()
+    async with AsyncrlClient(run.scheduler, timeout_s=2.0) as client:
+        before = await _addresses(client, kind) or set()
+        while pid_alive(pid) or ("registered_s" not in fault and kind is not None):
+            at = round(time.monotonic() - started, 2)
+            if "successor_s" not in fault and any(
+                p["service"] == service and p["pid"] not in (pid, None) for p in run.processes()
+            ):
+                fault["successor_s"] = at
+            now = await _addresses(client, kind)
+            if now is not None and kind is not None:
+                if "registered_s" not in fault and now - before:
+                    fault["registered_s"] = at
+                if "left_s" not in fault and before and not before & now:
+                    fault["left_s"] = at
+            if time.monotonic() - started > EXIT_TIMEOUT_S:
+                return
+            await asyncio.sleep(0.1)
+
+
+async def _addresses(client: AsyncrlClient, kind: int | None) -> set[str] | None:
+    """The addresses of the workers of `kind` the scheduler lists; None when it did not
+    answer (or for the scheduler itself)."""
+    if kind is None:
+        return None
+    try:
+        return {w.address for w in await client.workers() if w.kind == kind}
+    except Exception:  # noqa: BLE001 - a scheduler busy or away: no sample this time
+        return None
 
 
 async def sigterm(service: str, run: Run, rng: random.Random) -> None:
@@ -66,10 +119,12 @@ async def sigterm(service: str, run: Run, rng: random.Random) -> None:
         pid = await run.pid(service)
         os.kill(pid, signal.SIGTERM)
         fault = run.mark(f"SIGTERM {service} (pid {pid})", step_s=step_s(run))
+        phases = asyncio.create_task(_phases(run, service, pid, fault))
         if not await _gone(pid):
             run.errors.append(
                 f"{service} pid {pid} still alive {EXIT_TIMEOUT_S:.0f}s after SIGTERM"
             )
+            phases.cancel()
             return
         fault["back_s"] = round(run.since() - fault["at_s"], 2)  # the old process exited
         successor = await run.pid(service)
@@ -77,7 +132,9 @@ async def sigterm(service: str, run: Run, rng: random.Random) -> None:
             p.get("handovers", 0) for p in run.processes() if p["service"] == service
         )
         fault["successor"] = successor
-        if not await _went_on(run, fault):
+        went_on = await _went_on(run, fault, AFTER_EXIT)
+        phases.cancel()
+        if not went_on:
             return
 
 
@@ -144,6 +201,17 @@ def scenarios() -> list[Scenario]:
         )
         for s in ("scheduler", "reward", "rollout")
     ]
+    terms.append(
+        Scenario(
+            "sigterm-reward-pool",
+            f"SIGTERM reward x{SIGTERMS}, reward scored in its pool",
+            partial(sigterm, "reward"),
+            count=SIGTERMS,
+            steps=SIGTERM_STEPS["reward"],
+            max_stall_s=MAX_STALL_S,
+            sets=POOLED_REWARD,
+        )
+    )
     whole = [
         Scenario("power-cut", "kill -9 everything, make up", power_cut),
         Scenario("full-restart", "make down, make up", full_restart),

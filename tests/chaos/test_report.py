@@ -118,6 +118,7 @@ def test_scenarios_every_fault_of_the_suite_present():
         "hung-reward",
         *("corrupt-checkpoint", "deep-rewind"),
         *("disk-full", "sigterm-reward", "sigterm-rollout", "sigterm-scheduler"),
+        "sigterm-reward-pool",
         *("power-cut", "full-restart"),
         "tenants",
     }

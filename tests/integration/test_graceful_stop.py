@@ -13,6 +13,7 @@ import time
 
 import pytest
 import structlog
+from structlog.testing import capture_logs
 
 from asyncrl.ledger import read_events
 from asyncrl.logging import configure_logging
@@ -90,6 +91,24 @@ async def test_a_leaving_rollout_finishes_its_groups_and_gets_no_new_ones(cluste
         await asyncio.sleep(0.1)
     assert set(held) <= await settled()
     assert rollout.cancelled == [] and rollout.group_ids() == held
+
+
+async def test_a_heartbeat_waits_for_a_scheduler_replaced_on_its_port(cluster):
+    """The scheduler closed and one bound its port 1.5 s later (a hand-over; heartbeats every
+    0.2 s): the worker's heartbeat waits for the connection and reaches the new one, which does
+    not know it, and it registers there at once. No heartbeat failed in between (they did after
+    3 refused attempts, each after a backoff sleep that delayed the registration)."""
+    await cluster.start_scheduler()
+    agent, _ = await cluster.worker(REWARD)
+    first, port = agent.worker_id, cluster.port
+    with capture_logs() as logs:
+        await cluster.stop_scheduler()
+        await asyncio.sleep(1.5)
+        await cluster.start_scheduler(port=port)
+        await wait_until(lambda: cluster.scheduler.registry.get(agent.worker_id or ""), 10)
+    events = [e["event"] for e in logs]
+    assert agent.worker_id != first
+    assert "worker_unknown_reregistering" in events and "heartbeat_failed" not in events
 
 
 async def test_a_heartbeat_logging_onto_a_full_disk_keeps_the_worker_registered(cluster):

@@ -132,3 +132,31 @@ async def test_a_retry_goes_to_the_address_the_scheduler_names_now(reward_addres
     assert [s.reward for s in scores] == [1.0]
     assert loop.time() - started < 5.0
     await client.close()
+
+
+async def test_a_call_dispatched_to_a_replica_that_left_goes_to_the_heartbeats_at_once(
+    reward_address,
+):
+    """The group was dispatched while the only replica was the old one (a hand-over): that
+    replica left (its port is dead) and the newest heartbeat names its successor. The call's
+    second attempt goes there, without a backoff; the call's own list, older than the
+    heartbeat's, does not send the retries back to the dead port (they did until `max_wait_s`:
+    RewardUnavailable, the group re-queued)."""
+    client = RewardClient(max_wait_s=0.5)
+    tried: list[str] = []
+    score_once = client._score_once
+
+    async def tracing(address, binding, req, deadline):
+        tried.append(address)
+        return await score_once(address, binding, req, deadline)
+
+    client._score_once = tracing
+    dead = f"127.0.0.1:{free_port()}"
+    client.known([reward_address])
+    scores = await client.score([dead], BINDING, items("g", ["42"]))
+    assert [s.reward for s in scores] == [1.0]
+    assert tried == [dead, reward_address]
+    tried.clear()  # a later call still dispatched with the old list: straight over again
+    assert [s.reward for s in await client.score([dead], BINDING, items("h", ["0"]))] == [0.0]
+    assert tried == [dead, reward_address]
+    await client.close()

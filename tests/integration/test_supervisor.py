@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 from subprocess import PIPE
@@ -117,13 +118,14 @@ def test_killed_reward_process_is_restarted(cluster):
     )
     assert new["pid"] != old["pid"] and pid_alive(new["pid"])
     assert new["last_exit"] == -signal.SIGKILL
-    # the new process registers itself; the dead one stops heartbeating
-    wait_for(
-        lambda: (
-            len(cluster.reward_workers()) == 1
-            and cluster.reward_workers()[0].last_seen_unix > new["started_at"]
-        )
-    )
+
+    # the new process registers itself (its scoring processes started first); the dead one
+    # stops heartbeating: one list, read once per poll
+    def only_the_new_one() -> bool:
+        listed = cluster.reward_workers()
+        return len(listed) == 1 and listed[0].last_seen_unix > new["started_at"]
+
+    wait_for(only_the_new_one)
 
 
 def test_scale_reward_2_then_1_workers_follow(cluster):
@@ -141,22 +143,61 @@ def test_scale_reward_2_then_1_workers_follow(cluster):
     wait_for(lambda: len(cluster.reward_workers()) == 1)
 
 
+def _scoring_processes(pid: int) -> int:
+    """The reward process's pool: its forkserver and the workers forked from it."""
+    tree = psutil.Process(pid).children(recursive=True)
+    return sum("multiprocessing.forkserver" in " ".join(p.cmdline()) for p in tree)
+
+
 def test_sigterm_reward_successor_registered_before_the_old_one_leaves(cluster):
     """A SIGTERM the supervisor did not send: the scheduler lists a reward worker at every poll
-    (the successor registers while the old one serves), then only the successor's."""
+    (the successor registers while the old one serves), then only the successor's. Once the
+    successor is listed its scoring processes run (forkserver + one per core, at most 4): its
+    first pooled items wait for no pool to start (2-8 s on the loaded machine)."""
     old = next(p for p in cluster.procs("reward") if p["status"] == "running")
     before = {w.address for w in cluster.reward_workers()}
     os.kill(old["pid"], signal.SIGTERM)
-    counts = []
+    counts, pool = [], None
     while pid_alive(old["pid"]):
         counts.append(len(cluster.reward_workers()))
+        if counts[-1] == 2 and pool is None:
+            [succ] = [p for p in cluster.procs("reward") if p["pid"] != old["pid"]]
+            pool = _scoring_processes(succ["pid"])
         assert len(counts) < 600, "the old reward process did not exit in ~60 s"
     assert min(counts) >= 1 and max(counts) == 2, counts
+    assert pool == 1 + min(4, os.cpu_count() or 1)
     wait_for(lambda: len(cluster.reward_workers()) == 1)
     [after] = cluster.reward_workers()
     assert after.address not in before
     [new] = [p for p in cluster.procs("reward") if p["status"] == "running"]
     assert new["pid"] != old["pid"] and new["handovers"] == old["handovers"] + 1
+
+
+def test_restart_reward_lists_a_reward_worker_at_every_poll_and_replaces_it(cluster):
+    """`restart reward` (make restart): the replica is replaced successor first, as on a
+    SIGTERM not from the supervisor; the command returns once the old process exited."""
+    [old] = [p for p in cluster.procs("reward") if p["status"] == "running"]
+    counts: list[int] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            counts.append(len(cluster.reward_workers()))
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        result = cluster.sup("restart", "reward")
+    finally:
+        done.set()
+        poller.join()
+    assert result.returncode == 0, result.stdout + result.stderr
+    [new] = [p for p in cluster.procs("reward") if p["status"] == "running"]
+    assert f"reward-0: pid {old['pid']} -> {new['pid']}" in result.stdout
+    assert not pid_alive(old["pid"]) and new["handovers"] == old["handovers"] + 1
+    # never none listed (the two overlap ~0.1-0.3 s: a poll under load may not see both)
+    assert counts and min(counts) >= 1, counts
+    assert cluster.sup("restart", "nats").returncode != 0  # not a service it replaces
 
 
 def _secret_values(secrets: Path) -> list[str]:

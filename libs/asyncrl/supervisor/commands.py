@@ -1,4 +1,5 @@
-"""`python -m asyncrl.supervisor start|stop|ps|logs|scale` (behind make up/down/ps/logs/scale).
+"""`python -m asyncrl.supervisor start|stop|ps|logs|scale|restart` (behind make
+up/down/ps/logs/scale/restart).
 
 `start` makes the secrets once (`<var>/secrets`, or ASYNCRL_SECRETS: the CA, certificates,
 tokens, NATS users; see asyncrl.security), launches the daemon (`run`) in its own session and
@@ -7,7 +8,8 @@ started kind. The daemon starts
 nats-server (`-js -sd var/nats`), then the scheduler, reward, rollout and trainer, each with
 stdout+stderr in var/log/<service>-<replica>.log; restarts what crashes (with backoff); follows
 var/run/replicas.json (written by `scale`); records var/run/state.json (for `ps`); and on
-SIGTERM stops the services in reverse order, nats last.
+SIGTERM stops the services in reverse order, nats last. `restart SERVICE` replaces its replicas
+one at a time, each successor started before its predecessor leaves (`handover`).
 
 `ASYNCRL_METRICS_PORT=B` (or `start --metrics-port B`) gives the services with metrics fixed
 ports from B (scheduler B, trainer B+1, rollout replica i B+10+i; see `daemon`), shown by `ps`;
@@ -34,10 +36,10 @@ from rich.console import Console
 from rich.table import Table
 
 from asyncrl.logging import configure_logging
-from asyncrl.proc import kill_tree, pid_alive
+from asyncrl.proc import kill_tree, pid_alive, signal_group
 from asyncrl.security import ensure_secrets
 from asyncrl.settings import Settings, settings
-from asyncrl.supervisor import gpus
+from asyncrl.supervisor import gpus, handover
 from asyncrl.supervisor.daemon import (
     GRACE_S,
     SERVICES,
@@ -485,6 +487,53 @@ def scale(
         time.sleep(0.2)
     out.print(f"[red]{service} did not reach {n} running replicas in {timeout:.0f}s[/red]")
     raise typer.Exit(1)
+
+
+@app.command()
+def restart(
+    service: str,
+    var: VarOpt,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for each replica.")] = 240.0,
+) -> None:
+    """Rolling restart: replace each replica of a service in turn, the next once the previous
+    one's successor runs and the old process exited. A scheduler, reward or rollout replica
+    hands over (its SIGTERM is not the supervisor's: its successor starts beside it and it
+    serves until that is ready, `handover`); a trainer stops at a step boundary and is started
+    again."""
+    paths = Paths(var)
+    if not supervisor_pid(paths):
+        out.print("asyncrl is not running")
+        raise typer.Exit(1)
+    state = read_json(paths.state, {}) or {}
+    if service not in state.get("services", []):
+        raise typer.BadParameter(f"{service} is not supervised here ({state.get('services')})")
+    replicas = [p for p in state["processes"] if p["service"] == service and p["pid"]]
+    for old in sorted(replicas, key=lambda p: p["replica"]):
+        if service in handover.SERVICES:
+            os.kill(old["pid"], signal.SIGTERM)  # its own: its pool or engine stays until then
+        else:
+            signal_group(old["pid"], signal.SIGTERM)  # torchrun forwards it to the ranks
+        new = _replaced(paths, old, timeout)
+        name = f"{service}-{old['replica']}"
+        if new is None:
+            out.print(f"[red]{name}: pid {old['pid']} not replaced in {timeout:.0f}s[/red]")
+            raise typer.Exit(1)
+        out.print(f"{name}: pid {old['pid']} -> {new}")
+
+
+def _replaced(paths: Paths, old: dict, timeout: float) -> int | None:
+    """The pid running in `old`'s replica slot once `old` exited, or None past `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        procs = (read_json(paths.state, {}) or {}).get("processes", [])
+        slot = [
+            p for p in procs if (p["service"], p["replica"]) == (old["service"], old["replica"])
+        ]
+        new = [p["pid"] for p in slot if p["status"] == "running" and p["pid"] != old["pid"]]
+        if new and not pid_alive(old["pid"]) and pid_alive(new[0]):
+            return new[0]
+        time.sleep(0.2)
+    return None
 
 
 if __name__ == "__main__":

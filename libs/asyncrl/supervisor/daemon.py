@@ -411,15 +411,18 @@ class Supervisor:
         return counts
 
     def stop_replica(self, r: Replica, sig: int = signal.SIGTERM) -> None:
-        """Stop `r` (SIGTERM to its group; killed past the grace period), telling it first that
-        no successor will come (`handover`): also one that is handing over stops now."""
+        """Stop `r` (SIGTERM to it, or to its group for a trainer or nats; killed past the grace
+        period, its group after it exits), telling it first that no successor will come
+        (`handover`): also one that is handing over stops now."""
         if r.proc is not None and r.service in handover.SERVICES:
             self.mark(r.proc.pid, "stop")
         if r.stop_deadline is None:
             grace = max(self.grace_s, TRAINER_GRACE_S) if r.service == "trainer" else self.grace_s
             r.stop_deadline = time.monotonic() + grace
             r.restart_at = None
-            if r.proc is not None and r.proc.poll() is None:
+            if r.proc is not None and r.proc.poll() is None and r.service in handover.SERVICES:
+                os.kill(r.proc.pid, sig)  # it closes its own (a reward's pool, reaped in order)
+            elif r.proc is not None and r.proc.poll() is None:
                 signal_group(r.proc.pid, sig)
             log.info(
                 "process_stopping",
