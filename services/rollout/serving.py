@@ -101,6 +101,19 @@ def shares_base(a: ExperimentSpec, b: ExperimentSpec) -> bool:
     return lora and (a.model.path, a.model.tokenizer_path) == (b.model.path, b.model.tokenizer_path)
 
 
+def _weights_dir(path: Path) -> bool:
+    """Whether `path` holds a LoRA adapter (the base is the spec's model) rather than a whole
+    model; BadRequest naming `uri` when it holds neither or cannot be read."""
+    try:
+        if is_adapter_dir(path):
+            return True
+        if (path / "config.json").is_file():
+            return False
+    except OSError as e:  # a name too long, a file where a directory was meant
+        raise BadRequest("uri", f"cannot read {str(path)[:200]!r}: {e.strerror}") from None
+    raise BadRequest("uri", f"no HuggingFace config.json in {str(path)[:200]}")
+
+
 async def engine_update(engine: Engine, binding: Binding, lane: str, path: Path, version: int):
     """`engine.update_weights` to `version` at `path`, in the experiment's lane when it has one
     (eta + 1 of its adapter versions stay loaded); how many requests it moved."""
@@ -201,13 +214,15 @@ class Serving:
                 f"experiment_id: this rollout is bound to {','.join(self.bindings) or 'nothing'!r},"
                 f" not {experiment_id!r} (BindExperiment first)"
             )
+        if version < 0:
+            raise BadRequest("version", f"{version} is negative")
+        if not uri:
+            raise BadRequest("uri", "required")
         start = time.perf_counter()
         phases = UpdatePhases()
         async with self._lock:
             path, fetch_s = await self._local_dir(version, uri)
-            adapter = is_adapter_dir(path)  # a LoRA version: the base is the spec's model
-            if not adapter and not (path / "config.json").is_file():
-                raise BadRequest("uri", f"no HuggingFace config.json in {path}")
+            adapter = _weights_dir(path)
             loaded = self.loaded.get(experiment_id)
             if loaded is None:
                 loaded = await self._load(binding, path, version, adapter)

@@ -1,0 +1,58 @@
+"""The fuzzer's short budget (tests/fuzz): every RPC of every service, a few derandomized
+hypothesis cases each, against one real server of each service (gRPC on port 0, a real
+nats-server, security on) started once for the module; and the trainer's train subject. `make
+fuzz` runs the same cases for FUZZ_MINUTES and writes var/fuzz/report.json.
+
+Per RPC case: never INTERNAL or UNKNOWN, INVALID_ARGUMENT names the field, every service still
+SERVING, the operator's and another tenant's experiments unchanged (tests/fuzz/props.py). Per
+message on the train subject: nothing raises, nothing untrainable is admitted
+(tests/fuzz/nats_subjects.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fuzz.cluster import FuzzCluster
+from tests.fuzz.nats_subjects import NatsFuzz
+from tests.fuzz.props import methods, path_of
+from tests.fuzz.run import Tally, fuzz_method
+
+pytestmark = pytest.mark.slow  # deploys a (tiny) model: left out of `make test-fast`
+
+CASES = 6
+"""Cases per RPC: ~0.1 s each, so a few seconds per service."""
+NATS_CASES = 40
+RPCS = methods()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = FuzzCluster(tmp_path_factory.mktemp("fuzz")).start()
+    yield c
+    c.stop()
+
+
+def test_every_service_has_rpcs_to_fuzz():
+    services = {m.containing_service.name for m in RPCS}
+    assert services == {"Scheduler", "Rollout", "Reward", "Trainer"}
+    assert len(RPCS) >= 24
+
+
+@pytest.mark.parametrize("method", RPCS, ids=[path_of(m).rsplit(".", 1)[1] for m in RPCS])
+def test_fuzz_rpc(cluster, method):
+    tally = Tally()
+    fuzz_method(cluster, method, CASES, derandomize=True, tally=tally)
+    assert tally.cases == CASES
+    assert [f.problem for f in tally.findings] == []
+
+
+def test_fuzz_train_subject(cluster):
+    subjects = NatsFuzz(cluster)
+    try:
+        tally = Tally()
+        subjects.fuzz(NATS_CASES, derandomize=True, tally=tally)
+    finally:
+        subjects.close()
+    assert tally.cases == NATS_CASES
+    assert [f.problem for f in tally.findings] == []
+    assert tally.codes.get("bad", 0) > 0  # the cases reach the dead letters
