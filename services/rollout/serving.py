@@ -221,7 +221,7 @@ class Serving:
         start = time.perf_counter()
         phases = UpdatePhases()
         async with self._lock:
-            path, fetch_s = await self._local_dir(version, uri)
+            path, fetch_s = await self._local_dir(version, uri, fp)
             adapter = _weights_dir(path)
             loaded = self.loaded.get(experiment_id)
             if loaded is None:
@@ -252,11 +252,11 @@ class Serving:
         )
         return WeightsResult(now, seconds, interrupted, phases, loaded.served[now])
 
-    async def _local_dir(self, version: int, uri: str) -> tuple[Path, float]:
-        """The version's directory on this host (`self.receiver`) and the seconds it took to
-        fetch it (0 for a path read in place)."""
+    async def _local_dir(self, version: int, uri: str, fp: str) -> tuple[Path, float]:
+        """The version's directory on this host (`self.receiver`; of fingerprint `fp`'s
+        lineage) and the seconds it took to fetch it (0 for a path read in place)."""
         t0 = time.perf_counter()
-        path = await self.receiver.receive(version, uri)
+        path = await self.receiver.receive(version, uri, fp)
         if not is_nats_uri(uri):
             return path, 0.0  # read in place: nothing was fetched
         seconds = time.perf_counter() - t0
