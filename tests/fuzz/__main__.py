@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                 fuzz_method(cluster, method, BATCH, False, tally, stop_at=stop_at)
             tally = tallies.setdefault(subjects.NAME, Tally())
             subjects.fuzz(BATCH, False, tally, stop_at=stop_at)
+            tally = tallies.setdefault(subjects.LEDGER, Tally())
+            subjects.fuzz_ledger(BATCH, False, tally, stop_at=stop_at)
             _write(args, tallies)
     finally:
         subjects.close()

@@ -1,4 +1,4 @@
-"""The NATS subject a service consumes: the trainer's train subject
+"""The NATS subjects services consume. The trainer's train subject
 (`asyncrl.traj.<experiment>.train`, TrajectoryGroup bytes that rollouts publish). Cases are
 published as the rollout's NATS user on the subject of the experiment the fuzz trainer
 consumes, then taken the trainer's own way: its JetStream consumer (services/trainer/consumer.py)
@@ -8,16 +8,21 @@ pulls them, each is decoded and triaged against the trainer's admission
 Properties: nothing raises; a message that did not decode, or that another experiment's id,
 misaligned arrays, a non-finite value, a token outside the vocabulary or a version the
 trainer never made mark, is dead-lettered with a reason, never admitted for training (checked
-here independently of validation.py)."""
+here independently of validation.py). And the ledger
+(`asyncrl.ledger.<experiment>`, JSON events the trainer and the scheduler append), which the
+scheduler reads as a run ends and `asyncrl ledger` reads: events of every kind with fields of
+any type, and bytes that are no JSON, published as the trainer; the ledger must still read."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from asyncrl.ledger import ensure_ledger, ledger_subject, read_events, summarize
 from asyncrl.natsutil import STREAM, connect, train_subject
 from asyncrl.types import TrajectoryGroup
 from asyncrl.v1 import trajectory_pb2
@@ -55,8 +60,49 @@ def trainable_problem(group: TrajectoryGroup) -> str:
     return ""
 
 
+KINDS = ("dispatched", "settled", "retried", "dropped", "quarantined", "trained", "rewound")
+_ANY = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(),
+    st.text(max_size=8),
+    st.lists(st.integers(), max_size=3),
+    st.lists(st.text(max_size=4), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+LEDGER_FIELDS = (
+    "group",
+    "epoch",
+    "index",
+    "prompt",
+    "status",
+    "step",
+    "version",
+    "groups",
+    "run",
+    "to_step",
+    "prompts",
+    "fingerprints",
+    "samples",
+    "reason",
+)
+
+
+def ledger_messages() -> st.SearchStrategy[bytes]:
+    """Ledger messages: events of every kind with fields of any type, batches of them, and
+    bytes that are no JSON."""
+    event = st.fixed_dictionaries(
+        {"event": st.one_of(st.sampled_from(KINDS), _ANY)},
+        optional={name: _ANY for name in LEDGER_FIELDS},
+    )
+    body = st.one_of(event, st.lists(event, max_size=4), _ANY)
+    return st.one_of(body.map(lambda b: json.dumps(b).encode()), st.binary(max_size=64))
+
+
 class NatsFuzz:
     NAME = "nats:asyncrl.traj.<experiment>.train"
+    LEDGER = "nats:asyncrl.ledger.<experiment>"
 
     def __init__(self, cluster: FuzzCluster):
         self.cluster = cluster
@@ -67,6 +113,8 @@ class NatsFuzz:
         url = self.cluster.nats.url
         self.rollout = await connect(url, identity="rollout")
         self.trainer = await connect(url, identity="trainer")
+        self.scheduler = await connect(url, identity="scheduler")
+        await ensure_ledger(self.scheduler.jetstream())
         self.consumer = GroupConsumer(self.trainer.jetstream(), BOUND)
         info = await self.trainer.jetstream().stream_info(STREAM)
         await self.consumer.open(info.state.last_seq + 1)
@@ -76,7 +124,7 @@ class NatsFuzz:
 
     async def _close(self) -> None:
         await self.consumer.close()
-        for nc in (self.rollout, self.trainer):
+        for nc in (self.rollout, self.trainer, self.scheduler):
             await nc.drain()
 
     def cases(self) -> st.SearchStrategy[bytes]:
@@ -109,6 +157,38 @@ class NatsFuzz:
         elif (why := trainable_problem(p.group)) and verdict in (Verdict.TRAIN, Verdict.STALE):
             problems.append(f"admitted ({verdict}) though {why}")
         return str(verdict), problems
+
+    async def _ledger_one(self, data: bytes) -> tuple[str, list[str]]:
+        """Publish on the ledger subject as the trainer, then read the ledger as the scheduler
+        does at a run's end (`read_events`, `summarize`)."""
+        await self.trainer.jetstream().publish(ledger_subject(BOUND), data, timeout=10)
+        try:
+            report = summarize(await read_events(self.scheduler.jetstream(), BOUND))
+        except Exception as exc:  # noqa: BLE001 - the finding itself
+            return "raised", [f"ledger unreadable: {type(exc).__name__}: {exc}"[:300]]
+        return f"{report.steps} steps", []
+
+    def fuzz_ledger(self, examples: int, derandomize: bool, tally: Tally, stop_at=None) -> None:
+        @settings(
+            max_examples=examples,
+            derandomize=derandomize,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(ledger_messages())
+        def one(data):
+            if stop_at is not None and time.monotonic() > stop_at:
+                return
+            _, problems = self.loop.run(self._ledger_one(data), timeout=60)
+            tally.cases += 1
+            tally.codes["read"] = tally.codes.get("read", 0) + 1
+            known = {f.problem[:60] for f in tally.findings}
+            for problem in problems:
+                if problem[:60] not in known:
+                    tally.findings.append(Finding(self.LEDGER, "trainer", problem, data.hex()))
+
+        one()
 
     def fuzz(self, examples: int, derandomize: bool, tally: Tally, stop_at=None) -> None:
         @settings(

@@ -46,13 +46,14 @@ def test_fuzz_rpc(cluster, method):
     assert [f.problem for f in tally.findings] == []
 
 
-def test_fuzz_train_subject(cluster):
+def test_fuzz_train_subject_and_ledger(cluster):
     subjects = NatsFuzz(cluster)
     try:
-        tally = Tally()
+        tally, ledger = Tally(), Tally()
         subjects.fuzz(NATS_CASES, derandomize=True, tally=tally)
+        subjects.fuzz_ledger(NATS_CASES, derandomize=True, tally=ledger)
     finally:
         subjects.close()
-    assert tally.cases == NATS_CASES
-    assert [f.problem for f in tally.findings] == []
+    assert tally.cases == ledger.cases == NATS_CASES
+    assert [f.problem for f in tally.findings + ledger.findings] == []
     assert tally.codes.get("bad", 0) > 0  # the cases reach the dead letters
