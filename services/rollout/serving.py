@@ -21,6 +21,7 @@ from prometheus_client import Histogram
 from asyncrl.errors import BadRequest, Conflict
 from asyncrl.fingerprint import differs
 from asyncrl.logging import get_logger
+from asyncrl.natsutil import check_experiment_id
 from asyncrl.runtime import freeze_heap
 from asyncrl.settings import settings
 from asyncrl.spec import ExperimentSpec, SamplingParams, SpecError, spec_from_json
@@ -51,8 +52,7 @@ class Binding:
     def create(cls, experiment_id: str, spec_json: str) -> Binding:
         """Validate the spec and load its workflow (a plugin is imported here, once);
         SpecError names what is wrong."""
-        if not experiment_id:
-            raise BadRequest("experiment_id", "required")
+        check_experiment_id(experiment_id)  # its groups' subjects
         spec = spec_from_json(spec_json)
         wf = spec.rollout.workflow
         try:

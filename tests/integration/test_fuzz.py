@@ -10,8 +10,13 @@ message on the train subject: nothing raises, nothing untrainable is admitted
 
 from __future__ import annotations
 
+import json
+
+import grpc
 import pytest
 
+from asyncrl.v1 import trainer_pb2
+from asyncrl.v1.common_pb2 import BindExperimentRequest as BindRequest
 from tests.fuzz.cluster import FuzzCluster
 from tests.fuzz.nats_subjects import NatsFuzz
 from tests.fuzz.props import methods, path_of
@@ -57,3 +62,23 @@ def test_fuzz_train_subject_and_ledger(cluster):
     assert tally.cases == ledger.cases == NATS_CASES
     assert [f.problem for f in tally.findings + ledger.findings] == []
     assert tally.codes.get("bad", 0) > 0  # the cases reach the dead letters
+
+
+@pytest.mark.parametrize(
+    "experiment_id",
+    ["Ä\x03\x9f!jÇö\U000a5f19\x0cz", "../../escape", "a.b.c", "x" * 200],
+    ids=["fuzzer-found", "path", "three-tokens", "long"],
+)
+@pytest.mark.parametrize("service", ["Trainer", "Rollout"])
+def test_an_id_no_scheduler_makes_is_refused_naming_it(cluster, service, experiment_id):
+    """Found by `make fuzz`: the fuzzer's id reached nats-server as a consumer name and came
+    back INTERNAL (ServerError); a path-like one named the trainer's checkpoint directory."""
+    method = "StartExperiment" if service == "Trainer" else "BindExperiment"
+    request = (trainer_pb2.StartExperimentRequest if service == "Trainer" else BindRequest)(
+        experiment_id=experiment_id, spec_json=json.dumps(cluster.spec)
+    )
+    outcome, _ = cluster.loop.run(
+        cluster.call(service, method, "scheduler", request.SerializeToString())
+    )
+    assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT, outcome
+    assert outcome.details.startswith("experiment_id: ")
