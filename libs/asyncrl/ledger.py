@@ -198,7 +198,8 @@ def well_formed(e: object) -> bool:
         value = e.get(name)
         if not isinstance(value, types) or (types is _INT and isinstance(value, bool)):
             return False
-    if not all(isinstance(g, str) for g in e.get("groups", [])):
+    groups = e.get("groups", [])
+    if not isinstance(groups, list) or not all(isinstance(g, str) for g in groups):
         return False
     prompts = e.get("prompts", [])
     if not isinstance(prompts, list) or not all(_pair(k) for k in prompts):

@@ -322,6 +322,7 @@ def test_every_event_the_writers_make_is_well_formed():
         },
         {"event": "rewound", "to_step": None},
         {"event": "left_over", "prompts": [[0]]},
+        {"event": "rewound", "to_step": 1, "groups": None},  # make fuzz's: summarize raised
     ],
 )
 def test_a_malformed_event_is_not_well_formed(event):
