@@ -50,6 +50,10 @@ bench: venv protos ## benchmarks with same-run ratios; table + var/bench/report.
 chaos: venv protos ## fault suite, one netns per scenario (root); table + var/chaos/report.json (CHAOS_ARGS="--only trainer --repeat 1")
 	$(PY) -m tests.chaos $(CHAOS_ARGS)
 
+FUZZ_MINUTES ?= 30
+fuzz: venv protos ## fuzz every RPC and the train subject for FUZZ_MINUTES (30) -> var/fuzz/report.json; exit 1 on a finding
+	FUZZ_MINUTES=$(FUZZ_MINUTES) $(PY) -m tests.fuzz --out var/fuzz/report.json
+
 multihost: venv protos ## the demo on 3 hosts (netns, root): NATS cluster R3, weights over NATS (MULTIHOST_ARGS="--faults nats,link,host --steps 80")
 	$(PY) -m tests.multihost $(MULTIHOST_ARGS)
 
@@ -105,4 +109,4 @@ smollm2-learn: venv protos ## SmolLM2-135M learns on the CPU against an lr=1e-12
 	ASYNCRL_VAR=$(VAR) .venv/bin/asyncrl submit examples/smollm2/learn.yaml --set trainer.lr=1e-12 --set name=smollm2-larger-control --id-file $(LEARN_DIR)/control_id --watch
 	ASYNCRL_VAR=$(VAR) $(PY) -m examples.smollm2.learn --learn $$(cat $(LEARN_DIR)/learn_id) --control $$(cat $(LEARN_DIR)/control_id) --out $(LEARN_DIR)
 
-.PHONY: help venv protos schema test test-fast lint bench chaos multihost gpu-check up down ps logs scale restart demo smollm2 smollm2-learn
+.PHONY: help venv protos schema test test-fast lint bench chaos fuzz multihost gpu-check up down ps logs scale restart demo smollm2 smollm2-learn

@@ -52,6 +52,21 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
 ]
 
 
+MAX_DETAILS_BYTES = 2000
+"""A status message is cut to this many UTF-8 bytes: it travels as percent-encoded trailing
+metadata (up to 3 bytes a byte), and gRPC refuses metadata over 8 KiB with RESOURCE_EXHAUSTED
+in place of the status itself (an error echoing a 1 MiB id once did that)."""
+
+
+def status_message(text: str) -> str:
+    """`text` as a status message: whole when short, else its start and its length."""
+    data = text.encode()
+    if len(data) <= MAX_DETAILS_BYTES:
+        return text
+    head = data[:MAX_DETAILS_BYTES].decode(errors="ignore")
+    return f"{head}... ({len(text)} characters)"
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """The status code a domain exception maps to; INTERNAL for anything else."""
     for kind, code in _CODES:

@@ -156,10 +156,74 @@ async def read_events(js, experiment_id: str) -> list[dict]:
     except nats.js.errors.NotFoundError:
         return []
     events: list[dict] = []
+    malformed = 0
     for data in messages:
-        body = json.loads(data)
-        events.extend(body if isinstance(body, list) else [body])
+        try:
+            body = json.loads(data or b"")  # an empty message reads as None
+        except ValueError:
+            malformed += 1
+            continue
+        for e in body if isinstance(body, list) else [body]:
+            if well_formed(e):
+                events.append(e)
+            else:
+                malformed += 1
+    if malformed:  # a writer's bug: the rest of the ledger still reads
+        log.warning("ledger_events_malformed", experiment=experiment_id, events=malformed)
     return events
+
+
+_INT, _STR, _LIST = (int,), (str,), (list,)
+EVENT_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "dispatched": {"group": _STR, "epoch": _INT, "index": _INT, "prompt": _STR},
+    "settled": {"group": _STR, "status": _STR},
+    "retried": {"group": _STR},
+    "dropped": {"group": _STR},
+    "quarantined": {"group": _STR},
+    "trained": {"step": _INT, "version": _INT, "groups": _LIST},
+    "rewound": {"to_step": _INT},
+}
+"""The fields `summarize` reads of each kind of event, and their types."""
+
+
+def well_formed(e: object) -> bool:
+    """Whether `e` is an event `summarize` can read: a mapping with a str `event` and the
+    fields its kind needs (`EVENT_FIELDS`), group lists of strings, a trained step's
+    per-sample fingerprints indices into its list."""
+    if not isinstance(e, dict) or not isinstance(e.get("event"), str):
+        return False
+    if not isinstance(e.get("run"), str | int | None):  # a set member (counted_steps)
+        return False
+    for name, types in EVENT_FIELDS.get(e["event"], {}).items():
+        value = e.get(name)
+        if not isinstance(value, types) or (types is _INT and isinstance(value, bool)):
+            return False
+    groups = e.get("groups", [])
+    if not isinstance(groups, list) or not all(isinstance(g, str) for g in groups):
+        return False
+    prompts = e.get("prompts", [])
+    if not isinstance(prompts, list) or not all(_pair(k) for k in prompts):
+        return False
+    return e["event"] != "trained" or _samples_ok(e)
+
+
+def _pair(key: object) -> bool:
+    return isinstance(key, list | tuple) and len(key) == 2 and all(type(x) is int for x in key)
+
+
+def _samples_ok(e: dict) -> bool:
+    fingerprints, samples = e.get("fingerprints", []), e.get("samples", {})
+    if not isinstance(fingerprints, list) or not isinstance(samples, dict):
+        return False
+    n = len(fingerprints)
+    return all(
+        isinstance(group, list)
+        and all(
+            isinstance(s, dict) and all(type(k) is int and 0 <= k < n for k in s.values())
+            for s in group
+        )
+        for group in samples.values()
+    )
 
 
 @dataclass

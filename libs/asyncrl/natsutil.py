@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import psutil
 from nats.js.api import RawStreamMsg, RetentionPolicy, StorageType, StreamConfig
 
 from asyncrl.convert import group_to_bytes
+from asyncrl.errors import BadRequest
 from asyncrl.net import free_port
 from asyncrl.retry import jetstream_call
 from asyncrl.settings import settings
@@ -33,6 +35,23 @@ DUPLICATE_WINDOW_S = 3600
 retried after an infrastructure fault keeps its id, and the retry can come a whole
 `rollout.group_timeout_s` (600 s by default) plus a fence or a scheduler restart after the
 first publish: an hour covers that with margin."""
+
+
+EXPERIMENT_ID = re.compile(r"([a-z][a-z0-9_]{0,31}\.)?[a-z0-9][a-z0-9-]{0,63}")
+"""An experiment id as the scheduler makes them (`<slug>-<hex>`, a tenant's prefixed with
+`<tenant>.`): a NATS subject token (or two) and a directory name, nothing more."""
+
+
+def check_experiment_id(experiment_id: str) -> None:
+    """BadRequest naming `experiment_id` unless it is one the scheduler could have made: a
+    worker uses it in subjects, consumer names and paths."""
+    if not experiment_id:
+        raise BadRequest("experiment_id", "required")
+    if not EXPERIMENT_ID.fullmatch(experiment_id):
+        raise BadRequest(
+            "experiment_id",
+            f"{experiment_id[:100]!r} is not an experiment id ({EXPERIMENT_ID.pattern})",
+        )
 
 
 def train_subject(experiment_id: str) -> str:

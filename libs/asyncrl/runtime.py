@@ -34,7 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client.registry import Collector
 
-from asyncrl.errors import status_for
+from asyncrl.errors import BadRequest, status_for, status_message
 from asyncrl.grpcutil import CHANNEL_OPTIONS
 from asyncrl.logging import get_logger
 from asyncrl.metrics import MetricsServer
@@ -63,39 +63,67 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     `BadRequest`/`SpecError` -> INVALID_ARGUMENT, `NotFound` -> NOT_FOUND, `Conflict` ->
     FAILED_PRECONDITION, `TimeoutError` -> DEADLINE_EXCEEDED; anything else is INTERNAL with an
-    error id that the log line carrying the traceback also has."""
+    error id that the log line carrying the traceback also has. A request whose bytes are no
+    message of the method's type (truncated, a string not UTF-8) is INVALID_ARGUMENT naming
+    `request`, before any handler runs (grpc itself answers such bytes UNKNOWN)."""
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None:
             return None
         method = details.method
+        decode = _tolerant(handler.request_deserializer)
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
             async def unary(request, context):
                 try:
+                    _refuse_undecodable(request)
                     return await inner(request, context)
                 except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
                     await _abort(context, method, exc)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary, handler.request_deserializer, handler.response_serializer
-            )
+            return grpc.unary_unary_rpc_method_handler(unary, decode, handler.response_serializer)
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
 
             async def stream(request, context):
                 try:
+                    _refuse_undecodable(request)
                     async for item in inner_stream(request, context):
                         yield item
                 except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
                     await _abort(context, method, exc)
 
-            return grpc.unary_stream_rpc_method_handler(
-                stream, handler.request_deserializer, handler.response_serializer
-            )
+            return grpc.unary_stream_rpc_method_handler(stream, decode, handler.response_serializer)
         return handler
+
+
+class _Undecodable:
+    """Request bytes that did not parse, in place of the request."""
+
+    def __init__(self, size: int, error: Exception):
+        self.size = size
+        self.error = error
+
+
+def _tolerant(deserializer: Callable | None) -> Callable | None:
+    """`deserializer`, answering bytes it cannot parse with an `_Undecodable`."""
+    if deserializer is None:
+        return None
+
+    def decode(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, or what a parser raises instead
+            return _Undecodable(len(data), exc)
+
+    return decode
+
+
+def _refuse_undecodable(request) -> None:
+    if isinstance(request, _Undecodable):
+        raise BadRequest("request", f"{request.size} bytes are no valid message: {request.error}")
 
 
 async def _abort(context, method: str, exc: Exception) -> None:
@@ -115,7 +143,7 @@ def error_status(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
         error_id = secrets.token_hex(4)
         log.error("rpc_internal_error", method=method, error_id=error_id, exc_info=exc)
         return code, f"internal error {error_id}: {type(exc).__name__} (details in the service log)"
-    return code, str(exc) or code.name.lower()
+    return code, status_message(str(exc)) or code.name.lower()
 
 
 class ServiceRuntime:

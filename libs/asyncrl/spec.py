@@ -558,7 +558,7 @@ def spec_to_json(spec: ExperimentSpec) -> str:
 
 def _spec_error(e: ValidationError) -> SpecError:
     """The first bad field with its reason; the others are named after it."""
-    fields = [".".join(str(p) for p in err["loc"]) or "spec" for err in e.errors()]
+    fields = [".".join(str(p) for p in err["loc"]) or "spec_json" for err in e.errors()]
     reason = e.errors()[0]["msg"]
     if len(fields) > 1:
         reason += f" (also invalid: {', '.join(fields[1:])})"

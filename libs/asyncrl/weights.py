@@ -134,5 +134,7 @@ class WeightReceiver:
     reads a file:// URI or a path in place (a filesystem shared with the trainer; the base
     model); `asyncrl.weights_nats.NatsReceiver` also fetches nats-obj:// ones."""
 
-    async def receive(self, version: int, uri: str) -> Path:
+    async def receive(self, version: int, uri: str, fingerprint: str = "") -> Path:
+        """`fingerprint`: the one committed with the version ("" unknown); a receiver that
+        caches serves no cached copy of other weights under it."""
         return uri_to_path(uri)

@@ -27,6 +27,7 @@ time per 2x the size, where the put of 256 MiB takes 0.8 s. This reader fetches 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import json
@@ -43,7 +44,7 @@ from nats.js.api import ObjectInfo, ObjectMeta, ObjectMetaOptions, ObjectStoreCo
 from nats.js.object_store import OBJ_STREAM_TEMPLATE, ObjectStore
 
 from asyncrl.errors import BadRequest, Conflict
-from asyncrl.fingerprint import read_manifest
+from asyncrl.fingerprint import differs, read_manifest
 from asyncrl.natsutil import WEIGHTS_BUCKET, iter_stored
 from asyncrl.retry import jetstream_call
 from asyncrl.settings import settings
@@ -53,6 +54,8 @@ SCHEME = "nats-obj://"
 MANIFEST = "manifest.json"
 CONTENT_KEY = ".nats-manifest-digest"
 """In a cached version directory: the digest of the manifest it was fetched by (its key)."""
+LINEAGE_KEY = ".nats-fingerprint"
+"""In a cached version directory: the weights' fingerprint its manifest named (its lineage)."""
 CHUNK_SIZE = 512 * 1024
 """Bytes per chunk message: under nats-server's default max_payload (1 MiB); 4x nats-py's
 default, so a version is a quarter as many messages to publish, hash and write."""
@@ -239,7 +242,9 @@ async def _manifest_info(js, bucket: str, prefix: str, uri: str, cached: bool) -
         raise WeightsFetchError(uri, "no such version (not uploaded, or pruned)") from None
 
 
-async def fetch_version(js, uri: str, cache_root: Path, keep: int = CACHE_KEEP) -> Path:
+async def fetch_version(
+    js, uri: str, cache_root: Path, keep: int = CACHE_KEEP, fingerprint: str = ""
+) -> Path:
     """The version `uri` names as a local directory under `cache_root`, fetched unless the
     cache has it with the content the bucket has now; the cache keeps the experiment's newest
     `keep` versions.
@@ -248,11 +253,18 @@ async def fetch_version(js, uri: str, cache_root: Path, keep: int = CACHE_KEEP) 
     older checkpoint publishes the versions after it again with other weights, and a rollout
     that cached the abandoned lineage's v000123 must not load those bytes as the new one's.
     The key is the digest of the version's manifest (which holds every file's SHA-256), written
-    as `CONTENT_KEY` in the cached directory: one object-info request per cache hit."""
+    as `CONTENT_KEY` in the cached directory: one object-info request per cache hit.
+
+    When the bucket no longer has the version, the cached copy is served only if it is of the
+    lineage asked for: `fingerprint` (the one committed with the version; "" unknown) differs
+    from the cached copy's own, and the copy is an abandoned lineage's (cached before a
+    rewind): it is dropped, and the fetch fails naming both."""
     bucket, prefix = parse_uri(uri)
     final = Path(cache_root) / prefix
     info = await _manifest_info(js, bucket, prefix, uri, cached=final.is_dir())
-    if info is None or cached_key(final) == info.digest:
+    if info is None:
+        return _cached_of_lineage(final, fingerprint, uri)
+    if cached_key(final) == info.digest:
         return final
     manifest = io.BytesIO()
     try:
@@ -265,11 +277,32 @@ async def fetch_version(js, uri: str, cache_root: Path, keep: int = CACHE_KEEP) 
         tmp.mkdir()
         await _read_files(js, bucket, prefix, json.loads(manifest.getvalue()), tmp, uri)
         (tmp / CONTENT_KEY).write_text(info.digest)
+        (tmp / LINEAGE_KEY).write_text(json.loads(manifest.getvalue()).get("fingerprint", ""))
         _install(tmp, final, info.digest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     prune(Path(cache_root), prefix.partition("/")[0], keep=keep, protect=final)
     return final
+
+
+def _cached_of_lineage(final: Path, fingerprint: str, uri: str) -> Path:
+    """`final`, the cached copy of a version the bucket no longer has, unless its weights are
+    not `fingerprint`'s (then it is removed: WeightsFetchError)."""
+    try:
+        cached = (final / LINEAGE_KEY).read_text()
+    except FileNotFoundError:
+        cached = read_manifest(final)
+    if not differs(cached, fingerprint):
+        return final
+    stale = final.parent / f".stale-{final.name}-{uuid.uuid4().hex[:8]}"
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(final, stale)
+    shutil.rmtree(stale, ignore_errors=True)
+    raise WeightsFetchError(
+        uri,
+        f"not in the bucket, and the cached copy is of another lineage (fingerprint {cached}, "
+        f"not {fingerprint}): dropped",
+    )
 
 
 async def _read_files(js, bucket: str, prefix: str, manifest: dict, dest: Path, uri: str) -> None:
@@ -314,9 +347,10 @@ class NatsReceiver(WeightReceiver):
     def __init__(self, js, cache_root: Path, retry_s: float):
         self.js, self.cache_root, self.retry_s = js, Path(cache_root), retry_s
 
-    async def receive(self, version: int, uri: str) -> Path:
+    async def receive(self, version: int, uri: str, fingerprint: str = "") -> Path:
         if not is_nats_uri(uri):
-            return await super().receive(version, uri)
+            return await super().receive(version, uri, fingerprint)
         return await jetstream_call(
-            lambda: fetch_version(self.js, uri, self.cache_root), self.retry_s
+            lambda: fetch_version(self.js, uri, self.cache_root, fingerprint=fingerprint),
+            self.retry_s,
         )

@@ -22,7 +22,12 @@ Where an item is scored:
   workers, and pebble kills each at its own `timeout_s`).
 
 A pool task starts only once it holds one of the processes, shared fairly between the
-experiments (`services.reward.fair`): one experiment's hung items hold at most its share. The
+experiments (`services.reward.fair`): one experiment's hung items hold at most its share. A
+task still running well past what its items should take (`suspect_after`: a hung item, most
+likely) gives its share back and goes on in one of `spare` processes kept for such tasks, so
+the experiment's other items (its other groups' calls) score in their own time, not after the
+hung item's timeout; only once every spare process holds one does a hung task keep its share
+until it ends. The
 Score call answers before its deadline: a task that could not start by then, or was still
 running then, is stopped, its items FAILED saying so. A caller's deadline is thus never the
 sign of a slow reward function, only of a service that does not answer.
@@ -66,6 +71,10 @@ TASK_SLACK_S = 0.5
 """Added to a batch task's deadline: the worker's own overhead (unpickling, the hand-off)."""
 WARM_TIMEOUT_S = 120.0
 """How long `ScoringPool.warm` waits for the processes to start before the service goes on."""
+SUSPECT_MIN_S = 0.25
+SUSPECT_FACTOR = 4.0
+"""A task is suspect (`suspect_after`) once it ran SUSPECT_MIN_S plus SUSPECT_FACTOR times
+what its items took on average lately (a function never seen: SUSPECT_MIN_S)."""
 ANSWER_MARGIN_S = 2.0
 """The Score call answers this long before its deadline (the answer's way back to the
 caller): no task starts later, and a task still running then is stopped."""
@@ -205,11 +214,17 @@ class _Call:
 class ScoringPool:
     """A pebble ProcessPool plus the asyncio glue. Create it inside a running event loop."""
 
-    def __init__(self, workers: int | None = None):
+    def __init__(self, workers: int | None = None, spare: int | None = None):
         self.workers = workers or default_workers()
+        self.spare = self.workers if spare is None else spare
+        """Processes beyond `workers` for suspect tasks (see the module's doc)."""
+        self._suspects = 0
+        """Suspect tasks running in a spare process now."""
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
-        self._pool = pebble.ProcessPool(max_workers=self.workers, initializer=_warm_up, context=ctx)
+        self._pool = pebble.ProcessPool(
+            max_workers=self.workers + self.spare, initializer=_warm_up, context=ctx
+        )
         self.slots = FairSlots(self.workers)
         """Who may start a pool task now: at most `workers` tasks are in the pool at once, so
         pebble's own queue stays empty and each task's timeout runs from when it was sent."""
@@ -308,23 +323,36 @@ class ScoringPool:
             raise PastDeadline(str(e)) from None
         self.in_flight += len(items)
         limit = deadline_s if answer_by is None else min(deadline_s, answer_by - time.monotonic())
+        spare = False
         try:
             future = self._pool.schedule(
                 score_items,
                 args=(call.function, call.kwargs, items, call.timeout_s),
                 timeout=max(limit, 0.01),
             )
-            outcomes = await asyncio.wrap_future(future)
+            task = asyncio.wrap_future(future)
+            done, _ = await asyncio.wait({task}, timeout=self.suspect_after(call, len(items)))
+            if not done and self._suspects < self.spare:  # hung, likely: off the share
+                spare, self._suspects = True, self._suspects + 1
+                self.slots.release(call.key)
+            outcomes = await task
         except TimeoutError:
             if limit < deadline_s:
                 raise PastDeadline(f"stopped after {limit:.1f}s, at its deadline") from None
             raise
         finally:
             self.in_flight -= len(items)
-            self.slots.release(call.key)
+            if spare:
+                self._suspects -= 1
+            else:
+                self.slots.release(call.key)
         for _, _, seconds in outcomes:
             self._observe(call.function, seconds)
         return outcomes
+
+    def suspect_after(self, call: _Call, n_items: int) -> float:
+        """Seconds after which a task of `n_items` items of `call`'s function is suspect."""
+        return SUSPECT_MIN_S + SUSPECT_FACTOR * self._cost.get(call.function, 0.0) * n_items
 
     def _observe(self, function: str, seconds: float) -> None:
         cost = self._cost.get(function, seconds)

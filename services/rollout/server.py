@@ -14,6 +14,7 @@ import grpc
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from asyncrl.errors import status_message
 from asyncrl.logging import get_logger
 from asyncrl.metrics import gauge
 from asyncrl.natsutil import ensure_stream
@@ -143,7 +144,7 @@ class GroupsServicer(rollout_pb2_grpc.RolloutServicer):
             return await self._group(request)
         except GroupCallError as e:
             trailing = ((FAULT[0], e.fault),) if e.fault else None
-            await context.abort(e.code, e.details, trailing_metadata=trailing)
+            await context.abort(e.code, status_message(e.details), trailing_metadata=trailing)
 
     async def GenerateGroups(self, request, context):
         async for summaries in answer_groups(request, self._group):

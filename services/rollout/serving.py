@@ -21,6 +21,7 @@ from prometheus_client import Histogram
 from asyncrl.errors import BadRequest, Conflict
 from asyncrl.fingerprint import differs
 from asyncrl.logging import get_logger
+from asyncrl.natsutil import check_experiment_id
 from asyncrl.runtime import freeze_heap
 from asyncrl.settings import settings
 from asyncrl.spec import ExperimentSpec, SamplingParams, SpecError, spec_from_json
@@ -51,8 +52,7 @@ class Binding:
     def create(cls, experiment_id: str, spec_json: str) -> Binding:
         """Validate the spec and load its workflow (a plugin is imported here, once);
         SpecError names what is wrong."""
-        if not experiment_id:
-            raise BadRequest("experiment_id", "required")
+        check_experiment_id(experiment_id)  # its groups' subjects
         spec = spec_from_json(spec_json)
         wf = spec.rollout.workflow
         try:
@@ -99,6 +99,19 @@ def shares_base(a: ExperimentSpec, b: ExperimentSpec) -> bool:
     """Whether two experiments can share a rollout: both LoRA, on the same base and tokenizer."""
     lora = a.trainer.lora is not None and b.trainer.lora is not None
     return lora and (a.model.path, a.model.tokenizer_path) == (b.model.path, b.model.tokenizer_path)
+
+
+def _weights_dir(path: Path) -> bool:
+    """Whether `path` holds a LoRA adapter (the base is the spec's model) rather than a whole
+    model; BadRequest naming `uri` when it holds neither or cannot be read."""
+    try:
+        if is_adapter_dir(path):
+            return True
+        if (path / "config.json").is_file():
+            return False
+    except OSError as e:  # a name too long, a file where a directory was meant
+        raise BadRequest("uri", f"cannot read {str(path)[:200]!r}: {e.strerror}") from None
+    raise BadRequest("uri", f"no HuggingFace config.json in {str(path)[:200]}")
 
 
 async def engine_update(engine: Engine, binding: Binding, lane: str, path: Path, version: int):
@@ -213,6 +226,10 @@ class Serving:
                 f"experiment_id: this rollout is bound to {','.join(self.bindings) or 'nothing'!r},"
                 f" not {experiment_id!r} (BindExperiment first)"
             )
+        if version < 0:
+            raise BadRequest("version", f"{version} is negative")
+        if not uri:
+            raise BadRequest("uri", "required")
         start = time.perf_counter()
         async with self._lock:
             loaded = self.loaded.get(experiment_id)
@@ -240,12 +257,10 @@ class Serving:
     async def _from_uri(self, binding: Binding, loaded: Loaded | None, version, uri, fp):
         """The version read from `uri` (fetched first from NATS): ((interrupted, phases))."""
         phases = UpdatePhases()
-        path, fetch_s = await self._local_dir(version, uri)
+        path, fetch_s = await self._local_dir(version, uri, fp)
         if binding.spec.trainer.weight_sync == "broadcast":  # its store copy may be on its way
             await stored(path, binding.spec.rollout.weight_update_timeout_s)
-        adapter = is_adapter_dir(path)  # a LoRA version: the base is the spec's model
-        if not adapter and not (path / "config.json").is_file():
-            raise BadRequest("uri", f"no HuggingFace config.json in {path}")
+        adapter = _weights_dir(path)  # a LoRA version: the base is the spec's model
         if loaded is None:
             loaded = await self._load(binding, path, version, adapter)
             interrupted = 0  # nothing of this experiment ran before
@@ -290,11 +305,11 @@ class Serving:
         self._observe(binding.experiment_id, self.engine.last_update)
         return interrupted, self.engine.last_update
 
-    async def _local_dir(self, version: int, uri: str) -> tuple[Path, float]:
-        """The version's directory on this host (`self.receiver`) and the seconds it took to
-        fetch it (0 for a path read in place)."""
+    async def _local_dir(self, version: int, uri: str, fp: str) -> tuple[Path, float]:
+        """The version's directory on this host (`self.receiver`; of fingerprint `fp`'s
+        lineage) and the seconds it took to fetch it (0 for a path read in place)."""
         t0 = time.perf_counter()
-        path = await self.receiver.receive(version, uri)
+        path = await self.receiver.receive(version, uri, fp)
         if not is_nats_uri(uri):
             return path, 0.0  # read in place: nothing was fetched
         seconds = time.perf_counter() - t0

@@ -123,6 +123,26 @@ async def reopened_runner(
     return resumed
 
 
+ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]{1,253}):([0-9]{1,5})")
+"""A worker's gRPC address: host (a name, IPv4, or [IPv6]) and port."""
+MAX_LABEL = 256
+"""The longest name or device string a worker may register."""
+
+
+def check_registration(address: str, name: str, capacity: int, device: str) -> None:
+    """BadRequest naming the field of a registration no worker could have sent."""
+    if not address:
+        raise BadRequest("address", "required (host:port of the worker's gRPC server)")
+    match = ADDRESS.fullmatch(address)
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        raise BadRequest("address", f"{address[:100]!r} is not host:port (port 1-65535)")
+    if capacity < 0:
+        raise BadRequest("capacity", f"{capacity} is negative")
+    for field, text in (("name", name), ("device", device)):
+        if len(text) > MAX_LABEL:
+            raise BadRequest(field, f"{len(text)} characters, at most {MAX_LABEL}")
+
+
 class Scheduler:
     def __init__(self, js, config: SchedulerConfig | None = None):
         self.js = js  # JetStream context: the KV bucket holding experiment state
@@ -321,8 +341,7 @@ class Scheduler:
     ) -> Worker:
         """A worker registers itself: the caller's role must be the kind it registers, and an
         address a live worker holds is taken again only by the identity that registered it."""
-        if not address:
-            raise BadRequest("address", "required (host:port of the worker's gRPC server)")
+        check_registration(address, name, capacity, device)
         if caller is not None:
             if caller.role != kind.value:
                 raise PermissionDenied(

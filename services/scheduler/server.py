@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-import grpc
 from prometheus_client.registry import Collector
 
 from asyncrl.errors import NotFound
@@ -88,10 +87,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def WatchExperiment(self, request, context):
         """A `snapshot` first, then `step` / `eval` / `state` events as they happen and a
         `snapshot` every snapshot_interval_s; ends once the experiment is terminal."""
-        try:
-            runner = self._get(request.experiment_id)
-        except NotFound as e:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        runner = self._get(request.experiment_id)  # NotFound: the interceptor's NOT_FOUND
         queue = runner.book.subscribe()
         try:
             yield scheduler_pb2.ProgressEvent(kind="snapshot", experiment=_experiment(runner))

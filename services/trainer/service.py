@@ -39,6 +39,7 @@ import grpc
 from asyncrl.errors import Conflict, NotFound
 from asyncrl.ledger import Ledger, ensure_ledger
 from asyncrl.logging import get_logger
+from asyncrl.natsutil import check_experiment_id
 from asyncrl.runtime import freeze_heap
 from asyncrl.settings import settings
 from asyncrl.spec import ExperimentSpec, SpecError, spec_from_json
@@ -208,8 +209,7 @@ class TrainerService:
     # -- RPC-facing operations ------------------------------------------------------------
     async def start_experiment(self, experiment_id: str, spec_json: str) -> tuple[int, bool]:
         """Load (or resume) and start training; returns (start version, resumed)."""
-        if not experiment_id:
-            raise SpecError("experiment_id", "required")
+        check_experiment_id(experiment_id)  # a consumer name and a directory
         spec = spec_from_json(spec_json)
         if not (Path(spec.model.path) / "config.json").is_file():
             raise SpecError("model.path", f"no HuggingFace config.json in {spec.model.path}")

@@ -9,7 +9,7 @@ import sys
 import grpc
 import pytest
 
-from asyncrl.v1 import scheduler_pb2
+from asyncrl.v1 import common_pb2, scheduler_pb2
 from tests.fakes import scheduler_env
 from tests.fakes.scheduler_env import spec, submit
 
@@ -132,5 +132,28 @@ async def test_submit_oversized_field_invalid_argument_names_field(
     await cluster.start_scheduler()
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await submit(cluster, spec(files, **override))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(details)
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "details"),
+    [
+        ({"address": "x" * 600}, "address: 'xxxx"),  # the fuzzer's: registered, before
+        ({"address": "127.0.0.1"}, "address: '127.0.0.1' is not host:port (port 1-65535)"),
+        ({"address": "127.0.0.1:0"}, "address: '127.0.0.1:0' is not host:port (port 1-65535)"),
+        ({"address": "h:1", "capacity": -1}, "capacity: -1 is negative"),
+        ({"address": "h:1", "name": "n" * 300}, "name: 300 characters, at most 256"),
+    ],
+)
+async def test_register_worker_bad_field_invalid_argument_names_it(
+    cluster, request_fields, details
+):
+    await cluster.start_scheduler()
+    request = scheduler_pb2.RegisterWorkerRequest(
+        kind=common_pb2.WORKER_KIND_ROLLOUT, **request_fields
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await cluster.stub_as("rollout").RegisterWorker(request, timeout=10)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith(details)

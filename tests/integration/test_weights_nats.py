@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.fingerprint import write_manifest
 from asyncrl.natsutil import WEIGHTS_BUCKET, connect, publish_group
 from asyncrl.spec import ExperimentSpec, ModelSpec, RolloutSpec, spec_to_json
 from asyncrl.v1 import rollout_pb2, trainer_pb2
 from asyncrl.weights_nats import (
     CHUNK_SIZE,
     CONTENT_KEY,
+    LINEAGE_KEY,
     MANIFEST,
     NatsReceiver,
     WeightsFetchError,
@@ -63,7 +65,8 @@ def _version_dir(root: Path, version: int, size: int = 3 * CHUNK_SIZE + 1234) ->
 
 def _files(d: Path) -> dict[str, bytes]:
     """The version's files (not the cache's content key next to them)."""
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name != CONTENT_KEY}
+    keys = (CONTENT_KEY, LINEAGE_KEY)
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name not in keys}
 
 
 async def test_upload_fetch_multi_chunk_version_byte_identical(trainer, rollout, tmp_path):
@@ -284,3 +287,28 @@ async def test_fetch_after_a_rewind_republished_the_version_gets_its_new_bytes(
     assert [p.name for p in (cache / EXP).iterdir()] == ["v000003"]  # nothing stale left
     inode = (got / "model.safetensors").stat().st_ino
     assert (await fetch_version(rollout, uri, cache) / "model.safetensors").stat().st_ino == inode
+
+
+async def test_cached_copy_of_an_abandoned_lineage_is_not_served_after_a_rewind(
+    trainer, rollout, tmp_path
+):
+    """A rollout cached lineage A's v6; the trainer rewound, and the bucket no longer has v6
+    (pruned before lineage B's v6 is up). Asked for v6 with B's fingerprint, the fetch fails
+    and drops A's copy, where it served A's bytes as B's v6; asked with A's own fingerprint (or
+    none: unknown), the copy is served as before."""
+    src = _version_dir(tmp_path / "store", 6)
+    write_manifest(src, 6, "sha256:" + "a" * 64)
+    uri = await upload_version(trainer, src, EXP, 6)
+    cache = tmp_path / "cache"
+    got = await fetch_version(rollout, uri, cache, fingerprint="sha256:" + "a" * 64)
+    await prune_versions(trainer, EXP, keep=1, newest=5)  # resumed at v5: v6 is abandoned
+    assert not await uploaded(trainer, EXP, 6)
+    assert await fetch_version(rollout, uri, cache, fingerprint="sha256:" + "a" * 64) == got
+    assert await fetch_version(rollout, uri, cache) == got  # unknown: unverified, served
+    with pytest.raises(WeightsFetchError, match="another lineage") as e:
+        await fetch_version(rollout, uri, cache, fingerprint="sha256:" + "b" * 64)
+    assert e.value.uri == uri and "sha256:" + "a" * 64 in e.value.reason
+    assert not got.exists()  # dropped: a reload reads the bucket, never this copy again
+    receiver = NatsReceiver(rollout, cache, retry_s=1.0)
+    with pytest.raises(WeightsFetchError, match="no such version"):
+        await receiver.receive(6, uri, "sha256:" + "b" * 64)

@@ -71,7 +71,7 @@ def test_plugin_names_are_checked_by_syntax_only_never_imported():
 def test_bad_json_is_a_spec_error():
     with pytest.raises(SpecError) as e:
         spec_from_json("{not json")
-    assert e.value.field == "spec"
+    assert e.value.field == "spec_json"  # the wire field that carries it
     assert isinstance(ExperimentSpec.model_validate(MINIMAL), ExperimentSpec)
 
 
