@@ -128,6 +128,8 @@ class ServiceRuntime:
         self.grace_s = grace_s
         self.port = 0
         self._agent: WorkerAgent | None = None
+        self.nc = None
+        """The NATS connection (`connect_nats`): heartbeats go on it too."""
         self.metrics_port: int | None = None
         self.credentials = credentials(name)
         self._stack = AsyncExitStack()
@@ -162,6 +164,7 @@ class ServiceRuntime:
             with attempt:
                 nc = await connect(url, identity=self.name)
         self.on_close(nc.drain)
+        self.nc = nc
         return nc
 
     async def serve(
@@ -218,6 +221,7 @@ class ServiceRuntime:
             identity=self.name,
             on_beat=on_beat,
             device=device,
+            nc=self.nc,
         )
         self._agent = agent
         worker_id = await agent.start()

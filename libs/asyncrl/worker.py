@@ -1,15 +1,25 @@
 """Worker side of the registry: register with the scheduler, heartbeat, re-register when the
-scheduler forgot us (e.g. it restarted). Used by rollout, reward and trainer services."""
+scheduler forgot us (e.g. it restarted). Used by rollout, reward and trainer services.
+
+Heartbeats go on NATS (asyncrl.liveness): one publish per interval, no answer awaited; the
+scheduler answers only a beat of a worker it does not know (register again). The process's
+`incarnation` (random, made once) goes with every registration and beat: registering again
+after a hiccup is never taken for a restart. The Heartbeat RPC remains for a scheduler that
+names no heartbeat subject (an older one), while NATS cannot be reached, and to leave."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import secrets
 import socket
+import time
 from collections.abc import Callable
 
 import grpc
 
 from asyncrl.grpcutil import channel
+from asyncrl.liveness import REWARDS_SUBJECT, UNKNOWN, Beat
 from asyncrl.logging import get_logger, keep_running
 from asyncrl.retry import connect_policy, idempotent_rpc
 from asyncrl.settings import settings
@@ -32,6 +42,8 @@ class WorkerAgent:
         identity: str | None = None,
         on_beat: Callable[[scheduler_pb2.HeartbeatResponse], None] | None = None,
         device: str = "",
+        nc=None,
+        nats_url: str | None = None,
     ):
         self.kind = kind
         self.address = address
@@ -45,6 +57,20 @@ class WorkerAgent:
         """Called with each heartbeat's answer (a rollout takes the reward addresses)."""
         self.worker_id: str | None = None
         self.interval = 1.0
+        self.incarnation = secrets.token_hex(8)
+        """This process's: the same on every registration (asyncrl.liveness)."""
+        self.lease_key = ""
+        self.subject = ""
+        """Where heartbeats go on NATS ("": the Heartbeat RPC)."""
+        self.nc = nc
+        """The NATS connection heartbeats go on (the service's; made at `start` if None)."""
+        self._own_nc = False
+        self._nats_url = nats_url
+        """Where to connect if no `nc` is given (default: NATS_URL)."""
+        self._identity = identity or {1: "rollout", 2: "reward", 3: "trainer"}.get(kind, "")
+        self._inbox = ""
+        self._forgotten = False
+        """The scheduler answered a beat `unknown`: register again."""
         self._task: asyncio.Task | None = None
         self._channel = channel(self.scheduler, identity)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
@@ -56,6 +82,7 @@ class WorkerAgent:
             name=self.name,
             capacity=self.capacity,
             device=self.device,
+            incarnation=self.incarnation,
         )
         async for attempt in connect_policy(max_delay_s=120):
             with attempt:
@@ -63,6 +90,8 @@ class WorkerAgent:
                 resp = await self._stub.RegisterWorker(req, timeout=5, wait_for_ready=True)
         self.worker_id = resp.worker_id
         self.interval = resp.heartbeat_interval_s or 1.0
+        self.subject, self.lease_key = resp.heartbeat_subject, resp.lease_key
+        self._forgotten = False
         log.info(
             "worker_registered",
             worker=self.worker_id,
@@ -75,9 +104,21 @@ class WorkerAgent:
         await keep_running("heartbeat", self._beat, log, retry_s=self.interval)
 
     async def _beat(self) -> None:
-        """One heartbeat after `interval`; registers again when the scheduler forgot this
-        worker or did not answer."""
+        """One heartbeat after `interval`: on NATS if the scheduler named a subject and NATS is
+        there, else the RPC (which registers again when the scheduler forgot this worker or
+        did not answer)."""
         await asyncio.sleep(self.interval)
+        if self._forgotten:
+            log.warning("worker_unknown_reregistering", worker=self.worker_id)
+            await self.register()
+        if self.subject and self.nc is not None and self.nc.is_connected:
+            load, now = int(self.load()), round(time.time(), 3)
+            beat = Beat(self.worker_id, self.incarnation, self.lease_key, load, now)
+            await self.nc.publish(self.subject, beat.encode(), reply=self._inbox)
+            return
+        await self._beat_rpc()
+
+    async def _beat_rpc(self) -> None:
         try:
             async for attempt in idempotent_rpc(attempts=3, max_delay_s=self.interval * 3):
                 with attempt:
@@ -101,13 +142,50 @@ class WorkerAgent:
 
     async def start(self) -> str:
         wid = await self.register()
+        if self.subject:
+            await self._listen()
         self._task = asyncio.create_task(self._beat_forever())
         return wid
+
+    async def _listen(self) -> None:
+        """Connect to NATS (unless the service gave its connection) and subscribe to the
+        scheduler's `unknown` answers and, with `on_beat`, the reward workers' addresses. No
+        NATS: the Heartbeat RPC, as with an older scheduler."""
+        from asyncrl.natsutil import connect
+
+        if self.nc is None:
+            try:
+                self.nc = await connect(self._nats_url, self._identity, connect_timeout=2)
+                self._own_nc = True
+            except Exception as e:  # noqa: BLE001 - any failure: the RPC path
+                log.warning("heartbeat_nats_unavailable", error=repr(e), using="Heartbeat RPC")
+                return
+        self._inbox = self.nc.new_inbox()
+        await self.nc.subscribe(self._inbox, cb=self._answered)
+        if self.on_beat is not None:
+            await self.nc.subscribe(REWARDS_SUBJECT, cb=self._rewards)
+
+    async def _answered(self, msg) -> None:
+        if msg.data == UNKNOWN:
+            self._forgotten = True
+
+    async def _rewards(self, msg) -> None:
+        try:
+            addresses = json.loads(msg.data)
+        except ValueError:
+            return
+        beat = scheduler_pb2.HeartbeatResponse(known=True, reward_addresses=addresses)
+        self.on_beat(beat)
 
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
         await self._channel.close()
+        await self._close_nats()
+
+    async def _close_nats(self) -> None:
+        if self._own_nc and self.nc is not None and not self.nc.is_closed:
+            await self.nc.close()
 
     async def leave(self, timeout_s: float = 1.0) -> None:
         """Stop heartbeating and tell the scheduler this worker is going (a stopping service,
@@ -123,3 +201,4 @@ class WorkerAgent:
             except grpc.aio.AioRpcError as e:
                 log.warning("worker_leave_failed", worker=self.worker_id, code=e.code().name)
         await self._channel.close()
+        await self._close_nats()

@@ -235,6 +235,7 @@ class Cluster:
             capacity=capacity,
             scheduler=self.address,
             identity=IDENTITY[kind],
+            nats_url=self.nats_url,
         )
         await agent.start()
 
