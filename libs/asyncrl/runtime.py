@@ -208,10 +208,13 @@ class ServiceRuntime:
         scheduler: str | None = None,
         on_beat: Callable | None = None,
         device: str = "",
+        on_agent: Callable[[WorkerAgent], None] | None = None,
+        nats_url: str | None = None,
     ) -> str:
         """Register this worker with the scheduler and heartbeat until close. A rollout or
         reward worker leaves at close (the scheduler forgets it before its server drains); a
-        trainer's lease lapses (its final checkpoint comes first)."""
+        trainer's lease lapses (its final checkpoint comes first). `on_agent` is given the
+        agent before it registers."""
         agent = WorkerAgent(
             kind,
             self.address,
@@ -222,8 +225,11 @@ class ServiceRuntime:
             on_beat=on_beat,
             device=device,
             nc=self.nc,
+            nats_url=nats_url,
         )
         self._agent = agent
+        if on_agent is not None:  # before it registers: a bind may follow at once
+            on_agent(agent)
         worker_id = await agent.start()
         leaves = kind in (common_pb2.WORKER_KIND_ROLLOUT, common_pb2.WORKER_KIND_REWARD)
         self.on_close(self._leave_then_linger if leaves else agent.stop)

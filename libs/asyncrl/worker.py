@@ -27,6 +27,10 @@ from asyncrl.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = get_logger()
 
+NATS_WAIT_S = 5.0
+"""How long a worker without a NATS connection of its service's tries to connect at start;
+after that it heartbeats with the RPC for its life."""
+
 
 class WorkerAgent:
     """Keeps one worker registered. `load` reports current load on each heartbeat."""
@@ -141,25 +145,30 @@ class WorkerAgent:
                 pass
 
     async def start(self) -> str:
+        await self._connect()  # first: a rollout follows announcements from its first bind
         wid = await self.register()
-        if self.subject:
+        if self.subject and self.nc is not None:
             await self._listen()
         self._task = asyncio.create_task(self._beat_forever())
         return wid
 
-    async def _listen(self) -> None:
-        """Connect to NATS (unless the service gave its connection) and subscribe to the
-        scheduler's `unknown` answers and, with `on_beat`, the reward workers' addresses. No
-        NATS: the Heartbeat RPC, as with an older scheduler."""
+    async def _connect(self) -> None:
+        """Connect to NATS unless the service gave its connection. No NATS: the Heartbeat RPC
+        (and UpdateWeights calls), as with an older scheduler."""
         from asyncrl.natsutil import connect
 
         if self.nc is None:
-            try:
-                self.nc = await connect(self._nats_url, self._identity, connect_timeout=2)
+            try:  # nats-py tries a first connection for ever: bounded here
+                self.nc = await asyncio.wait_for(
+                    connect(self._nats_url, self._identity, connect_timeout=2), NATS_WAIT_S
+                )
                 self._own_nc = True
             except Exception as e:  # noqa: BLE001 - any failure: the RPC path
                 log.warning("heartbeat_nats_unavailable", error=repr(e), using="Heartbeat RPC")
-                return
+
+    async def _listen(self) -> None:
+        """Subscribe to the scheduler's `unknown` answers and, with `on_beat`, the reward
+        workers' addresses."""
         self._inbox = self.nc.new_inbox()
         await self.nc.subscribe(self._inbox, cb=self._answered)
         if self.on_beat is not None:

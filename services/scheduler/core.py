@@ -40,6 +40,7 @@ from asyncrl.storage import STORAGE_FULL, free_bytes
 from asyncrl.types import StepMetrics, TrainerState
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 from asyncrl.workflow import check_workflow
+from services.scheduler.announce import Announcer
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.context import (
     ChannelPool,
@@ -49,7 +50,7 @@ from services.scheduler.context import (
 from services.scheduler.dataset import Prompt, load_prompts
 from services.scheduler.experiments import ExperimentRunner
 from services.scheduler.history import HistoryLog
-from services.scheduler.liveness import Liveness
+from services.scheduler.liveness import Liveness, StallGuard
 from services.scheduler.records import RESUMABLE, CommitResult, Event, ExperimentRecord
 from services.scheduler.registry import Joined, Registry, Worker, WorkerKind
 from services.scheduler.sharing import bind_rollouts
@@ -156,6 +157,7 @@ class Scheduler:
         self.registry = Registry(self.config.lease_ttl_s, self.config.heartbeat_interval_s)
         self.liveness = Liveness(js._nc, self.registry)
         """Heartbeats on NATS (services/scheduler/liveness.py)."""
+        self.announcer = Announcer(js._nc, self.registry)
         self.channels = ChannelPool()
         self.runners: dict[str, ExperimentRunner] = {}
         self.store: StateStore | None = None
@@ -186,6 +188,7 @@ class Scheduler:
             workers_changed=self._reconcile_soon,
             fleet_seconds=self.fleet_seconds,
             slot_freed=self._slot_freed,
+            announcer=self.announcer,
         )
         for record in await self.store.load_all():
             try:
@@ -196,6 +199,7 @@ class Scheduler:
         self.store.start()
         self.history.start()
         await self.liveness.start()
+        await self.announcer.start()
         self._spawn(self._sweep_forever())
         self._spawn(keep_running("storage_watch", self._check_storage, log, STORAGE_CHECK_S))
         log.info(
@@ -211,6 +215,7 @@ class Scheduler:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.liveness.close()
+        await self.announcer.close()
         for runner in self.runners.values():
             await runner.shutdown()
         if self.store is not None:
@@ -442,10 +447,12 @@ class Scheduler:
 
     async def _sweep_forever(self) -> None:
         interval = min(1.0, max(0.05, self.config.lease_ttl_s / 4))
+        stalls = StallGuard(interval)
 
         async def sweep() -> None:
             await asyncio.sleep(interval)
-            gone = self.registry.expire()
+            await self.liveness.apply()  # the beats that came: never expire one of them
+            gone = [] if stalls.stalled() else self.registry.expire()
             for worker in gone:
                 await self._worker_gone(worker)
             idle = self.registry.idle(WorkerKind.ROLLOUT) or self.registry.idle(WorkerKind.TRAINER)

@@ -160,6 +160,7 @@ class ExperimentRunner:
         self.fleet = Fleet(
             self.calls, record, ctx.registry, life, moved, ctx.fleet_seconds, self.log
         )
+        self.fleet.announcer = ctx.announcer
         hooks = {"changed": self._changed, "fence": self._fence, "freed": ctx.slot_freed}
         self.dispatcher = Dispatcher(
             record,

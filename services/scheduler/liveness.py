@@ -28,6 +28,7 @@ log = get_logger()
 BATCH_S = 0.1
 REPORT_S = 10.0
 REWARDS_EVERY_S = 2.0
+STALL_FACTOR = 3.0
 PENDING_LIMIT = 1_000_000
 """Messages nats-py holds for the subscription before it drops (a slow consumer)."""
 
@@ -38,6 +39,25 @@ def percentile(values: list[float], q: float) -> float:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, int(round(q * len(ordered))) - 1))]
+
+
+class StallGuard:
+    """Whether the scheduler's own event loop just stalled (the sweeper woke more than
+    `STALL_FACTOR` intervals after its last pass): the beats sent meanwhile may still be
+    unread in the socket, so that pass expires no one (the next one, an interval later, does
+    if they did not come)."""
+
+    def __init__(self, interval: float, clock=time.monotonic):
+        self.interval, self.clock = interval, clock
+        self.last = clock()
+
+    def stalled(self) -> bool:
+        now = self.clock()
+        gap, self.last = now - self.last, now
+        if gap > STALL_FACTOR * self.interval:
+            log.warning("scheduler_stalled", seconds=round(gap, 3), expiry="postponed")
+            return True
+        return False
 
 
 class Liveness:

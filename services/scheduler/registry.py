@@ -84,6 +84,8 @@ class Worker:
     """The worker process's random id (RegisterWorkerRequest.incarnation; "" an older one)."""
     lease_key: str = ""
     """The secret its heartbeats on NATS carry (asyncrl.liveness), made per incarnation."""
+    on_nats: bool = False
+    """Its heartbeats come on NATS (this incarnation's): it hears weight announcements too."""
 
 
 class Registry:
@@ -124,6 +126,7 @@ class Registry:
             if incarnation and incarnation == w.incarnation:
                 return w, Joined.AGAIN
             w.incarnation, w.lease_key = incarnation, secrets.token_hex(16)
+            w.on_nats = False
             return w, Joined.RESTARTED
         worker_id = f"{kind.value}-{uuid.uuid4().hex[:8]}"
         w = Worker(
@@ -160,7 +163,7 @@ class Registry:
             return BeatResult.UNKNOWN
         if incarnation != w.incarnation or not secrets.compare_digest(lease_key, w.lease_key):
             return BeatResult.STALE
-        w.load = load
+        w.load, w.on_nats = load, True
         self._touch(w)
         return BeatResult.RENEWED
 

@@ -123,6 +123,10 @@ async def _violation(nats_url: str, identity: str, act) -> str:
         ("rollout", "subscription to", "asyncrl.live.>"),
         ("trainer", "subscription to", "asyncrl.live.rollout.*"),
         ("viewer", "publish to", "asyncrl.live.reward.reward-1"),
+        ("rollout", "publish to", "asyncrl.weights.exp-1"),
+        ("rollout", "subscription to", "asyncrl.weights_ack.>"),
+        ("trainer", "publish to", "asyncrl.weights_ack.exp-1"),
+        ("reward", "subscription to", "asyncrl.weights.>"),
     ],
 )
 async def test_only_the_scheduler_reads_beats_and_each_kind_beats_as_itself(

@@ -88,3 +88,16 @@ def test_a_beat_round_trips_and_garbage_is_no_beat():
     assert Beat.decode(b"rollout-1 aa key notanumber 1.0") is None
     assert Beat.decode(b"\xff\xfe a b 1 2") is None
     assert Beat.decode(b"too few fields") is None
+
+
+def test_a_stalled_sweep_expires_no_one_the_next_does():
+    from services.scheduler.liveness import StallGuard
+
+    clock = Clock()
+    guard = StallGuard(1.0, clock)
+    clock.t += 1.2
+    first = guard.stalled()
+    clock.t += 3.5  # the loop was blocked
+    second = guard.stalled()
+    clock.t += 1.0
+    assert (first, second, guard.stalled()) == (False, True, False)
