@@ -157,6 +157,10 @@ class RolloutServicer(GroupsServicer):
         self.follower: WeightsFollower | None = None
         """Follows the bound experiments' weight announcements (asyncrl.announcements)."""
 
+    def follow(self, agent) -> None:
+        """Follow announcements as the worker `agent` registers (before it registers)."""
+        self.follower = WeightsFollower(agent, self.UpdateWeights)
+
     async def BindExperiment(self, request, context):
         await self.service.bind(request.experiment_id, request.spec_json)
         if self.follower is not None:  # its weight announcements from now on (NATS)
@@ -256,8 +260,7 @@ async def create_rollout(
     runtime = ServiceRuntime("rollout", host=host)
     try:
         nc = await runtime.connect_nats(nats_url)
-        js = nc.jetstream()
-        await ensure_stream(js)
+        await ensure_stream(js := nc.jetstream())
         await engine.start()
         service = RolloutService(
             engine,
@@ -277,10 +280,6 @@ async def create_rollout(
             port=port,
         )
         if register:
-
-            def follow(agent) -> None:
-                servicer.follower = WeightsFollower(agent, servicer.UpdateWeights)
-
             await runtime.register(
                 common_pb2.WORKER_KIND_ROLLOUT,
                 capacity=capacity,
@@ -288,17 +287,14 @@ async def create_rollout(
                 load=work,
                 device=engine.device_name,
                 on_beat=lambda beat: service.rewards.known(beat.reward_addresses),
-                on_agent=follow,
+                on_agent=servicer.follow,
             )
         await runtime.serve_metrics(metrics_port, RolloutCollector(service))
     except BaseException:
         await runtime.close()
         raise
     log.info(
-        "rollout_ready",
-        port=runtime.port,
-        engine=service.engine_kind,
-        worker=service.worker,
+        "rollout_ready", port=runtime.port, engine=service.engine_kind, worker=service.worker,
         capacity=capacity,
-    )
+    )  # fmt: skip
     return runtime, service

@@ -53,7 +53,7 @@ from services.scheduler.history import HistoryLog
 from services.scheduler.liveness import Liveness, StallGuard
 from services.scheduler.records import RESUMABLE, CommitResult, Event, ExperimentRecord
 from services.scheduler.registry import Joined, Registry, Worker, WorkerKind
-from services.scheduler.sharing import bind_rollouts
+from services.scheduler.sharing import assign_rewards, bind_rollouts
 from services.scheduler.state import StateStore
 
 log = get_logger()
@@ -503,6 +503,7 @@ class Scheduler:
         live = [r for r in self.list() if not r.terminal]
         self._bind_trainers(live)
         self._bind_rollouts(live)
+        assign_rewards(self.registry, live)
         for runner in live:
             runner.wake()
 
