@@ -299,7 +299,8 @@ class ExperimentRunner:
         if self.lifecycle.phase is not Phase.PENDING:  # finishing meanwhile
             return False
         self._enter(Phase.BINDING)  # the spec to every reward worker before the trainer starts
-        errors = await self.calls.bind_rewards(self.reward_addresses(), self.config.bind_timeout_s)
+        rewards = self.reward_slice or self.registry.reward_addresses()
+        errors = await self.calls.bind_rewards(rewards, self.config.bind_timeout_s)
         if refused := bind_refusal(errors, self.log):
             await self._end(Phase.FAILED, refused)
         if self.lifecycle.phase is not Phase.BINDING:  # refused, or finishing meanwhile

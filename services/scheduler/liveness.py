@@ -26,7 +26,7 @@ from services.scheduler.registry import BeatResult, Registry
 log = get_logger()
 
 BATCH_S = 0.1
-REPORT_S = 10.0
+REPORT_S = 5.0
 REWARDS_EVERY_S = 2.0
 STALL_FACTOR = 3.0
 PENDING_LIMIT = 1_000_000
