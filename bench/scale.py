@@ -498,6 +498,8 @@ def run(ctx: Context) -> list[Result]:
     s = Sizes() if NAME in ctx.only else Sizes.reduced()
     if ctx.quick:
         s = replace(Sizes.reduced(), idle_s=2.0, steady_s=4.0)
+    if os.environ.get("BENCH_SCHEDULER_CPU"):  # the scheduler on a core of its own (taskset)
+        s.scheduler_cpu = int(os.environ["BENCH_SCHEDULER_CPU"])
     f = measure(ctx.work_dir, s)
     return results(f, s)
 
