@@ -50,8 +50,10 @@ class WeightsFollower:
             await sub.unsubscribe()
 
     async def close(self) -> None:
-        for sub in self._subs.values():
-            await sub.unsubscribe()
+        nc = self.agent.nc
+        if nc is not None and not nc.is_closed:  # else its subscriptions went with it
+            for sub in self._subs.values():
+                await sub.unsubscribe()
         self._subs.clear()
 
     async def _announced(self, msg) -> None:
