@@ -58,7 +58,8 @@ class WorkerAgent:
         self.scheduler = scheduler or settings().scheduler
         self.load = load
         self.on_beat = on_beat
-        """Called with each heartbeat's answer (a rollout takes the reward addresses)."""
+        """Called with the reward workers' addresses as the scheduler sends them (a rollout
+        takes them; the Heartbeat RPC's answer carries them too)."""
         self.worker_id: str | None = None
         self.interval = 1.0
         self.incarnation = secrets.token_hex(8)

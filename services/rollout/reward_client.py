@@ -72,7 +72,7 @@ class RewardClient:
         left the scheduler's list, the one restarted in its place is on it)."""
 
     def known(self, addresses) -> None:
-        """The scheduler's list of reward addresses now (each heartbeat brings it): retries
+        """The scheduler's list of reward addresses now (`asyncrl.fleet.rewards`): retries
         go there. An empty list (the only replica is restarting) keeps the last one."""
         if addresses:
             self._latest = tuple(addresses)
