@@ -8,7 +8,7 @@ renews nothing (`Registry.beat`: STALE); a beat of a worker the registry does no
 answered `unknown` on its reply subject, so the worker registers again. Every `REPORT_S` a
 `liveness` log line says how many beats came, how late (sent -> applied), and how many were
 stale or unknown. The reward workers' addresses go out on `asyncrl.fleet.rewards` when they
-change and every `REWARDS_EVERY_S` (a rollout's Score retries go there).
+change (a rollout's Score retries go there; each group's request names its experiment's too).
 """
 
 from __future__ import annotations
@@ -27,9 +27,6 @@ log = get_logger()
 
 BATCH_S = 0.1
 REPORT_S = 5.0
-REWARDS_EVERY_S = 10.0
-"""Resent this often for the rollouts that joined since (each gets it: a 1,000-address list to
-10,000 rollouts is 2.5 MB a time)."""
 STALL_FACTOR = 3.0
 PENDING_LIMIT = 1_000_000
 """Messages nats-py holds for the subscription before it drops (a slow consumer)."""
@@ -76,7 +73,6 @@ class Liveness:
         """Beats by outcome since the start (tests and the bench read them)."""
         self._lags: list[float] = []
         self._rewards: list[str] | None = None
-        self._rewards_at = 0.0
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(
@@ -116,12 +112,12 @@ class Liveness:
                 self._lags.append(now - beat.sent_unix)
             elif result is BeatResult.UNKNOWN and msg.reply:
                 await self.nc.publish(msg.reply, UNKNOWN)
-        await self._publish_rewards(now)
+        await self._publish_rewards()
 
-    async def _publish_rewards(self, now: float) -> None:
+    async def _publish_rewards(self) -> None:
         addresses = self.registry.reward_addresses()
-        if addresses != self._rewards or now - self._rewards_at >= REWARDS_EVERY_S:
-            self._rewards, self._rewards_at = addresses, now
+        if addresses != self._rewards:  # on a change only: 1,000 addresses to 10,000 rollouts
+            self._rewards = addresses  # are 220 MB; a group's own request names them too
             await self.nc.publish(REWARDS_SUBJECT, json.dumps(addresses).encode())
 
     async def _report(self) -> None:

@@ -89,14 +89,17 @@ async def test_registering_again_is_no_restart_but_a_new_incarnation_is(cluster,
     assert worker.experiment_id == exp_id
 
 
-async def test_rollouts_hear_the_reward_addresses(cluster):
+async def test_rollouts_hear_the_reward_addresses_when_they_change(cluster):
     await cluster.start_scheduler(lease_ttl_s=30.0, heartbeat_interval_s=0.2)
-    reward, _ = await cluster.worker(REWARD)
     heard: list[list[str]] = []
     agent, _ = await cluster.worker(ROLLOUT, FakeRollout())
     agent.on_beat = lambda beat: heard.append(list(beat.reward_addresses))
     await agent.nc.subscribe(REWARDS_SUBJECT, cb=agent._rewards)
+    await agent.nc.flush()
+    reward, _ = await cluster.worker(REWARD)
     await wait_until(lambda: heard and heard[-1] == [reward.address], 5)
+    await reward.leave()
+    await wait_until(lambda: heard[-1] == [], 5)
 
 
 async def _violation(nats_url: str, identity: str, act) -> str:
