@@ -130,13 +130,16 @@ def figures(raw: dict, stats: dict[str, dict], s: Sizes) -> dict:
 
 
 def lapsed(raw: dict, vanish: int) -> int:
-    """Live workers the scheduler expired: its `worker_expired` events, but for the killed
-    process's rollouts (those after the kill, up to their number)."""
+    """Live workers the scheduler expired: its `worker_expired` events up to the end of the
+    last window (not those of the stand-ins stopped one after the other at the end), but for
+    the killed process's rollouts (those after the kill, up to their number)."""
+    end = raw.get("idle", {}).get("end", float("inf"))
+    expired = [t for t in raw["expired"] if t <= end]
     killed_at = raw.get("vanish", {}).get("killed_at")
     if killed_at is None:
-        return len(raw["expired"])
-    before = sum(1 for t in raw["expired"] if t < killed_at)
-    after = sum(1 for t in raw["expired"] if t >= killed_at)
+        return len(expired)
+    before = sum(1 for t in expired if t < killed_at)
+    after = sum(1 for t in expired if t >= killed_at)
     return before + max(0, after - vanish)
 
 

@@ -79,3 +79,9 @@ def test_liveness_of_a_window_from_the_schedulers_lines():
     # the median (nearest rank) of 2 and 4 is 2; the largest p99 and max of the two in it
     assert got == {"heartbeat_ms_p50": 2.0, "heartbeat_ms_p99": 8.0, "heartbeat_ms_max": 30.0}
     assert math.isnan(liveness_ms(live, {"start": 0.0, "end": 1.0})["heartbeat_ms_p99"])
+
+
+def test_lapsed_ignores_the_expiries_after_the_last_window():
+    # the stand-ins are stopped one after the other after the idle window: their leases lapse
+    raw = {"expired": [5.0, 50.0, 51.0, 99.0], "idle": {"end": 60.0}}
+    assert lapsed(raw, vanish=0) == 3  # 99.0 is after the end
