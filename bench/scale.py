@@ -91,6 +91,17 @@ class Sizes:
     timeout_s: float = 180.0
     """How long a phase may take to reach its goal (every rollout bound, the warm-up's
     versions, the killed rollouts expired) before the run counts as broken there."""
+    scheduler_cpu: int | None = None
+    """The core the scheduler is pinned to (`taskset`; None: not pinned)."""
+
+    @classmethod
+    def huge(cls) -> Sizes:
+        """Issue 38's size: 10,000 rollouts (1,000 of them killed at once, 1,000 joining),
+        1,000 reward workers, 100 experiments."""
+        return cls(
+            rollouts=10_000, rewards=1_000, experiments=100, rollout_procs=9, vanish=1_000,
+            timeout_s=600.0,
+        )  # fmt: skip
 
     @classmethod
     def reduced(cls) -> Sizes:
@@ -139,10 +150,11 @@ class Deployment:
             "PYTHONUNBUFFERED": "1",
         }
 
-    def _spawn(self, name: str, cmd: list[str]) -> None:
+    def _spawn(self, name: str, cmd: list[str], cpu: int | None = None) -> None:
+        pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
         with open(self.var / "logs" / f"{name}.log", "wb") as log:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, *cmd], cwd=ROOT, env=self.env(), stdin=subprocess.DEVNULL,
+                [*pin, sys.executable, *cmd], cwd=ROOT, env=self.env(), stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
 
@@ -153,7 +165,7 @@ class Deployment:
         self._spawn("scheduler", [
             "-m", "services.scheduler", "--port", self.scheduler.rpartition(":")[2],
             "--lease-ttl", str(s.lease_ttl_s), "--heartbeat-interval", str(s.heartbeat_interval_s),
-        ])  # fmt: skip
+        ], cpu=s.scheduler_cpu)  # fmt: skip
         self.fleet("reward", "reward", s.rewards)
         self.fleet("trainer", "trainer", s.experiments)
 
@@ -177,16 +189,21 @@ class Deployment:
 
     def expired(self) -> list[float]:
         """Wall times of the scheduler's `worker_expired` events (its log: JSON lines)."""
+        return [e["t"] for e in self.events("worker_expired")]
+
+    def events(self, name: str) -> list[dict]:
+        """The scheduler's log events `name` (JSON lines), each with its wall time `t`."""
         from datetime import datetime
 
-        times = []
+        found = []
         with open(self.var / "logs" / "scheduler.log", "rb") as f:
             for line in f:
-                if b'"worker_expired"' in line:
+                if f'"{name}"'.encode() in line:
                     with contextlib.suppress(ValueError, KeyError):
-                        stamp = json.loads(line)["timestamp"].replace("Z", "+00:00")
-                        times.append(datetime.fromisoformat(stamp).timestamp())
-        return times
+                        event = json.loads(line)
+                        stamp = event["timestamp"].replace("Z", "+00:00")
+                        found.append({**event, "t": datetime.fromisoformat(stamp).timestamp()})
+        return found
 
     def stats_file(self, name: str) -> Path:
         return self.var / f"stats-{name}.json"
@@ -378,17 +395,19 @@ async def bind_rollouts(client: AsyncrlClient, dep: Deployment, s: Sizes, out: d
 
 
 async def idle_window(client: AsyncrlClient, dep: Deployment, s: Sizes, ids: list[str]) -> dict:
-    """Cancel the experiments; once their workers are free, a window of heartbeats only."""
-    for i in ids:
-        await client.cancel(i)
+    """Cancel the experiments (`cancel_s`: until every worker is free); then a window of
+    heartbeats only."""
+    t0, cancel_s = time.time(), float("nan")
+    await asyncio.gather(*(client.cancel(i) for i in ids))  # all at once
     with contextlib.suppress(Broke):
-        await wait_workers(
+        freed = await wait_workers(
             client, dep, lambda ws: not any(w.experiment_id for w in ws), "cancel", s.timeout_s
         )
+        cancel_s = freed - t0
     await asyncio.sleep(2 * s.heartbeat_interval_s)
     window = CpuWindow(dep)
     await asyncio.sleep(s.idle_s)
-    return window.close()
+    return {**window.close(), "cancel_s": cancel_s}
 
 
 async def versions(client: AsyncrlClient, ids: list[str]) -> dict[str, int]:
@@ -460,6 +479,7 @@ def measure(work_dir: Path, s: Sizes) -> dict:
         finally:
             stats = dep.stop()
         raw["expired"] = dep.expired()
+        raw["liveness"] = dep.events("liveness")
         return {"machine": machine, **figures(raw, stats, s)}
     finally:
         for k, v in saved.items():
@@ -477,6 +497,8 @@ def run(ctx: Context) -> list[Result]:
     s = Sizes() if NAME in ctx.only else Sizes.reduced()
     if ctx.quick:
         s = replace(Sizes.reduced(), idle_s=2.0, steady_s=4.0)
+    if os.environ.get("BENCH_SCHEDULER_CPU"):  # the scheduler on a core of its own (taskset)
+        s.scheduler_cpu = int(os.environ["BENCH_SCHEDULER_CPU"])
     f = measure(ctx.work_dir, s)
     return results(f, s)
 
@@ -534,6 +556,8 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__)
     p.add_argument("--reduced", action="store_true", help="the size `make bench` runs")
+    p.add_argument("--huge", action="store_true", help="10,000 + 1,000 workers, 100 experiments")
+    p.add_argument("--pin", type=int, help="pin the scheduler to this core (taskset)")
     p.add_argument("--steady", type=float, help="seconds of the steady window")
     p.add_argument("--lease", type=float, help="the scheduler's lease (default 10 s)")
     p.add_argument("--rollouts", type=int, help="rollout workers (default 1000; 100 vanish)")
@@ -541,7 +565,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", type=Path, help="keep the run's files here (logs, stats)")
     args = p.parse_args(argv)
     configure_logging("bench", json=False, level="WARNING")
-    s = Sizes.reduced() if args.reduced else Sizes()
+    s = Sizes.reduced() if args.reduced else Sizes.huge() if args.huge else Sizes()
+    s.scheduler_cpu = args.pin
     if args.lease:
         s.lease_ttl_s = args.lease
     if args.rollouts:  # a tenth of them reward workers, a tenth vanish, as at full size

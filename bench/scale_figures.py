@@ -65,9 +65,21 @@ def sweep_us(s: Sizes, repeats: int = 200) -> float:
     return 1e6 * (time.perf_counter() - t0) / repeats
 
 
-def window_beats(window: dict, beats: list[tuple], stats: dict[str, dict]) -> dict:
+def liveness_ms(live: list[dict], window: dict) -> dict:
+    """The heartbeats' latency (sent -> applied by the scheduler) over `window`, from the
+    scheduler's `liveness` lines (one per REPORT_S: p50, p99, max of the beats applied in it):
+    the median of their p50s, the largest p99 and max; nan when none fell in the window."""
+    lines = [x for x in live if in_window(x["t"], window)]
+    nan = float("nan")
+    return {
+        "heartbeat_ms_p50": percentile([x["lag_ms_p50"] for x in lines], 50),
+        "heartbeat_ms_p99": max((x["lag_ms_p99"] for x in lines), default=nan),
+        "heartbeat_ms_max": max((x["lag_ms_max"] for x in lines), default=nan),
+    }
+
+
+def window_beats(window: dict, beats: list[tuple], stats: dict[str, dict], live) -> dict:
     """The scheduler's share, and the heartbeats' latency and failures, over `window`."""
-    lat = [x for t, x in beats if in_window(t, window)]
     registered = sum(
         1 for st in stats.values() for t in st["registrations"] if in_window(t, window)
     )
@@ -77,8 +89,7 @@ def window_beats(window: dict, beats: list[tuple], stats: dict[str, dict]) -> di
     return {
         "seconds": round(window["seconds"], 1),
         "scheduler_share": round(window["share"]["scheduler"], 3),
-        "heartbeat_ms_p99": round(1e3 * percentile(lat, 99), 2),
-        "heartbeat_ms_max": round(1e3 * max(lat, default=float("nan")), 2),
+        **liveness_ms(live, window),
         "heartbeats_failed": failed,
         "registrations": registered,
     }
@@ -88,6 +99,7 @@ def figures(raw: dict, stats: dict[str, dict], s: Sizes) -> dict:
     """The raw run and the stand-ins' stats -> the reported figures (settings of each result),
     as far as the run got."""
     beats = [tuple(b) for st in stats.values() for b in st["heartbeats"]]
+    live = raw.get("liveness", [])
     f: dict = {
         "sizes": asdict(s),
         "broke": raw.get("broke"),
@@ -103,11 +115,12 @@ def figures(raw: dict, stats: dict[str, dict], s: Sizes) -> dict:
             [min(spread), max(spread)],
         )
     if "bind" in raw:
-        f["bind"] = window_beats(raw["bind"], beats, stats)
+        f["bind"] = window_beats(raw["bind"], beats, stats, live)
     if "idle" in raw:
-        f["idle"] = idle_figures(raw["idle"], beats, stats)
+        f["idle"] = idle_figures(raw["idle"], beats, stats, live)
+        f["cancel_s"] = round(raw["idle"]["cancel_s"], 2)
     if "steady" in raw:
-        f["steady"] = steady_figures(raw, stats, beats, s)
+        f["steady"] = steady_figures(raw, stats, beats, s, live)
         if "idle" in f:  # what the experiments add to the heartbeats' cost, per group
             extra = f["steady"]["scheduler_share"] - f["idle"]["scheduler_share"]
             f["steady"]["cpu_us_per_group"] = round(1e6 * extra / f["steady"]["groups_per_s"], 1)
@@ -117,19 +130,22 @@ def figures(raw: dict, stats: dict[str, dict], s: Sizes) -> dict:
 
 
 def lapsed(raw: dict, vanish: int) -> int:
-    """Live workers the scheduler expired: its `worker_expired` events, but for the killed
-    process's rollouts (those after the kill, up to their number)."""
+    """Live workers the scheduler expired: its `worker_expired` events up to the end of the
+    last window (not those of the stand-ins stopped one after the other at the end), but for
+    the killed process's rollouts (those after the kill, up to their number)."""
+    end = raw.get("idle", {}).get("end", float("inf"))
+    expired = [t for t in raw["expired"] if t <= end]
     killed_at = raw.get("vanish", {}).get("killed_at")
     if killed_at is None:
-        return len(raw["expired"])
-    before = sum(1 for t in raw["expired"] if t < killed_at)
-    after = sum(1 for t in raw["expired"] if t >= killed_at)
+        return len(expired)
+    before = sum(1 for t in expired if t < killed_at)
+    after = sum(1 for t in expired if t >= killed_at)
     return before + max(0, after - vanish)
 
 
-def idle_figures(idle: dict, beats: list[tuple], stats: dict[str, dict]) -> dict:
-    """Heartbeats only: the scheduler's CPU per worker RPC (a heartbeat, or a registration
-    after a failed one), the heartbeats' latency."""
+def idle_figures(idle: dict, beats: list[tuple], stats: dict[str, dict], live) -> dict:
+    """Heartbeats only: the scheduler's CPU per heartbeat or registration (after a lapsed
+    lease), the heartbeats' latency."""
     lat = [x for t, x in beats if in_window(t, idle)]
     registered = sum(1 for st in stats.values() for t in st["registrations"] if in_window(t, idle))
     rpcs = max(1, len(lat) + registered)
@@ -139,19 +155,17 @@ def idle_figures(idle: dict, beats: list[tuple], stats: dict[str, dict]) -> dict
         "heartbeats_per_s": round(len(lat) / idle["seconds"], 1),
         "registrations_per_s": round(registered / idle["seconds"], 1),
         "cpu_us_per_worker_rpc": round(1e6 * idle["cpu_s"]["scheduler"] / rpcs, 1),
-        "heartbeat_ms_p50": round(1e3 * percentile(lat, 50), 2),
-        "heartbeat_ms_p99": round(1e3 * percentile(lat, 99), 2),
+        **liveness_ms(live, idle),
     }
 
 
-def steady_figures(raw: dict, stats: dict[str, dict], beats: list[tuple], s: Sizes) -> dict:
+def steady_figures(raw: dict, stats: dict[str, dict], beats: list[tuple], s: Sizes, live) -> dict:
     steady = raw["steady"]
     arrivals: dict[str, list[float]] = {}
     for st in stats.values():
         for group, t in st.get("arrivals", ()):
             arrivals.setdefault(group, []).append(t)
     latencies, unseen = dispatch_latencies(raw["ledgers"], arrivals, steady)
-    lat = [x for t, x in beats if in_window(t, steady)]
     return {
         "seconds": round(steady["seconds"], 1),
         "scheduler_share": round(steady["share"]["scheduler"], 3),
@@ -162,8 +176,7 @@ def steady_figures(raw: dict, stats: dict[str, dict], beats: list[tuple], s: Siz
         "dispatch_ms_p99": round(1e3 * percentile(latencies, 99), 2),
         "dispatch_ms_max": round(1e3 * max(latencies, default=float("nan")), 2),
         "dispatches_unseen": unseen,
-        "heartbeat_ms_p50": round(1e3 * percentile(lat, 50), 2),
-        "heartbeat_ms_p99": round(1e3 * percentile(lat, 99), 2),
+        **liveness_ms(live, steady),
         "versions": steady["versions"],
         "weight_updates_total": sum(st.get("updates", 0) for st in stats.values()),
     }

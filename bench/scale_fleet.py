@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import random
+import secrets
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -36,9 +37,9 @@ from pathlib import Path
 import grpc
 
 from asyncrl.grpcutil import CHANNEL_OPTIONS, channel
+from asyncrl.liveness import UNKNOWN, WEIGHTS_ROOT, Beat, ack_subject
 from asyncrl.logging import configure_logging
 from asyncrl.natsutil import STREAM, connect, ensure_stream, publish_group, train_subject
-from asyncrl.retry import idempotent_rpc
 from asyncrl.security import credentials, server_interceptors
 from asyncrl.types import TrajectoryGroup
 from asyncrl.v1 import (
@@ -87,18 +88,24 @@ class Stats:
 
 
 class Identity:
-    """One worker identity: its registration and heartbeats over the process's channel."""
+    """One worker identity: its registration over the process's channel, its heartbeats on the
+    process's NATS connection (as `asyncrl.worker.WorkerAgent`: `asyncrl.liveness`)."""
 
     def __init__(self, kind: str, address: str, name: str, capacity: int, stub, stats: Stats):
         self.kind, self.address, self.name, self.capacity = kind, address, name, capacity
         self.stub, self.stats = stub, stats
         self.worker_id = ""
         self.interval = 1.0
+        self.incarnation = secrets.token_hex(8)
+        self.lease_key = self.subject = ""
+        self.forgotten = False
+        """The scheduler answered a beat `unknown` (its lease lapsed): register again."""
 
     async def register(self) -> None:
         request = scheduler_pb2.RegisterWorkerRequest(
-            kind=KINDS[self.kind], address=self.address, name=self.name, capacity=self.capacity
-        )
+            kind=KINDS[self.kind], address=self.address, name=self.name,
+            capacity=self.capacity, incarnation=self.incarnation,
+        )  # fmt: skip
         while True:
             try:
                 resp = await self.stub.RegisterWorker(request, timeout=RPC_TIMEOUT_S)
@@ -107,30 +114,26 @@ class Identity:
             except grpc.aio.AioRpcError:
                 await asyncio.sleep(0.5)
         self.worker_id, self.interval = resp.worker_id, resp.heartbeat_interval_s or 1.0
+        self.lease_key, self.subject = resp.lease_key, resp.heartbeat_subject
+        self.forgotten = False
 
-    async def beat_forever(self, rng: random.Random) -> None:
-        """Heartbeat `interval` seconds after the last answer (the first after a random part of
-        it more, so that the identities of a process do not beat in step) as
-        `asyncrl.worker.WorkerAgent` does:
-        a failed heartbeat is retried (`idempotent_rpc`, 3 attempts, each with the interval as
-        its deadline), then the worker registers again; an unknown one registers again."""
+    async def beat_forever(self, nc, reply: str, rng: random.Random) -> None:
+        """Publish a heartbeat every `interval` (the first after a random part of it more, so
+        that the identities of a process do not beat in step), replies to `reply`; register
+        again when the scheduler answered that it does not know this worker."""
         await asyncio.sleep(rng.uniform(0, self.interval))
-        request = scheduler_pb2.HeartbeatRequest(worker_id=self.worker_id)
         while True:
-            await asyncio.sleep(self.interval)  # after the answer, as WorkerAgent
-            t0, wall = time.perf_counter(), time.time()
-            try:
-                async for attempt in idempotent_rpc(attempts=3, max_delay_s=self.interval * 3):
-                    with attempt:
-                        request.worker_id = self.worker_id
-                        resp = await self.stub.Heartbeat(request, timeout=max(1.0, self.interval))
-                self.stats.heartbeats.append((wall, time.perf_counter() - t0))
-                if not resp.known:  # the lease lapsed: a new id, bound afresh
-                    self.stats.reregistered.append(wall)
-                    await self.register()
-            except grpc.aio.AioRpcError:
-                self.stats.heartbeat_failures.append(wall)
+            await asyncio.sleep(self.interval)
+            wall = time.time()
+            if self.forgotten:
+                self.stats.reregistered.append(wall)
                 await self.register()
+            beat = Beat(self.worker_id, self.incarnation, self.lease_key, 0, round(wall, 3))
+            try:
+                await nc.publish(self.subject, beat.encode(), reply=reply)
+                self.stats.heartbeats.append((wall, 0.0))
+            except Exception:  # noqa: BLE001 - counted: the scheduler's lease decides
+                self.stats.heartbeat_failures.append(wall)
 
 
 class ZeroRollout(GroupsServicer):
@@ -138,6 +141,8 @@ class ZeroRollout(GroupsServicer):
 
     def __init__(self, js, stats: Stats, group_s: float, rng: random.Random):
         self.js, self.stats, self.group_s, self.rng = js, stats, group_s, rng
+        self.identities: dict[str, Identity] = {}
+        """The process's identities by worker id (`announced`)."""
 
     async def BindExperiment(self, request, context):
         return common_pb2.BindExperimentResponse()
@@ -173,6 +178,21 @@ class ZeroRollout(GroupsServicer):
     async def UpdateWeights(self, request, context):
         self.stats.updates += 1
         return rollout_pb2.UpdateWeightsResponse(version=request.version)
+
+    async def announced(self, msg) -> None:
+        """A weight announcement: each identity of this process it names answers at once."""
+        ann = scheduler_pb2.WeightsAnnouncement.FromString(msg.data)
+        subject = ack_subject(ann.experiment_id)
+        answer = rollout_pb2.UpdateWeightsResponse(version=ann.version)
+        for worker_id in ann.workers:
+            ident = self.identities.get(worker_id)
+            if ident is not None:
+                self.stats.updates += 1
+                ack = scheduler_pb2.WeightsAck(
+                    worker_id=worker_id, lease_key=ident.lease_key,
+                    experiment_id=ann.experiment_id, version=ann.version, answer=answer,
+                )  # fmt: skip
+                await self.js._nc.publish(subject, ack.SerializeToString())
 
 
 class ZeroReward(reward_pb2_grpc.RewardServicer):
@@ -263,8 +283,9 @@ def _port(server: grpc.aio.Server, creds) -> str:
     return f"127.0.0.1:{server.add_secure_port('127.0.0.1:0', creds)}"
 
 
-def _servers(args, stub, stats: Stats, js, rng) -> tuple[list[grpc.aio.Server], list[Identity]]:
-    """The gRPC servers (one, a port per identity; a trainer's own each) and the identities."""
+def _servers(args, stub, stats: Stats, js, rng) -> tuple[list, list[Identity], list]:
+    """The gRPC servers (one, a port per identity; a trainer's own each), the identities and
+    the rollout servicer (none for other kinds)."""
     kind, servers, identities = args.kind, [], []
     if kind == "trainer":  # GetStatus names the trainer's experiment: a server each
         for i in range(args.count):
@@ -275,30 +296,44 @@ def _servers(args, stub, stats: Stats, js, rng) -> tuple[list[grpc.aio.Server], 
             )
             servers.append(server)
             identities.append(ident)
-        return servers, identities
+        return servers, identities, []
     server, creds = _server(kind)
     for i in range(args.count):
         address = _port(server, creds)
         identities.append(Identity(kind, address, f"{args.name}-{i}", args.capacity, stub, stats))
     if kind == "rollout":
-        rollout_pb2_grpc.add_RolloutServicer_to_server(
-            ZeroRollout(js, stats, args.group_s, rng), server
-        )
-    else:
-        reward_pb2_grpc.add_RewardServicer_to_server(ZeroReward(), server)
-    return [server], identities
+        rollout = ZeroRollout(js, stats, args.group_s, rng)
+        rollout_pb2_grpc.add_RolloutServicer_to_server(rollout, server)
+        return [server], identities, [rollout]
+    reward_pb2_grpc.add_RewardServicer_to_server(ZeroReward(), server)
+    return [server], identities, []
 
 
-async def _live(ident: Identity, registering: asyncio.Semaphore, rng, stats: Stats) -> None:
+async def _live(ident: Identity, registering: asyncio.Semaphore, nc, rng, stats: Stats) -> None:
     """Register (at most REGISTERING at once in a process), then heartbeat at once, as each
-    worker's own WorkerAgent does."""
+    worker's own WorkerAgent does; `unknown` answers come to the identity's own reply subject."""
     async with registering:
         await ident.register()
     stats.registered = max(stats.registered, time.time())
-    await ident.beat_forever(rng)
+    await ident.beat_forever(nc, f"{nc._inbox_prefix.decode()}.{ident.incarnation}", rng)
 
 
 REGISTERING = 50
+
+
+async def _listen(nc, identities: list[Identity], servers) -> None:
+    """The scheduler's `unknown` answers, by incarnation; a rollout process follows every
+    experiment's weight announcements for its identities."""
+    by_incarnation = {i.incarnation: i for i in identities}
+
+    async def answered(msg) -> None:
+        ident = by_incarnation.get(msg.subject.rsplit(".", 1)[-1])
+        if ident is not None and msg.data == UNKNOWN:
+            ident.forgotten = True
+
+    await nc.subscribe(f"{nc._inbox_prefix.decode()}.*", cb=answered)
+    for servicer in servers:
+        await nc.subscribe(f"{WEIGHTS_ROOT}.>", cb=servicer.announced)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -309,18 +344,19 @@ async def serve(args: argparse.Namespace) -> None:
     loop.add_signal_handler(signal.SIGINT, stop.set)
     sched = channel(args.scheduler, identity=args.kind)
     stub = scheduler_pb2_grpc.SchedulerStub(sched)
-    nc = js = None
-    if args.kind in ("rollout", "trainer"):
-        nc = await connect(identity=args.kind)
-        js = nc.jetstream()
-        if args.kind == "rollout":
-            await ensure_stream(js)
-    servers, identities = _servers(args, stub, stats, js, rng)
+    nc = await connect(identity=args.kind, pending_size=64 * 2**20)
+    js = nc.jetstream()
+    if args.kind == "rollout":
+        await ensure_stream(js)
+    servers, identities, rollouts = _servers(args, stub, stats, js, rng)
     for server in servers:
         await server.start()
+    await _listen(nc, identities, rollouts)
     stats.registering = time.time()
     registering = asyncio.Semaphore(REGISTERING)
-    tasks = [asyncio.create_task(_live(i, registering, rng, stats)) for i in identities]
+    tasks = [asyncio.create_task(_live(i, registering, nc, rng, stats)) for i in identities]
+    if rollouts:
+        tasks.append(asyncio.create_task(_index(identities, rollouts[0])))
     await stop.wait()
     for task in tasks:
         task.cancel()
@@ -328,8 +364,14 @@ async def serve(args: argparse.Namespace) -> None:
     for server in servers:
         await server.stop(0.5)
     await sched.close()
-    if nc is not None:
-        await nc.close()
+    await nc.close()
+
+
+async def _index(identities: list[Identity], rollout: ZeroRollout) -> None:
+    """Keep the rollout servicer's identities by worker id (ids change on re-registering)."""
+    while True:
+        rollout.identities = {i.worker_id: i for i in identities if i.worker_id}
+        await asyncio.sleep(0.5)
 
 
 def main(argv: list[str] | None = None) -> None:

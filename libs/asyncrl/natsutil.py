@@ -148,8 +148,33 @@ def _object_store_read(bucket: str) -> list[str]:
     ]
 
 
+def _live(kind: str) -> list[str]:
+    """A worker of `kind`: publish its heartbeats (asyncrl.liveness), hear the answers."""
+    from asyncrl.liveness import live_subjects
+
+    return [live_subjects(kind)]
+
+
+def _weights_follower() -> dict[str, list[str]]:
+    """A rollout: hear its experiments' weight announcements and the reward workers'
+    addresses, answer the announcements (asyncrl.liveness); never read others' answers."""
+    from asyncrl.liveness import ACK_ROOT, REWARDS_SUBJECT, WEIGHTS_ROOT
+
+    return {"publish": [f"{ACK_ROOT}.>"], "subscribe": [f"{WEIGHTS_ROOT}.>", REWARDS_SUBJECT]}
+
+
+def _scheduler_hears() -> list[str]:
+    from asyncrl.liveness import ACK_ROOT, LIVE_ROOT
+
+    return [f"{LIVE_ROOT}.>", f"{ACK_ROOT}.>"]
+
+
 NATS_PERMISSIONS: dict[str, dict[str, list[str]]] = {
-    "scheduler": {"publish": [">"], "subscribe": [f"{inbox_prefix('scheduler')}.>"]},
+    "scheduler": {
+        "publish": [">"],
+        "subscribe": [f"{inbox_prefix('scheduler')}.>", *_scheduler_hears()],
+    },
+    "reward": {"publish": _live("reward"), "subscribe": [f"{inbox_prefix('reward')}.>"]},
     "trainer": {
         "publish": [
             *_create(STREAM),
@@ -158,14 +183,21 @@ NATS_PERMISSIONS: dict[str, dict[str, list[str]]] = {
             f"{DEAD_ROOT}.>",
             "asyncrl.ledger.>",
             *_object_store_write(WEIGHTS_BUCKET),
+            *_live("trainer"),
         ],
         # nats-py's pull subscriptions deliver to `_INBOX.<nuid>`, whatever the connection's
         # inbox prefix: the trainer's durable consumer needs those too
         "subscribe": [f"{inbox_prefix('trainer')}.>", f"{INBOX_ROOT}.*"],
     },
     "rollout": {
-        "publish": [*_create(STREAM), f"{SUBJECT_ROOT}.>", *_object_store_read(WEIGHTS_BUCKET)],
-        "subscribe": [f"{inbox_prefix('rollout')}.>"],
+        "publish": [
+            *_create(STREAM),
+            f"{SUBJECT_ROOT}.>",
+            *_object_store_read(WEIGHTS_BUCKET),
+            *_live("rollout"),
+            *_weights_follower()["publish"],
+        ],
+        "subscribe": [f"{inbox_prefix('rollout')}.>", *_weights_follower()["subscribe"]],
     },
     **{
         user: {
@@ -179,7 +211,10 @@ NATS_PERMISSIONS: dict[str, dict[str, list[str]]] = {
         for user in ("admin", "viewer")
     },
 }
-"""What each NATS user may publish and subscribe to. The scheduler owns everything: the KV
+"""What each NATS user may publish and subscribe to. Workers publish their heartbeats on
+their own kind's subjects only, which no one but the scheduler may read (they carry the lease
+keys); the scheduler alone announces weights, rollouts alone answer (asyncrl.liveness). The
+scheduler owns everything: the KV
 bucket, its history stream, creating the ledger stream, and it alone may update, purge or
 delete a stream. Rollouts publish trajectories (and create the trajectory stream if it is not
 there yet) and read the weights bucket; the trainer consumes and acks them, manages its

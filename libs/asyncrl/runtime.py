@@ -156,6 +156,8 @@ class ServiceRuntime:
         self.grace_s = grace_s
         self.port = 0
         self._agent: WorkerAgent | None = None
+        self.nc = None
+        """The NATS connection (`connect_nats`): heartbeats go on it too."""
         self.metrics_port: int | None = None
         self.credentials = credentials(name)
         self._stack = AsyncExitStack()
@@ -190,6 +192,7 @@ class ServiceRuntime:
             with attempt:
                 nc = await connect(url, identity=self.name)
         self.on_close(nc.drain)
+        self.nc = nc
         return nc
 
     async def serve(
@@ -233,10 +236,13 @@ class ServiceRuntime:
         scheduler: str | None = None,
         on_beat: Callable | None = None,
         device: str = "",
+        on_agent: Callable[[WorkerAgent], None] | None = None,
+        nats_url: str | None = None,
     ) -> str:
         """Register this worker with the scheduler and heartbeat until close. A rollout or
         reward worker leaves at close (the scheduler forgets it before its server drains); a
-        trainer's lease lapses (its final checkpoint comes first)."""
+        trainer's lease lapses (its final checkpoint comes first). `on_agent` is given the
+        agent before it registers."""
         agent = WorkerAgent(
             kind,
             self.address,
@@ -246,8 +252,12 @@ class ServiceRuntime:
             identity=self.name,
             on_beat=on_beat,
             device=device,
+            nc=self.nc,
+            nats_url=nats_url,
         )
         self._agent = agent
+        if on_agent is not None:  # before it registers: a bind may follow at once
+            on_agent(agent)
         worker_id = await agent.start()
         leaves = kind in (common_pb2.WORKER_KIND_ROLLOUT, common_pb2.WORKER_KIND_REWARD)
         self.on_close(self._leave_then_linger if leaves else agent.stop)

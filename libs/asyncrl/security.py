@@ -50,8 +50,8 @@ log = get_logger()
 ISSUER = "asyncrl"
 IDENTITIES = {name: name for name in ROLES}
 """The identities `ensure_secrets` makes a token for, each with the role of the same name."""
-NATS_USERS = ("scheduler", "trainer", "rollout", "admin", "viewer")
-"""NATS users (the reward service does not use NATS)."""
+NATS_USERS = ("scheduler", "trainer", "rollout", "reward", "admin", "viewer")
+"""NATS users (the reward service's publishes its heartbeats only)."""
 TENANT_NATS_PREFIX = "tenant-"
 """A tenant's NATS user is `tenant-<tenant>` (one per tenant, shared by its admins and viewers;
 its password is nats/tenant-<tenant>.password, its permissions asyncrl.natsutil's)."""

@@ -408,10 +408,10 @@ class ExperimentSpec(_Section):
     seed: int = 1
     """Seeds the dataset's shuffle (and the Megatron backend's random state)."""
     share: float = Field(1.0, gt=0)
-    """This experiment's weight when LoRA experiments on the same base share rollout replicas:
-    the scheduler divides the shared replicas' group slots between the running ones in
-    proportion to it (docs/lora.md, "Sharing a fleet"). Unused by a full-parameter experiment,
-    which holds whole replicas."""
+    """This experiment's weight in the fleet: the scheduler spreads whole rollout replicas
+    across experiments (a LoRA pool counting its experiments' mean) and the reward workers in
+    proportion to it, and divides a LoRA pool's shared replicas' group slots between its
+    experiments by it (docs/lora.md, "Sharing a fleet")."""
 
 
 def check_files(spec: ExperimentSpec) -> None:

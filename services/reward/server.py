@@ -127,11 +127,13 @@ async def create_reward(
     register: bool = True,
     host: str = "127.0.0.1",
     metrics_port: int | None = None,
+    nats_url: str | None = None,
 ) -> tuple[ServiceRuntime, RewardService]:
     """Start the reward service; returns (runtime, service), `runtime.port` is the bound port
     and `await runtime.close()` stops the server and its process pool. With register=True it
     starts its scoring processes (`ScoringPool.warm`), then registers with the scheduler
-    (`scheduler`, else ASYNCRL_SCHEDULER) as a reward worker."""
+    (`scheduler`, else ASYNCRL_SCHEDULER) as a reward worker, its heartbeats on NATS
+    (`nats_url`, else NATS_URL: the only use it has for NATS)."""
     runtime = ServiceRuntime("reward", host=host)
     runtime.on_close(stop_helpers)  # after the pool's close: closed in reverse order
     pool = ScoringPool(workers)
@@ -151,6 +153,7 @@ async def create_reward(
                 scheduler=scheduler,
                 load=lambda: pool.in_flight,
                 device="cpu",
+                nats_url=nats_url,
             )
         await runtime.serve_metrics(metrics_port, RewardCollector(pool))
     except BaseException:

@@ -77,7 +77,7 @@ class RewardClient:
         which was the list when its group was dispatched."""
 
     def known(self, addresses) -> None:
-        """The scheduler's list of reward addresses now (each heartbeat brings it): retries
+        """The scheduler's list of reward addresses now (`asyncrl.fleet.rewards`): retries
         go there. An empty list (the only replica is restarting) keeps the last one."""
         if addresses:
             self._heard = tuple(addresses)

@@ -14,6 +14,7 @@ import grpc
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from asyncrl.announcements import WeightsFollower
 from asyncrl.errors import status_message
 from asyncrl.logging import get_logger
 from asyncrl.metrics import gauge
@@ -154,9 +155,17 @@ class GroupsServicer(rollout_pb2_grpc.RolloutServicer):
 class RolloutServicer(GroupsServicer):
     def __init__(self, service: RolloutService):
         self.service = service
+        self.follower: WeightsFollower | None = None
+        """Follows the bound experiments' weight announcements (asyncrl.announcements)."""
+
+    def follow(self, agent) -> None:
+        """Follow announcements as the worker `agent` registers (before it registers)."""
+        self.follower = WeightsFollower(agent, self.UpdateWeights)
 
     async def BindExperiment(self, request, context):
         await self.service.bind(request.experiment_id, request.spec_json)
+        if self.follower is not None:  # its weight announcements from now on (NATS)
+            await self.follower.follow(request.experiment_id)
         return common_pb2.BindExperimentResponse()
 
     async def _group(self, request: rollout_pb2.GenerateGroupRequest) -> rollout_pb2.GroupSummary:
@@ -256,8 +265,7 @@ async def create_rollout(
     runtime = ServiceRuntime("rollout", host=host)
     try:
         nc = await runtime.connect_nats(nats_url)
-        js = nc.jetstream()
-        await ensure_stream(js)
+        await ensure_stream(js := nc.jetstream())
         await engine.start()
         service = RolloutService(
             engine,
@@ -270,8 +278,9 @@ async def create_rollout(
         work = RecentWork(lambda: service.running_groups)
         runtime.busy = work.busy  # a hand-over of a busy rollout waits for the successor
         runtime.serving = lambda: bool(service.experiment_id)  # to load the experiment's weights
+        servicer = RolloutServicer(service)
         await runtime.serve(
-            [(rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(service))],
+            [(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer)],
             [SERVICE_NAME],
             port=port,
         )
@@ -283,16 +292,14 @@ async def create_rollout(
                 load=work,
                 device=engine.device_name,
                 on_beat=lambda beat: service.rewards.known(beat.reward_addresses),
+                on_agent=servicer.follow,
             )
         await runtime.serve_metrics(metrics_port, RolloutCollector(service))
     except BaseException:
         await runtime.close()
         raise
     log.info(
-        "rollout_ready",
-        port=runtime.port,
-        engine=service.engine_kind,
-        worker=service.worker,
+        "rollout_ready", port=runtime.port, engine=service.engine_kind, worker=service.worker,
         capacity=capacity,
-    )
+    )  # fmt: skip
     return runtime, service

@@ -92,3 +92,5 @@ class RunnerContext:
     """Where the runners' fleet updates spend their time (rendered by the collector)."""
     slot_freed: Callable[[Worker], None] = lambda worker: None
     """A group on a shared rollout ended: the other experiments sharing it may dispatch."""
+    announcer: object = None
+    """Announces committed versions on NATS (services/scheduler/announce.py)."""

@@ -40,6 +40,7 @@ from asyncrl.storage import STORAGE_FULL, free_bytes
 from asyncrl.types import StepMetrics, TrainerState
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
 from asyncrl.workflow import check_workflow
+from services.scheduler.announce import Announcer
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.context import (
     ChannelPool,
@@ -49,9 +50,10 @@ from services.scheduler.context import (
 from services.scheduler.dataset import Prompt, load_prompts
 from services.scheduler.experiments import ExperimentRunner
 from services.scheduler.history import HistoryLog
+from services.scheduler.liveness import Liveness, StallGuard
 from services.scheduler.records import RESUMABLE, CommitResult, Event, ExperimentRecord
-from services.scheduler.registry import Registry, Worker, WorkerKind
-from services.scheduler.sharing import bind_rollouts
+from services.scheduler.registry import Joined, Registry, Worker, WorkerKind
+from services.scheduler.sharing import assign_rewards, bind_rollouts
 from services.scheduler.state import StateStore
 
 log = get_logger()
@@ -143,11 +145,39 @@ def check_registration(address: str, name: str, capacity: int, device: str) -> N
             raise BadRequest(field, f"{len(text)} characters, at most {MAX_LABEL}")
 
 
+def check_storage(runners: list[ExperimentRunner]) -> None:
+    """Every STORAGE_CHECK_S: with less than STORAGE_MIN_FREE free under ASYNCRL_VAR (in a
+    `make up` deployment nats's store, the weights, checkpoints and logs), every live
+    experiment's message says storage is full and where, until space returns. Its writes
+    fail meanwhile and are retried (nothing is lost); the run goes on by itself after."""
+    var = settings().var.resolve()
+    free = free_bytes(var)
+    full = free is not None and free < STORAGE_MIN_FREE
+    reason = f"paused: {STORAGE_FULL}: {free / 2**20:.1f} MiB free at {var}" if full else ""
+    for runner in runners:
+        record = runner.record
+        if runner.terminal or record.message == reason:
+            continue
+        if full and not record.message.startswith("paused: "):
+            log.warning("storage_full", experiment=runner.id, reason=reason)
+            record.message = reason
+            runner.supervisor.paused = runner.supervisor.paused or reason[len("paused: ") :]
+        elif not full and record.message.startswith(f"paused: {STORAGE_FULL}: "):
+            log.info("storage_available", experiment=runner.id, free_bytes=free)
+            record.message = ""
+        else:
+            continue
+        runner.book.emit(Event("state"))
+
+
 class Scheduler:
     def __init__(self, js, config: SchedulerConfig | None = None):
         self.js = js  # JetStream context: the KV bucket holding experiment state
         self.config = config or SchedulerConfig()
         self.registry = Registry(self.config.lease_ttl_s, self.config.heartbeat_interval_s)
+        self.liveness = Liveness(js._nc, self.registry)
+        """Heartbeats on NATS (services/scheduler/liveness.py)."""
+        self.announcer = Announcer(js._nc, self.registry)
         self.channels = ChannelPool()
         self.runners: dict[str, ExperimentRunner] = {}
         self.store: StateStore | None = None
@@ -157,6 +187,10 @@ class Scheduler:
         """The runners' fleet updates by phase (rendered by the scheduler's collector)."""
         self._tasks: set[asyncio.Task] = set()
         self._reconcile_scheduled = False
+
+    async def _check_storage(self) -> None:
+        await asyncio.sleep(STORAGE_CHECK_S)
+        check_storage(list(self.runners.values()))
 
     # ---- start / stop ------------------------------------------------------------------------
 
@@ -174,6 +208,7 @@ class Scheduler:
             workers_changed=self._reconcile_soon,
             fleet_seconds=self.fleet_seconds,
             slot_freed=self._slot_freed,
+            announcer=self.announcer,
         )
         for record in await self.store.load_all():
             try:
@@ -183,6 +218,8 @@ class Scheduler:
                 log.exception("experiment_restore_failed", experiment=record.id, error=repr(e))
         self.store.start()
         self.history.start()
+        await self.liveness.start()
+        await self.announcer.start()
         self._spawn(self._sweep_forever())
         self._spawn(keep_running("storage_watch", self._check_storage, log, STORAGE_CHECK_S))
         log.info(
@@ -197,6 +234,8 @@ class Scheduler:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.liveness.close()
+        await self.announcer.close()
         for runner in self.runners.values():
             await runner.shutdown()
         if self.store is not None:
@@ -338,9 +377,12 @@ class Scheduler:
         capacity: int,
         caller: Principal | None = None,
         device: str = "",
+        incarnation: str = "",
     ) -> Worker:
         """A worker registers itself: the caller's role must be the kind it registers, and an
-        address a live worker holds is taken again only by the identity that registered it."""
+        address a live worker holds is taken again only by the identity that registered it.
+        The same process registering again (`Joined.AGAIN`: its `incarnation`) changes
+        nothing; a restarted one loads its experiment again."""
         check_registration(address, name, capacity, device)
         if caller is not None:
             if caller.role != kind.value:
@@ -355,7 +397,9 @@ class Scheduler:
                     f" {held.principal}, not {caller.subject}"
                 )
         principal = caller.subject if caller is not None else ""
-        worker, is_new = self.registry.register(kind, address, name, capacity, principal)
+        worker, joined = self.registry.register(
+            kind, address, name, capacity, principal, incarnation
+        )
         worker.device = device
         log.info(
             "worker_registered",
@@ -364,10 +408,12 @@ class Scheduler:
             address=address,
             capacity=capacity,
             principal=principal,
-            again=not is_new,
+            joined=joined.value,
         )
         runners = self._runners_of(worker)
-        if kind == WorkerKind.TRAINER and is_new:
+        if joined is Joined.AGAIN:
+            return worker
+        if kind == WorkerKind.TRAINER and joined is Joined.NEW:
             self.registry.probing(worker)
             self._spawn(self._probe_trainer(worker))
         elif kind == WorkerKind.TRAINER and runners:
@@ -420,10 +466,12 @@ class Scheduler:
 
     async def _sweep_forever(self) -> None:
         interval = min(1.0, max(0.05, self.config.lease_ttl_s / 4))
+        stalls = StallGuard(interval)
 
         async def sweep() -> None:
             await asyncio.sleep(interval)
-            gone = self.registry.expire()
+            await self.liveness.apply()  # the beats that came: never expire one of them
+            gone = [] if stalls.stalled() else self.registry.expire()
             for worker in gone:
                 await self._worker_gone(worker)
             idle = self.registry.idle(WorkerKind.ROLLOUT) or self.registry.idle(WorkerKind.TRAINER)
@@ -431,31 +479,6 @@ class Scheduler:
                 self._reconcile()
 
         await keep_running("lease_sweeper", sweep, log, retry_s=interval)
-
-    async def _check_storage(self) -> None:
-        """Every STORAGE_CHECK_S: with less than STORAGE_MIN_FREE free under ASYNCRL_VAR (in a
-        `make up` deployment nats's store, the weights, checkpoints and logs), every live
-        experiment's message says storage is full and where, until space returns. Its writes
-        fail meanwhile and are retried (nothing is lost); the run goes on by itself after."""
-        await asyncio.sleep(STORAGE_CHECK_S)
-        var = settings().var.resolve()
-        free = free_bytes(var)
-        full = free is not None and free < STORAGE_MIN_FREE
-        reason = f"paused: {STORAGE_FULL}: {free / 2**20:.1f} MiB free at {var}" if full else ""
-        for runner in self.runners.values():
-            record = runner.record
-            if runner.terminal or record.message == reason:
-                continue
-            if full and not record.message.startswith("paused: "):
-                log.warning("storage_full", experiment=runner.id, reason=reason)
-                record.message = reason
-                runner.supervisor.paused = runner.supervisor.paused or reason[len("paused: ") :]
-            elif not full and record.message.startswith(f"paused: {STORAGE_FULL}: "):
-                log.info("storage_available", experiment=runner.id, free_bytes=free)
-                record.message = ""
-            else:
-                continue
-            runner.book.emit(Event("state"))
 
     async def _worker_left(self, worker: Worker) -> None:
         """A stopping worker said it leaves: nothing new goes to it, and a rollout's groups in
@@ -499,6 +522,7 @@ class Scheduler:
         live = [r for r in self.list() if not r.terminal]
         self._bind_trainers(live)
         self._bind_rollouts(live)
+        assign_rewards(self.registry, live)
         for runner in live:
             runner.wake()
 

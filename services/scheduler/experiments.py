@@ -160,6 +160,8 @@ class ExperimentRunner:
         self.fleet = Fleet(
             self.calls, record, ctx.registry, life, moved, ctx.fleet_seconds, self.log
         )
+        self.fleet.announcer = ctx.announcer
+        self.reward_slice: list[str] = []  # its reward workers (sharing.assign_rewards)
         hooks = {"changed": self._changed, "fence": self._fence, "freed": ctx.slot_freed}
         self.dispatcher = Dispatcher(
             record,
@@ -297,9 +299,8 @@ class ExperimentRunner:
         if self.lifecycle.phase is not Phase.PENDING:  # finishing meanwhile
             return False
         self._enter(Phase.BINDING)  # the spec to every reward worker before the trainer starts
-        errors = await self.calls.bind_rewards(
-            self.registry.reward_addresses(), self.config.bind_timeout_s
-        )
+        rewards = self.reward_slice or self.registry.reward_addresses()
+        errors = await self.calls.bind_rewards(rewards, self.config.bind_timeout_s)
         if refused := bind_refusal(errors, self.log):
             await self._end(Phase.FAILED, refused)
         if self.lifecycle.phase is not Phase.BINDING:  # refused, or finishing meanwhile
@@ -389,7 +390,8 @@ class ExperimentRunner:
                 and self.version >= self.committed_version  # never on weights already stale
                 and not self._first_eval_holds()
             )
-            if self.dispatcher.dispatch_one(ready, self.registry.reward_addresses(), training):
+            rewards = self.reward_slice or self.registry.reward_addresses()
+            if self.dispatcher.dispatch_one(ready, rewards, training):
                 dispatched += 1
                 if dispatched % 32 == 0:
                     await asyncio.sleep(0)  # let the started calls go out

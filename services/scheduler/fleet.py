@@ -146,6 +146,8 @@ class Fleet:
         self.held: Callable[[], bool] = lambda: False
         """While true the fleet takes no new version (an eval round measures one version);
         `catch_up` takes it to the newest commit after."""
+        self.announcer = None
+        """Announces versions on NATS (services/scheduler/announce.py; None: RPCs only)."""
         self.commit_s = 0.0
         """The last commit's bookkeeping time (reported with the next step's metrics)."""
         self._moved = asyncio.Event()
@@ -264,28 +266,42 @@ class Fleet:
         child.observe(seconds)
 
     async def broadcast(self, workers: list[Worker], version: int, uri: str) -> FleetUpdate:
-        """UpdateWeights to all `workers` in parallel (call with `lock` held); the update names
-        the ones that failed or lagged past the spec's `rollout.weight_update_timeout_s`, with
-        the reason. That deadline, not a frozen worker's lease, bounds how long it waits."""
+        """`version` to all `workers` at once (call with `lock` held): one announcement on NATS
+        to those whose heartbeats come on NATS (`announcer`), UpdateWeights to the others;
+        the update names the ones that failed or lagged past the spec's
+        `rollout.weight_update_timeout_s`, with the reason. That deadline, not a frozen
+        worker's lease, bounds how long it waits."""
         timeout = self.calls.spec.rollout.weight_update_timeout_s
         expected = self.fingerprints.get(version, "")
         ranked = sorted(workers, key=lambda w: w.worker_id)  # a broadcast's ranks 1..n
         group = self.calls.spec.trainer.weight_sync == "broadcast"
+        ranks = {w.worker_id: (r, len(ranked)) if group else (0, 0) for r, w in enumerate(ranked, 1)}
+        # a broadcast's rollouts each take their own rank in the weight group: called, not
+        # announced
+        heard = [] if group else [w for w in ranked if w.on_nats and self.announcer is not None]
+        called = [w for w in ranked if w not in heard]
         t0 = time.perf_counter()
-        results = await asyncio.gather(
-            *(
-                self.calls.update_weights(
-                    w, version, uri, timeout, expected, (rank, len(ranked)) if group else (0, 0)
-                )
-                for rank, w in enumerate(ranked, start=1)
+        announced = self._announce(heard, version, uri, expected, timeout)
+        results, answers = await asyncio.gather(
+            asyncio.gather(
+                *(
+                    self.calls.update_weights(
+                        w, version, uri, timeout, expected, ranks[w.worker_id]
+                    )
+                    for w in called
+                ),
+                return_exceptions=True,
             ),
-            return_exceptions=True,
+            announced,
         )
-        workers = ranked
         update = FleetUpdate(version, seconds=time.perf_counter() - t0)
-        for w, result in zip(workers, results, strict=True):
+        silent = f"no answer to the announcement within {timeout:g} s"
+        answered = [(w, answers.get(w.worker_id, silent)) for w in heard]
+        for w, result in [*zip(called, results, strict=True), *answered]:
             if isinstance(result, BaseException):
                 update.failed.append((w, rpc_reason(result)))
+            elif isinstance(result, str):
+                update.failed.append((w, result))
             elif reason := self.unproven(w, version, result.fingerprint):
                 update.failed.append((w, reason))
             else:
@@ -294,6 +310,15 @@ class Fleet:
                 if update.slowest is None or result.seconds > update.slowest.seconds:
                     update.slowest = result
         return update
+
+    async def _announce(
+        self, workers: list[Worker], version: int, uri: str, fingerprint: str, timeout: float
+    ) -> dict:
+        if not workers:
+            return {}
+        return await self.announcer.announce(
+            self.record.id, version, uri, fingerprint, workers, timeout
+        )
 
     def unproven(self, worker: Worker, version: int, fingerprint: str) -> str:
         """Why `worker`'s answer to UpdateWeights(`version`) does not prove it serves the

@@ -6,6 +6,7 @@ and decides what an expiry means for the experiments.
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -19,6 +20,30 @@ class WorkerKind(StrEnum):
     ROLLOUT = "rollout"
     REWARD = "reward"
     TRAINER = "trainer"
+
+
+class Joined(StrEnum):
+    """What a registration was (`Registry.register`)."""
+
+    NEW = "new"
+    """No live worker at that address: a new id."""
+    AGAIN = "again"
+    """The same process registering again (same incarnation): its id, binding, loaded weights
+    and lease key stand; nothing is to be done again."""
+    RESTARTED = "restarted"
+    """Another process at a live worker's address (another incarnation, or an older worker
+    that sends none): its id and binding stand, it must load its experiment again."""
+
+
+class BeatResult(StrEnum):
+    """What a heartbeat on NATS did (`Registry.beat`)."""
+
+    RENEWED = "renewed"
+    UNKNOWN = "unknown"
+    """No such worker (its lease lapsed, or the scheduler restarted): it registers again."""
+    STALE = "stale"
+    """Another incarnation's, or the lease key is wrong: a late beat of a process that was
+    replaced, or a forgery; ignored (never taken for a restart)."""
 
 
 @dataclass
@@ -55,6 +80,12 @@ class Worker:
     principal: str = ""
     """The identity (token subject) that registered it: only it may heartbeat for it, register
     it again, or (a trainer) commit for its experiment. "" when security is off."""
+    incarnation: str = ""
+    """The worker process's random id (RegisterWorkerRequest.incarnation; "" an older one)."""
+    lease_key: str = ""
+    """The secret its heartbeats on NATS carry (asyncrl.liveness), made per incarnation."""
+    on_nats: bool = False
+    """Its heartbeats come on NATS (this incarnation's): it hears weight announcements too."""
 
 
 class Registry:
@@ -68,37 +99,49 @@ class Registry:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.clock = clock
         self._workers: dict[str, Worker] = {}
+        self._by_address: dict[tuple[WorkerKind, str], Worker] = {}
         self._sorted: dict[WorkerKind | None, list[Worker]] = {}
         """`workers(kind)` by id, kept until a worker joins or leaves (asked several times per
         group dispatched)."""
 
     def register(
-        self, kind: WorkerKind, address: str, name: str, capacity: int, principal: str = ""
-    ) -> tuple[Worker, bool]:
-        """Add a worker registered by `principal`; returns (worker, is_new).
+        self,
+        kind: WorkerKind,
+        address: str,
+        name: str,
+        capacity: int,
+        principal: str = "",
+        incarnation: str = "",
+    ) -> tuple[Worker, Joined]:
+        """Add a worker registered by `principal`; returns (worker, what it was: `Joined`).
 
-        A live worker registering again from the same address (its heartbeat failed for a
-        moment) keeps its id and binding, so its in-flight work is not reassigned twice. The
-        caller checks first (`at`) that it is the same principal."""
+        A live worker registering again from the same address keeps its id and binding, so its
+        in-flight work is not reassigned twice: AGAIN when it is the same process (its
+        `incarnation`, not ""), RESTARTED otherwise (a new lease key then). The caller checks
+        first (`at`) that it is the same principal."""
         w = self.at(kind, address)
         if w is not None:
             w.name, w.capacity = name or w.name, capacity
             self._touch(w)
-            return w, False
+            if incarnation and incarnation == w.incarnation:
+                return w, Joined.AGAIN
+            w.incarnation, w.lease_key = incarnation, secrets.token_hex(16)
+            w.on_nats = False
+            return w, Joined.RESTARTED
         worker_id = f"{kind.value}-{uuid.uuid4().hex[:8]}"
         w = Worker(
             worker_id, kind, address, name or worker_id, capacity, 0.0, 0.0, principal=principal
         )
+        w.incarnation, w.lease_key = incarnation, secrets.token_hex(16)
         self._touch(w)
         self._workers[worker_id] = w
+        self._by_address[(kind, address)] = w
         self._sorted.clear()
-        return w, True
+        return w, Joined.NEW
 
     def at(self, kind: WorkerKind, address: str) -> Worker | None:
         """The live worker of `kind` registered at `address`, if any."""
-        return next(
-            (w for w in self._workers.values() if w.kind == kind and w.address == address), None
-        )
+        return self._by_address.get((kind, address))
 
     def get(self, worker_id: str) -> Worker | None:
         return self._workers.get(worker_id)
@@ -112,11 +155,23 @@ class Registry:
         self._touch(w)
         return True
 
+    def beat(self, worker_id: str, incarnation: str, lease_key: str, load: int) -> BeatResult:
+        """A heartbeat that came on NATS: renews the lease only with the worker's incarnation
+        and lease key (`BeatResult`)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return BeatResult.UNKNOWN
+        if incarnation != w.incarnation or not secrets.compare_digest(lease_key, w.lease_key):
+            return BeatResult.STALE
+        w.load, w.on_nats = load, True
+        self._touch(w)
+        return BeatResult.RENEWED
+
     def remove(self, worker_id: str) -> Worker | None:
         """Forget a worker that said it is leaving; the worker, None for an unknown id."""
         w = self._workers.pop(worker_id, None)
         if w is not None:
-            self._sorted.clear()
+            self._forget(w)
         return w
 
     def expire(self) -> list[Worker]:
@@ -125,9 +180,13 @@ class Registry:
         gone = [w for w in self._workers.values() if w.last_seen < deadline]
         for w in gone:
             del self._workers[w.worker_id]
-        if gone:
-            self._sorted.clear()
+            self._forget(w)
         return gone
+
+    def _forget(self, w: Worker) -> None:
+        if self._by_address.get((w.kind, w.address)) is w:
+            del self._by_address[(w.kind, w.address)]
+        self._sorted.clear()
 
     def workers(self, kind: WorkerKind | None = None) -> list[Worker]:
         """The live workers (of `kind`) by id; a new list each call."""

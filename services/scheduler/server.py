@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from prometheus_client.registry import Collector
 
 from asyncrl.errors import NotFound
+from asyncrl.liveness import live_subject
 from asyncrl.logging import get_logger
 from asyncrl.metrics import gauge
 from asyncrl.runtime import ServiceRuntime
@@ -116,12 +117,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             request.capacity,
             caller(),
             device=request.device,
+            incarnation=request.incarnation,
         )
         config = self.scheduler.config
         return scheduler_pb2.RegisterWorkerResponse(
             worker_id=worker.worker_id,
             lease_ttl_s=config.lease_ttl_s,
             heartbeat_interval_s=config.heartbeat_interval_s,
+            heartbeat_subject=live_subject(worker.kind.value, worker.worker_id),
+            lease_key=worker.lease_key,
         )
 
     async def Heartbeat(self, request, context):

@@ -2,13 +2,19 @@
 replicas per LoRA pool, whose group slots are divided between its experiments.
 
 A *unit* holds rollouts: a full-parameter experiment alone, or a *pool*, every running LoRA
-experiment on one base model (`pool_key`). Units get whole replicas as experiments always did:
-an idle rollout goes to the unit with the fewest, and a unit with none takes one from a unit
-with two or more. Every experiment of a pool is bound to each of the pool's rollouts
+experiment on one base model (`pool_key`). Units get whole replicas by their weight (spec
+`share`; a pool's is its experiments' mean): each unit's target is its part of every rollout
+there is (`fair_targets`, at least one each), an idle rollout goes to the unit furthest below
+its target, and when an experiment starts or ends (or rollouts come or go) the units above
+their target give rollouts to those below (`rebalance`; the least busy goes, its groups
+re-queued). No experiment takes every idle rollout because it came first. Every experiment of a pool is bound to each of the pool's rollouts
 (`Registry.share`): one rollout serves all their adapters on the one base, in one batch
 (services/rollout/adapters.py). The pool's slots (its rollouts' summed capacity) are divided
 between its experiments by their spec `share` (`policy.divide_slots`), each experiment's
 `Dispatcher.slots`: it dispatches no more groups than that, whatever the others do.
+
+Reward workers are divided likewise (`reward_slices`): each experiment's groups carry its own
+slice of them, by share, instead of every address to every group.
 """
 
 from __future__ import annotations
@@ -67,9 +73,41 @@ def give(registry: Registry, worker: Worker, members: list[ExperimentRunner], lo
         runner.attach_rollout(worker)
 
 
+def unit_weight(members: list[ExperimentRunner]) -> float:
+    """A unit's weight in the spread of rollouts: a full-parameter experiment's spec `share`,
+    a pool's the mean of its experiments' (they divide its slots by theirs)."""
+    return sum(r.spec.share for r in members) / len(members)
+
+
+def fair_targets(total: int, weights: dict[str, float]) -> dict[str, int]:
+    """How many of `total` rollouts each unit should hold: by weight, at least one each
+    (`divide_slots`: largest remainders, ties to the older unit, listed first)."""
+    return divide_slots(total, weights) if weights else {}
+
+
+def rebalance(counts: dict[str, int], targets: dict[str, int]) -> list[tuple[str, str]]:
+    """The moves (donor, taker) that bring units below their target up to it, each from the
+    unit furthest above its own (ties to the later unit: the younger gives first); a unit
+    never gives below its target. Pure: `counts` is not changed."""
+    counts = dict(counts)
+    moves = []
+    for taker in targets:
+        while counts[taker] < targets[taker]:
+            surplus = {k: counts[k] - targets[k] for k in targets if counts[k] > targets[k]}
+            if not surplus:
+                return moves
+            donor = max(reversed(list(surplus)), key=lambda k: surplus[k])
+            counts[donor] -= 1
+            counts[taker] += 1
+            moves.append((donor, taker))
+    return moves
+
+
 def bind_rollouts(registry: Registry, eligible: list[ExperimentRunner], log) -> None:
-    """Whole rollouts to units (module docstring), every pool experiment on each of its pool's
-    rollouts, then each pool's slots divided (`assign_slots`)."""
+    """Every pool experiment on each of its pool's rollouts; whole rollouts to units by their
+    weight (`fair_targets`): rollouts move from the units above their target to those below
+    (an experiment started or ended, rollouts came or went), idle ones go to the unit furthest
+    below; then each pool's slots divided (`assign_slots`)."""
     units = fleet_units(eligible)
     held = {key: unit_rollouts(members) for key, members in units.items()}
     for key, members in units.items():  # an experiment that joined a pool shares its rollouts
@@ -77,17 +115,25 @@ def bind_rollouts(registry: Registry, eligible: list[ExperimentRunner], log) -> 
             for worker in held[key]:
                 joining = [r for r in members if not registry.serves(worker, r.id)]
                 give(registry, worker, joining, log)
+    idle = registry.idle(WorkerKind.ROLLOUT)
     counts = {key: len(workers) for key, workers in held.items()}
-    for key, members in units.items():  # a starving unit takes one from a rich one
-        if counts[key] == 0 and not registry.idle(WorkerKind.ROLLOUT):
-            donor = max(units, key=lambda k: counts[k])
-            if counts[donor] >= 2:
-                worker = held[donor].pop()
-                for runner in units[donor]:
-                    runner.release_rollout(worker, f"rebalanced to {members[0].id}")
-                counts[donor] -= 1
+    total = sum(counts.values()) + len(idle)
+    targets = fair_targets(total, {key: unit_weight(m) for key, m in units.items()})
+    for _ in range(len(idle)):  # the idle ones first: no move needed for them
+        key = max(
+            units, key=lambda k: (targets[k] - counts[k], -units[k][0].record.created_unix_ms)
+        )
+        counts[key] += 1
+    for donor, taker in rebalance(counts, targets):
+        worker = min(held[donor], key=lambda w: (w.running, w.worker_id))  # the least busy
+        held[donor].remove(worker)
+        for runner in units[donor]:
+            runner.release_rollout(worker, f"rebalanced to {units[taker][0].id}")
+    counts = {key: len(workers) for key, workers in held.items()}
     for worker in registry.idle(WorkerKind.ROLLOUT):
-        key = min(units, key=lambda k: (counts[k], units[k][0].record.created_unix_ms))
+        key = max(
+            units, key=lambda k: (targets[k] - counts[k], -units[k][0].record.created_unix_ms)
+        )
         give(registry, worker, units[key], log)
         counts[key] += 1
     assign_slots(units)
@@ -106,3 +152,27 @@ def assign_slots(units: dict[str, list[ExperimentRunner]]) -> None:
             if runner.dispatcher.slots != quotas[runner.id]:
                 runner.log.info("slots_divided", slots=quotas[runner.id], of=total)
             runner.dispatcher.slots = quotas[runner.id]
+
+
+def reward_slices(addresses: list[str], shares: dict[str, float]) -> dict[str, list[str]]:
+    """The reward workers each experiment's groups go to: `addresses` cut into consecutive
+    slices by `shares` (`divide_slots`: at least one each; with fewer workers than experiments
+    the slices wrap around and overlap), in the order given (oldest experiment first)."""
+    if not addresses:
+        return {eid: [] for eid in shares}
+    slices, at = {}, 0
+    for eid, n in divide_slots(len(addresses), shares).items():
+        slices[eid] = [addresses[(at + i) % len(addresses)] for i in range(n)]
+        at += n
+    return slices
+
+
+def assign_rewards(registry: Registry, live: list[ExperimentRunner]) -> None:
+    """Each live experiment's reward workers (`reward_slices`, by spec `share`): its groups
+    carry those addresses only, and it binds only those (a rollout binds a reward worker it
+    is sent to on its own first call)."""
+    shares = {r.id: r.spec.share for r in live}
+    for runner, addresses in zip(
+        live, reward_slices(registry.reward_addresses(), shares).values(), strict=True
+    ):
+        runner.reward_slice = addresses

@@ -15,6 +15,7 @@ import json
 import grpc
 import pytest
 
+from asyncrl.announcements import WeightsFollower
 from asyncrl.grpcutil import channel
 from asyncrl.natsutil import wait_until
 from asyncrl.runtime import ServiceRuntime
@@ -78,11 +79,15 @@ class FakeRollout(GroupsServicer):
         self.published = published
         self.abort_requests: list[list[str]] = []
         self.abort_reasons: list[str] = []
+        self.follower: WeightsFollower | None = None
+        self.via: list[str] = []  # how each update came: "rpc" or "announcement" (NATS)
         self.calls: list[list[str]] = []  # group ids of each GenerateGroups call
         self._aborts: dict[str, asyncio.Event] = {}
 
     async def BindExperiment(self, request, context):
         self.bound.append(request.spec_json)
+        if self.follower is not None:  # the announcements of its weights (as the real one)
+            await self.follower.follow(request.experiment_id)
         return common_pb2.BindExperimentResponse()
 
     async def _group(self, request):
@@ -139,6 +144,7 @@ class FakeRollout(GroupsServicer):
         return rollout_pb2.AbortGroupsResponse(aborted=held)
 
     async def UpdateWeights(self, request, context):
+        self.via.append("announcement" if context is None else "rpc")
         self.updates.append((request.version, request.uri))
         self.version = request.version
         return rollout_pb2.UpdateWeightsResponse(version=request.version)
@@ -235,10 +241,15 @@ class Cluster:
             capacity=capacity,
             scheduler=self.address,
             identity=IDENTITY[kind],
+            nats_url=self.nats_url,
         )
+        if isinstance(servicer, FakeRollout):
+            servicer.follower = WeightsFollower(agent, servicer.UpdateWeights)
         await agent.start()
 
         async def close():
+            if isinstance(servicer, FakeRollout):
+                await servicer.follower.close()
             await agent.stop()
             if server is not None:
                 await server.close()

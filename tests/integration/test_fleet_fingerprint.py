@@ -75,7 +75,9 @@ async def _start(cluster, files, engines):  # noqa: F811
     """Scheduler, reward, fake trainer, a real rollout per engine; the experiment RUNNING with
     every rollout serving v0. Returns (experiment id, rollout worker ids)."""
     await cluster.start_scheduler(lease_ttl_s=1.0)
-    reward, _ = await create_reward(port=0, workers=1, scheduler=cluster.address)
+    reward, _ = await create_reward(
+        port=0, workers=1, scheduler=cluster.address, nats_url=cluster.nats_url
+    )
     cluster._closers.append(reward.close)
     await cluster.worker(TRAINER, FakeTrainer())
     exp_id = await submit(

@@ -57,7 +57,9 @@ async def test_adapter_never_applied_is_fenced_the_honest_rollout_serves_it(
     from tests.fakes.scheduler_env import TRAINER, FakeTrainer
 
     await cluster.start_scheduler(lease_ttl_s=10.0)
-    reward, _ = await create_reward(port=0, workers=1, scheduler=cluster.address)
+    reward, _ = await create_reward(
+        port=0, workers=1, scheduler=cluster.address, nats_url=cluster.nats_url
+    )
     cluster._closers.append(reward.close)
     await cluster.worker(TRAINER, FakeTrainer())
     exp_id = await submit(cluster, lora_spec(files))

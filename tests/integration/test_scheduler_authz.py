@@ -255,7 +255,7 @@ class Stack:
         self._closers.append(ch.close)
         if not workers:
             return
-        reward, _ = await create_reward(workers=1, scheduler=self.address)
+        reward, _ = await create_reward(workers=1, scheduler=self.address, nats_url=self.nats_url)
         self._closers.append(reward.close)
         rollout, _ = await create_rollout(
             self.nats_url, TorchEngine(seed=0), scheduler=self.address, capacity=8

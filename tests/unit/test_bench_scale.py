@@ -65,3 +65,23 @@ def test_lapsed_counts_expiries_of_live_workers_only():
     raw = {"expired": [1.0, 2.0, 10.0, 11.0, 12.0], "vanish": {"killed_at": 5.0}}
     assert lapsed(raw, vanish=2) == 3
     assert lapsed({"expired": [1.0, 2.0]}, vanish=2) == 2  # broke before the kill
+
+
+def test_liveness_of_a_window_from_the_schedulers_lines():
+    from bench.scale_figures import liveness_ms
+
+    live = [
+        {"t": 99.0, "lag_ms_p50": 50.0, "lag_ms_p99": 900.0, "lag_ms_max": 950.0},  # before
+        {"t": 105.0, "lag_ms_p50": 2.0, "lag_ms_p99": 8.0, "lag_ms_max": 12.0},
+        {"t": 110.0, "lag_ms_p50": 4.0, "lag_ms_p99": 6.0, "lag_ms_max": 30.0},
+    ]
+    got = liveness_ms(live, {"start": 100.0, "end": 110.0})
+    # the median (nearest rank) of 2 and 4 is 2; the largest p99 and max of the two in it
+    assert got == {"heartbeat_ms_p50": 2.0, "heartbeat_ms_p99": 8.0, "heartbeat_ms_max": 30.0}
+    assert math.isnan(liveness_ms(live, {"start": 0.0, "end": 1.0})["heartbeat_ms_p99"])
+
+
+def test_lapsed_ignores_the_expiries_after_the_last_window():
+    # the stand-ins are stopped one after the other after the idle window: their leases lapse
+    raw = {"expired": [5.0, 50.0, 51.0, 99.0], "idle": {"end": 60.0}}
+    assert lapsed(raw, vanish=0) == 3  # 99.0 is after the end

@@ -14,7 +14,7 @@ from services.scheduler.policy import (
     must_abort,
 )
 from services.scheduler.records import GroupCounters, Progress
-from services.scheduler.registry import Registry, WorkerKind
+from services.scheduler.registry import Joined, Registry, WorkerKind
 
 
 class FakeVersion:
@@ -215,8 +215,12 @@ class FakeClock:
 def test_registry_ids_prefixed_by_kind_and_heartbeat_renews_lease():
     clock = FakeClock()
     reg = Registry(lease_ttl_s=10, clock=clock)
-    w, new = reg.register(WorkerKind.ROLLOUT, "127.0.0.1:1", "r", 4)
-    assert new and w.worker_id.startswith("rollout-") and len(w.worker_id) == len("rollout-") + 8
+    w, joined = reg.register(WorkerKind.ROLLOUT, "127.0.0.1:1", "r", 4)
+    assert (
+        joined is Joined.NEW
+        and w.worker_id.startswith("rollout-")
+        and len(w.worker_id) == len("rollout-") + 8
+    )
     clock.t += 8
     assert reg.heartbeat(w.worker_id, load=2)
     clock.t += 8
@@ -230,8 +234,8 @@ def test_registry_same_address_reregistration_keeps_id_and_binding():
     reg = Registry(clock=FakeClock())
     w, _ = reg.register(WorkerKind.ROLLOUT, "h:1", "r", 4)
     reg.bind(w, "exp")
-    again, new = reg.register(WorkerKind.ROLLOUT, "h:1", "r", 8)
-    assert (again is w, new, w.experiment_id, w.capacity) == (True, False, "exp", 8)
+    again, joined = reg.register(WorkerKind.ROLLOUT, "h:1", "r", 8)
+    assert (again is w, joined, w.experiment_id, w.capacity) == (True, "restarted", "exp", 8)
 
 
 def test_registry_fenced_worker_not_idle_until_cooldown_passes():

@@ -11,7 +11,7 @@ import pytest
 
 from services.scheduler.policy import divide_slots
 from services.scheduler.registry import Registry, WorkerKind
-from services.scheduler.sharing import bind_rollouts
+from services.scheduler.sharing import bind_rollouts, rebalance, reward_slices
 
 
 @pytest.mark.parametrize(
@@ -104,23 +104,91 @@ def test_bind_rollouts_pool_shares_its_replicas_beside_a_full_parameter_experime
     b = _Runner(registry, "b", 3, lora=True, share=3.0)
     log = SimpleNamespace(info=lambda *a, **k: None)
     bind_rollouts(registry, [full, a, b], log)
-    # two units (full; the pool a+b) get 2 whole replicas each; a and b share both of theirs
-    assert len(full.rollouts()) == 2 and all(w.experiment_id == "full" for w in full.rollouts())
-    assert a.rollouts() == b.rollouts() and len(a.rollouts()) == 2
+    # two units by weight, full 1 : the pool's mean share (1 + 3) / 2 = 2 -> 4 * 1/3 = 1.33 and
+    # 4 * 2/3 = 2.67: floors 1 + 2, the one left to the larger remainder (the pool): 1, 3
+    assert len(full.rollouts()) == 1 and all(w.experiment_id == "full" for w in full.rollouts())
+    assert a.rollouts() == b.rollouts() and len(a.rollouts()) == 3
     assert all(w.shared == ["a", "b"] for w in a.rollouts())
-    # the pool's 8 slots by share 1:3 -> 2, 6; the full-parameter one is not capped
-    assert (full.dispatcher.slots, a.dispatcher.slots, b.dispatcher.slots) == (None, 2, 6)
+    # the pool's 12 slots by share 1:3 -> 3, 9; the full-parameter one is not capped
+    assert (full.dispatcher.slots, a.dispatcher.slots, b.dispatcher.slots) == (None, 3, 9)
     # c joins the pool: it shares the same replicas, the pool's slots are divided again
     c = _Runner(registry, "c", 4, lora=True, share=4.0)
     bind_rollouts(registry, [full, a, b, c], log)
     assert c.rollouts() == a.rollouts() and sorted(c.attached) == sorted(
         w.worker_id for w in a.rollouts()
     )
-    assert (a.dispatcher.slots, b.dispatcher.slots, c.dispatcher.slots) == (1, 3, 4)
+    # 12 * 1/8 = 1.5, 12 * 3/8 = 4.5, 12 * 4/8 = 6: floors 1 + 4 + 6, the one left to a (tie)
+    assert (a.dispatcher.slots, b.dispatcher.slots, c.dispatcher.slots) == (2, 4, 6)
     # b ends: it lets go of its replicas, a and c keep them, and take its slots
     for w in b.rollouts():
         b.release_rollout(w, "ended")
     bind_rollouts(registry, [full, a, c], log)
     assert b.rollouts() == [] and all(w.shared == ["a", "c"] for w in a.rollouts())
-    assert (a.dispatcher.slots, c.dispatcher.slots) == (2, 6)  # 8 * 1/5 = 1.6, 8 * 4/5 = 6.4
-    assert len(full.rollouts()) == 2  # the full-parameter experiment kept its replicas
+    assert (a.dispatcher.slots, c.dispatcher.slots) == (2, 10)  # 12/5 = 2.4, 48/5 = 9.6
+    assert len(full.rollouts()) == 1  # the weights 1 : 2.5 keep 1 : 3
+
+
+def _full(registry: Registry, n: int, share: float = 1.0) -> _Runner:
+    return _Runner(registry, f"e{n}", n, lora=False, share=share)
+
+
+def _rollouts(registry: Registry, count: int, first_port: int = 0) -> None:
+    for port in range(first_port, first_port + count):
+        registry.register(WorkerKind.ROLLOUT, f"127.0.0.1:{port}", "r", 4)
+
+
+LOG = SimpleNamespace(info=lambda *a, **k: None)
+
+
+def test_idle_rollouts_spread_by_share_not_to_the_first_experiment():
+    registry = Registry(clock=lambda: 100.0)
+    _rollouts(registry, 10)
+    first = _full(registry, 1)
+    bind_rollouts(registry, [first], LOG)
+    assert len(first.rollouts()) == 10  # alone: all of them
+    second, third = _full(registry, 2, share=2.0), _full(registry, 3, share=1.0)
+    bind_rollouts(registry, [first, second, third], LOG)
+    # 10 by 1:2:1 -> 2.5, 5, 2.5: floors 2 + 5 + 2, the one left to the older tie (first)
+    assert [len(r.rollouts()) for r in (first, second, third)] == [3, 5, 2]
+    bind_rollouts(registry, [first, second, third], LOG)  # stable: no more moves
+    assert [len(r.rollouts()) for r in (first, second, third)] == [3, 5, 2]
+    for w in second.rollouts():  # second ends
+        second.release_rollout(w, "ended")
+    bind_rollouts(registry, [first, third], LOG)
+    assert [len(r.rollouts()) for r in (first, third)] == [5, 5]
+
+
+@pytest.mark.parametrize(
+    ("counts", "targets", "moves"),
+    [
+        ({"a": 10, "b": 0, "c": 0}, {"a": 4, "b": 3, "c": 3}, [("a", "b")] * 3 + [("a", "c")] * 3),
+        # b is furthest above its target: it gives first; then a and b tie: the later (b)
+        ({"a": 5, "b": 6, "c": 0}, {"a": 4, "b": 4, "c": 3}, [("b", "c"), ("b", "c"), ("a", "c")]),
+        ({"a": 3, "b": 3}, {"a": 3, "b": 3}, []),
+        # fewer rollouts than units: a unit never gives below its target of 1
+        ({"a": 1, "b": 0, "c": 0}, {"a": 1, "b": 1, "c": 1}, []),
+        ({"a": 2, "b": 0, "c": 0}, {"a": 1, "b": 1, "c": 1}, [("a", "b")]),
+    ],
+)
+def test_rebalance_moves_exact(counts, targets, moves):
+    assert rebalance(counts, targets) == moves
+
+
+@pytest.mark.parametrize(
+    ("addresses", "shares", "expected"),
+    [
+        # 6 by 1:2 -> 2, 4, consecutive
+        (list("abcdef"), {"x": 1.0, "y": 2.0}, {"x": ["a", "b"], "y": ["c", "d", "e", "f"]}),
+        # 5 by 1:1:1 -> 1.67 each: floors 1+1+1, two left to the oldest ties: 2, 2, 1
+        (
+            list("abcde"),
+            {"x": 1.0, "y": 1.0, "z": 1.0},
+            {"x": ["a", "b"], "y": ["c", "d"], "z": ["e"]},
+        ),
+        # fewer workers than experiments: one each, wrapping around
+        (list("ab"), {"x": 1.0, "y": 1.0, "z": 1.0}, {"x": ["a"], "y": ["b"], "z": ["a"]}),
+        ([], {"x": 1.0}, {"x": []}),
+    ],
+)
+def test_reward_slices_exact(addresses, shares, expected):
+    assert reward_slices(addresses, shares) == expected

@@ -33,6 +33,7 @@ def test_bundle_holds_its_services_credentials_and_no_signing_key(tmp_path):
     assert names(out) == {
         "ca.pem", "token.pub", "server.pem", "server.key",
         "tokens/rollout.jwt", "tokens/reward.jwt", "nats/rollout.password",
+        "nats/reward.password",
     }  # fmt: skip
     assert is_bundle(out)
     for path in out.rglob("*"):

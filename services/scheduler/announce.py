@@ -1,0 +1,107 @@
+"""One announcement per commit (asyncrl.liveness): a committed version goes to an
+experiment's ready rollouts as one NATS message, and their answers come back on NATS.
+
+`Announcer.announce` publishes a `WeightsAnnouncement` naming the rollouts that are to load
+the version and waits, up to the deadline, for each one's `WeightsAck`: the UpdateWeights
+answer it would have given (its fingerprint: the weights it now serves) or the error. An
+answer counts only with the lease key of that rollout's registration (every rollout shares one
+NATS user; only the scheduler reads the answers). Whoever has not answered by the deadline is
+missing from the result: the fleet fences it, as it fenced a failed UpdateWeights call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass, field
+
+from google.protobuf.message import DecodeError
+from nats.aio.msg import Msg
+
+from asyncrl.liveness import ACK_ROOT, weights_subject
+from asyncrl.logging import get_logger
+from asyncrl.v1 import rollout_pb2, scheduler_pb2
+from services.scheduler.registry import Registry, Worker
+
+log = get_logger()
+
+Answer = rollout_pb2.UpdateWeightsResponse | str
+"""A rollout's answer: what it loaded, or why it could not."""
+
+
+@dataclass
+class _Round:
+    expected: set[str]
+    answers: dict[str, Answer] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Announcer:
+    """Publishes the announcements; collects the answers (`start` subscribes to them)."""
+
+    def __init__(self, nc, registry: Registry):
+        self.nc = nc
+        self.registry = registry
+        self._rounds: dict[tuple[str, int], _Round] = {}
+        self._sub = None
+        self.refused = 0
+        """Answers dropped: undecodable, or without the rollout's lease key."""
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(f"{ACK_ROOT}.>", cb=self._answered)
+
+    async def close(self) -> None:
+        if self._sub is not None and not self.nc.is_closed:
+            await self._sub.unsubscribe()
+
+    async def announce(
+        self,
+        experiment_id: str,
+        version: int,
+        uri: str,
+        fingerprint: str,
+        workers: list[Worker],
+        timeout: float,
+    ) -> dict[str, Answer]:
+        """Announce `version` to `workers`; their answers by worker id once all answered or
+        `timeout` passed (the ones that did not answer are absent)."""
+        if not workers:
+            return {}
+        key = (experiment_id, version)
+        rnd = self._rounds[key] = _Round({w.worker_id for w in workers})
+        message = scheduler_pb2.WeightsAnnouncement(
+            experiment_id=experiment_id,
+            version=version,
+            uri=uri,
+            fingerprint=fingerprint,
+            workers=sorted(rnd.expected),
+            deadline_s=timeout,
+        )
+        try:
+            await self.nc.publish(weights_subject(experiment_id), message.SerializeToString())
+            try:
+                await asyncio.wait_for(rnd.done.wait(), timeout)
+            except TimeoutError:
+                pass
+        finally:
+            if self._rounds.get(key) is rnd:
+                del self._rounds[key]
+        return rnd.answers
+
+    async def _answered(self, msg: Msg) -> None:
+        try:
+            ack = scheduler_pb2.WeightsAck.FromString(msg.data)
+        except DecodeError:
+            self.refused += 1
+            return
+        rnd = self._rounds.get((ack.experiment_id, ack.version))
+        if rnd is None or ack.worker_id not in rnd.expected:
+            return  # late (its round ended), or not asked
+        worker = self.registry.get(ack.worker_id)
+        if worker is None or not secrets.compare_digest(ack.lease_key, worker.lease_key):
+            self.refused += 1
+            log.warning("weights_ack_refused", worker=ack.worker_id, version=ack.version)
+            return
+        rnd.answers[ack.worker_id] = ack.error or ack.answer
+        if len(rnd.answers) == len(rnd.expected):
+            rnd.done.set()
