@@ -275,7 +275,9 @@ class Fleet:
         expected = self.fingerprints.get(version, "")
         ranked = sorted(workers, key=lambda w: w.worker_id)  # a broadcast's ranks 1..n
         group = self.calls.spec.trainer.weight_sync == "broadcast"
-        ranks = {w.worker_id: (r, len(ranked)) if group else (0, 0) for r, w in enumerate(ranked, 1)}
+        ranks = {
+            w.worker_id: (r, len(ranked)) if group else (0, 0) for r, w in enumerate(ranked, 1)
+        }
         # a broadcast's rollouts each take their own rank in the weight group: called, not
         # announced
         heard = [] if group else [w for w in ranked if w.on_nats and self.announcer is not None]
