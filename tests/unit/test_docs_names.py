@@ -23,7 +23,7 @@ DOCS = [
     "docs/objective.md",
     "docs/rewards.md",
 ]
-CODE_DIRS = ["libs/asyncrl", "services", "protos", "bench", "examples"]
+CODE_DIRS = ["libs/asyncrl", "services", "protos", "bench", "examples", "tests/chaos", "tests/fuzz"]
 CODE_FILES = ["Makefile", "pyproject.toml"]
 
 EXTERNAL = {"GroupedRolloutWorkflow", "os._exit"}
