@@ -156,20 +156,22 @@ async def read_events(js, experiment_id: str) -> list[dict]:
     except nats.js.errors.NotFoundError:
         return []
     events: list[dict] = []
-    malformed = 0
+    malformed, first = 0, None
     for data in messages:
         try:
             body = json.loads(data or b"")  # an empty message reads as None
         except ValueError:
-            malformed += 1
+            malformed, first = malformed + 1, first or bytes(data[:200])
             continue
         for e in body if isinstance(body, list) else [body]:
             if well_formed(e):
                 events.append(e)
             else:
-                malformed += 1
+                malformed, first = malformed + 1, first or repr(e)[:200]
     if malformed:  # a writer's bug: the rest of the ledger still reads
-        log.warning("ledger_events_malformed", experiment=experiment_id, events=malformed)
+        log.warning(
+            "ledger_events_malformed", experiment=experiment_id, events=malformed, first=first
+        )
     return events
 
 
@@ -201,7 +203,7 @@ def well_formed(e: object) -> bool:
     groups = e.get("groups", [])
     if not isinstance(groups, list) or not all(isinstance(g, str) for g in groups):
         return False
-    prompts = e.get("prompts", [])
+    prompts = e.get("prompts", []) if e["event"] == "left_over" else []  # started's: a count
     if not isinstance(prompts, list) or not all(_pair(k) for k in prompts):
         return False
     return e["event"] != "trained" or _samples_ok(e)

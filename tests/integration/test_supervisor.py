@@ -152,7 +152,8 @@ def _scoring_processes(pid: int) -> int:
 def test_sigterm_reward_successor_registered_before_the_old_one_leaves(cluster):
     """A SIGTERM the supervisor did not send: the scheduler lists a reward worker at every poll
     (the successor registers while the old one serves), then only the successor's. Once the
-    successor is listed its scoring processes run (forkserver + one per core, at most 4): its
+    successor is listed its scoring processes run (forkserver + one per core, at most 4, and
+    the spares): its
     first pooled items wait for no pool to start (2-8 s on the loaded machine)."""
     old = next(p for p in cluster.procs("reward") if p["status"] == "running")
     before = {w.address for w in cluster.reward_workers()}
@@ -165,7 +166,7 @@ def test_sigterm_reward_successor_registered_before_the_old_one_leaves(cluster):
             pool = _scoring_processes(succ["pid"])
         assert len(counts) < 600, "the old reward process did not exit in ~60 s"
     assert min(counts) >= 1 and max(counts) == 2, counts
-    assert pool == 1 + min(4, os.cpu_count() or 1)
+    assert pool >= 1 + min(4, os.cpu_count() or 1)  # the share's processes (spares may be up too)
     wait_for(lambda: len(cluster.reward_workers()) == 1)
     [after] = cluster.reward_workers()
     assert after.address not in before
