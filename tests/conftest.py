@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 from asyncrl.natsutil import LocalNatsServer, connect, ensure_stream
@@ -62,3 +63,12 @@ async def js(nc):
     jetstream = nc.jetstream()
     await ensure_stream(jetstream)
     return jetstream
+
+
+@pytest.fixture(autouse=True)
+def _own_structlog_config():
+    """A test that configures structlog (the CLI sends its lines to stderr) leaves the next
+    test the configuration it found."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)

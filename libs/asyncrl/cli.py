@@ -33,6 +33,7 @@ from asyncrl.client import (
 )
 from asyncrl.errors import BadRequest, Conflict, NotFound
 from asyncrl.ledger import fetch_report
+from asyncrl.logging import configure_cli_logging
 from asyncrl.natsutil import nats_url
 from asyncrl.runlog import run_log_hints
 from asyncrl.security import AuthError
@@ -164,6 +165,7 @@ def main(
         str, typer.Option("--scheduler", envvar="ASYNCRL_SCHEDULER", help="Scheduler HOST:PORT.")
     ] = "127.0.0.1:50051",
 ) -> None:
+    configure_cli_logging()
     ctx.obj = scheduler
 
 

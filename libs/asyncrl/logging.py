@@ -131,6 +131,22 @@ def configure_logging(
     return sink
 
 
+class CurrentStderr:
+    """Whatever `sys.stderr` is at each write (a CLI run under a test runner swaps it)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def configure_cli_logging() -> None:
+    """The CLI's log lines (a retry, a malformed ledger event) go to stderr in console form:
+    stdout carries only the command's output (`asyncrl ledger --json | jq`)."""
+    configure_logging("cli", json=False, stream=CurrentStderr())
+
+
 async def keep_running(
     name: str,
     body: Callable[[], Awaitable[None]],

@@ -156,11 +156,19 @@ class RolloutService:
                 f"experiment_id: this rollout serves {self.experiment_id or 'nothing'!r},"
                 f" not {job.experiment_id!r} (BindExperiment and UpdateWeights first)"
             )
-        running = await self.groups.start(job)
-        try:
-            return await self._run_group(job, binding, running)
-        finally:
-            self.groups.finish(running)
+        running = self.groups.adopt(job)  # still going: its call ended, or is still open
+        if running is None:
+            running = await self.groups.start(job)
+            running.work = asyncio.create_task(self._run_group(job, binding, running))
+            running.work.add_done_callback(lambda work: self._finished(running, work))
+        return await self.groups.attend(running)
+
+    def _finished(self, running: RunningGroup, work: asyncio.Task) -> None:
+        self.groups.finish(running)
+        if not work.cancelled() and work.exception() is not None and not running.callers:
+            log.info(
+                "group_orphan_failed", group=running.job.group_id, error=repr(work.exception())
+            )
 
     def abort_unpublished(self, experiment_id: str, group_ids: list[str], reason: str) -> list[str]:
         """Abort the named groups of `experiment_id` that have not begun publishing (AbortGroups:
@@ -195,6 +203,7 @@ class RolloutService:
             )
         self._generation(job.experiment_id).fill_text(samples)
         await self._score(job, binding, [s for s in samples if s.reward is None])
+        await running.until_attended()  # an orphan is published for a call that adopts it
         if running.aborted:  # while it was being scored: nothing is published
             return self._summary(
                 job, running.abort_status, running.aborted, samples, version_at_start, t0

@@ -103,10 +103,11 @@ class GroupSender:
                 self.owner.rpc_failed(item, code, details, fault)
 
     def withdraw(self, items: list[InFlight]) -> None:
-        """Stop the rollouts working on these settled groups: a call left with none of its
-        groups is cancelled (the rollout cancels their generation); one still carrying others
-        goes on, and the rollout is asked to abort these (AbortGroups, in the background;
-        one already being published goes on, whatever it becomes is no longer counted)."""
+        """Stop the rollouts working on these settled groups: the rollout is asked to abort
+        them (AbortGroups, in the background; one already being published goes on, whatever
+        it becomes is no longer counted), and a call left with none of its groups is
+        cancelled. (A call that ends without AbortGroups leaves its groups going for a while,
+        for a successor scheduler to adopt: `services.rollout.running`.)"""
         withdrawn: dict[int, tuple[GroupsCall, list[str]]] = {}
         for item in items:
             call = item.call
@@ -117,8 +118,7 @@ class GroupSender:
         for call, group_ids in withdrawn.values():
             if not call.open:
                 call.task.cancel()
-            else:
-                by_worker.setdefault(call.worker.worker_id, (call.worker, []))[1].extend(group_ids)
+            by_worker.setdefault(call.worker.worker_id, (call.worker, []))[1].extend(group_ids)
         for worker, group_ids in by_worker.values():
             self.abort(worker, group_ids, WITHDRAWN)
 

@@ -8,6 +8,7 @@ import json
 from typer.testing import CliRunner
 
 from asyncrl.cli import app
+from asyncrl.ledger import ensure_ledger, ledger_subject
 from asyncrl.natsutil import connect, ensure_stream, publish_group
 from asyncrl.types import RewardStatus, Sample, TrajectoryGroup
 
@@ -100,3 +101,21 @@ def test_dump_unknown_experiment_writes_empty_file(nats_server, tmp_path):
 
 def test_dump_no_stream_yet_writes_empty_file(nats_server, tmp_path):
     assert dump(nats_server.url, "a", tmp_path / "none.jsonl") == []
+
+
+def test_ledger_json_stays_parseable_when_a_warning_is_logged(nats_server):
+    """A malformed ledger event is logged (a warning) while `asyncrl ledger --json` reads: the
+    warning goes to stderr, stdout is the JSON alone."""
+
+    async def malformed_event() -> None:
+        nc = await connect(nats_server.url, identity="scheduler")  # the ledger's writer
+        js = nc.jetstream()
+        await ensure_ledger(js)
+        await js.publish(ledger_subject("exp-warn"), b"not json")
+        await nc.drain()
+
+    asyncio.run(malformed_event())
+    result = runner.invoke(app, ["ledger", "exp-warn", "--json", "--nats", nats_server.url])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["totals"] is not None
+    assert "ledger_events_malformed" in result.stderr

@@ -22,11 +22,13 @@ from asyncrl.types import RewardStatus
 from asyncrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from asyncrl.weights import path_to_uri
 from services.reward.server import create_reward
+from services.rollout import running
 from services.rollout.engine import GenRequest
 from services.rollout.server import create_rollout
 from services.rollout.service import GroupJob
 from services.rollout.serving import Binding
 from services.rollout.torch_engine import TorchEngine
+from tests.integration import engine_gate
 from tests.integration.engine_gate import hold_generation
 
 pytestmark = pytest.mark.slow  # deploys a model: left out of `make test-fast`
@@ -418,7 +420,7 @@ async def test_update_weights_mid_group_interrupts_and_group_spans_versions(
     assert status.tokens_generated == 300 and status.running_groups == 0
 
 
-async def test_cancelled_generate_group_stops_engine_requests_and_publishes_nothing(
+async def test_cancelled_and_aborted_group_stops_engine_requests_and_publishes_nothing(
     rollout, reward_address, js, models, no_eos_tokenizer
 ):
     stub, service = rollout
@@ -426,9 +428,11 @@ async def test_cancelled_generate_group_stops_engine_requests_and_publishes_noth
     held = hold_generation(service.engine, lambda: service.engine.tokens_generated >= 4)
     call = stub.GenerateGroup(_request("c1", [reward_address], experiment_id=exp), timeout=60)
     await wait_until(held.is_set, timeout=30, interval=0.001)
-    call.cancel()  # what the scheduler does to a stale group
+    call.cancel()  # what the scheduler does to a stale group, with AbortGroups
     with pytest.raises(asyncio.CancelledError):
         await call
+    abort = rollout_pb2.AbortGroupsRequest(experiment_id=exp, group_ids=["c1"], reason="stale")
+    await stub.AbortGroups(abort, timeout=5)
     await wait_until(lambda: service.engine.running == 0 and service.running_groups == 0, timeout=5)
     tokens = service.engine.tokens_generated
     # a request after the cancel: once it is answered, the engine loop has ended the run that
@@ -439,17 +443,78 @@ async def test_cancelled_generate_group_stops_engine_requests_and_publishes_noth
     assert (await js.stream_info(STREAM)).state.messages == 0
 
 
-async def test_cancelled_generate_groups_stops_all_its_groups_publishes_nothing(
-    rollout, reward_address, js, models, no_eos_tokenizer
+async def _orphaned_groups(
+    stub, service, models, no_eos_tokenizer, reward_address, ids, monkeypatch
 ):
-    stub, service = rollout
+    """Experiment 'long' (n=2, 200 tokens a sample, no EOS) and a GenerateGroups call for
+    `ids` cancelled while they generate (the scheduler closed): (experiment id, requests,
+    the engine's token count before the call)."""
     exp = await _serve_long(stub, models, no_eos_tokenizer, n=2, max_new_tokens=200)
-    groups = [_request(g, [reward_address], experiment_id=exp) for g in ("k1", "k2")]
-    held = hold_generation(service.engine, lambda: service.engine.running == 4)
+    groups = [_request(g, [reward_address], experiment_id=exp) for g in ids]
+    start = service.engine.tokens_generated
+    monkeypatch.setattr(engine_gate, "HOLD_LIMIT_S", 2.0)  # an adoption queues no news
+    held = hold_generation(service.engine, lambda: service.engine.running == 2 * len(ids))
     call = stub.GenerateGroups(rollout_pb2.GenerateGroupsRequest(groups=groups), timeout=60)
     await wait_until(held.is_set, timeout=30, interval=0.001)
-    call.cancel()  # what the scheduler does when it has withdrawn all of a call's groups
-    await wait_until(lambda: service.engine.running == 0 and service.running_groups == 0, timeout=5)
+    call.cancel()
+    await wait_until(lambda: service.groups.orphans == len(ids), timeout=5, interval=0.001)
+    return exp, groups, start
+
+
+async def test_cancelled_call_leaves_orphans_that_publish_nothing_and_are_dropped(
+    rollout, reward_address, js, models, no_eos_tokenizer, monkeypatch
+):
+    """A call that ends without its summaries (the scheduler closed) leaves its groups going
+    for ORPHAN_GRACE_S, publishing nothing; nobody adopts them, so they are dropped."""
+    monkeypatch.setattr(running, "ORPHAN_GRACE_S", 1.0)
+    stub, service = rollout
+    await _orphaned_groups(
+        stub, service, models, no_eos_tokenizer, reward_address, ("k1", "k2"), monkeypatch
+    )
+    assert service.running_groups == 2  # still going, with no call
+    await wait_until(lambda: service.running_groups == 0, timeout=30)
+    assert service.engine.running == 0
+    assert (await js.stream_info(STREAM)).state.messages == 0
+
+
+async def test_next_call_for_an_orphan_adopts_it_and_nothing_is_generated_twice(
+    rollout, reward_address, js, models, no_eos_tokenizer, monkeypatch
+):
+    """A scheduler's successor dispatches the groups it found in flight under their ids: the
+    rollout answers them from the runs already going (each sample's 200 tokens once), and each
+    group is published once."""
+    stub, service = rollout
+    exp, groups, start = await _orphaned_groups(
+        stub, service, models, no_eos_tokenizer, reward_address, ("o1", "o2"), monkeypatch
+    )
+    summaries = [
+        s
+        async for batch in stub.GenerateGroups(
+            rollout_pb2.GenerateGroupsRequest(groups=groups), timeout=60
+        )
+        for s in batch.summaries
+    ]
+    assert sorted(s.group_id for s in summaries) == ["o1", "o2"]
+    assert all(s.published and s.tokens == 400 for s in summaries)
+    assert service.engine.tokens_generated - start == 2 * 2 * 200  # nothing generated again
+    assert service.running_groups == 0
+    published = await _read_back(js, train_subject(exp), 2)
+    assert sorted(g.group_id for g in published) == ["o1", "o2"]
+
+
+async def test_abort_groups_stops_an_orphan_at_once(
+    rollout, reward_address, js, models, no_eos_tokenizer, monkeypatch
+):
+    """The scheduler withdrawing groups (too stale, the run over) aborts them as it cancels
+    their call: an aborted orphan is not kept for adoption."""
+    stub, service = rollout
+    exp, _, _ = await _orphaned_groups(
+        stub, service, models, no_eos_tokenizer, reward_address, ("w1",), monkeypatch
+    )
+    request = rollout_pb2.AbortGroupsRequest(experiment_id=exp, group_ids=["w1"], reason="gone")
+    assert list((await stub.AbortGroups(request, timeout=5)).aborted) == ["w1"]
+    await wait_until(lambda: service.running_groups == 0, timeout=5)
+    assert service.engine.running == 0
     assert (await js.stream_info(STREAM)).state.messages == 0
 
 
@@ -499,20 +564,41 @@ async def test_bind_new_experiment_aborts_running_groups(
     assert service.experiment_id == "exp2" and service.engine.running == 0
 
 
-async def test_group_dispatched_again_while_running_supersedes_the_earlier_run(
-    rollout, reward_address, js, models, no_eos_tokenizer
+async def test_group_dispatched_again_while_running_is_answered_from_the_same_run(
+    rollout, reward_address, js, models, no_eos_tokenizer, monkeypatch
 ):
     """A rollout cut off from the scheduler keeps running its groups; the scheduler re-queues
-    them and, once the rollout is back, may dispatch one to it again under the same id. The
-    earlier run is aborted and the group runs afresh (it used to be refused as 'already
-    running', which fenced the whole rollout)."""
+    them and, once the rollout is back, may dispatch one to it again under the same id while
+    the earlier call is still open. Both calls get the one run's summary, published once (it
+    used to be refused as 'already running', which fenced the whole rollout)."""
     stub, service = rollout
+    monkeypatch.setattr(engine_gate, "HOLD_LIMIT_S", 2.0)  # the second call queues no news
     exp, first = await _group_under_way(
         stub, service, models, no_eos_tokenizer, "again", reward_address, max_new_tokens=60
     )
     second = await stub.GenerateGroup(
         _request("again", [reward_address], experiment_id=exp), timeout=60
     )
+    earlier = await first
+    assert second.published and second.status != rollout_pb2.GROUP_STATUS_FAILED
+    assert earlier == second
+    assert service.running_groups == 0 and service.engine.running == 0
+    [group] = await _read_back(js, train_subject(exp), 1)
+    assert group.group_id == "again"
+
+
+async def test_group_id_dispatched_again_for_another_prompt_supersedes_the_earlier_run(
+    rollout, reward_address, js, models, no_eos_tokenizer
+):
+    """The same id for another prompt is not the same group: the earlier run is aborted and
+    the new one runs."""
+    stub, service = rollout
+    exp, first = await _group_under_way(
+        stub, service, models, no_eos_tokenizer, "again", reward_address, max_new_tokens=60
+    )
+    other = _request("again", [reward_address], experiment_id=exp)
+    other.prompt = "2+2="
+    second = await stub.GenerateGroup(other, timeout=60)
     earlier = await first
     assert earlier.status == rollout_pb2.GROUP_STATUS_FAILED and not earlier.published
     assert "dispatched this group again" in earlier.reason
