@@ -86,7 +86,9 @@ class RunningGroups:
         """The run of `job`'s group already going (an orphan, or one whose earlier call is
         still open), to wait for instead of generating it again; None if there is none."""
         running = self._groups.get(job.group_id)
-        if running is None or running.aborted or not running.same_group(job):
+        if running is None or running.aborted or running.work.done():
+            return None
+        if not running.same_group(job):
             return None
         if not running.callers:
             log.info("group_adopted", group=job.group_id)
