@@ -13,7 +13,8 @@ Weights: the scheduler announces a committed version to an experiment's rollouts
 message on `asyncrl.weights.<experiment_id>` (`WeightsAnnouncement`); each rollout named in it
 answers on `asyncrl.weights_ack.<experiment_id>` (`WeightsAck`, with its lease key and the
 fingerprint it now serves). The reward workers' addresses are published on
-`asyncrl.fleet.rewards` (JSON list) when they change and every few seconds.
+`asyncrl.fleet.rewards` (JSON list) when they change and every few seconds, and a scheduler
+that starts serving publishes on `asyncrl.fleet.scheduler`: every worker registers again.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ LIVE_ROOT = "asyncrl.live"
 WEIGHTS_ROOT = "asyncrl.weights"
 ACK_ROOT = "asyncrl.weights_ack"
 REWARDS_SUBJECT = "asyncrl.fleet.rewards"
+SCHEDULER_SUBJECT = "asyncrl.fleet.scheduler"
+"""A scheduler that starts serving says so here: every worker registers at once (a hand-over's
+successor or a restarted scheduler knows none of them), not at its next heartbeat's answer."""
 UNKNOWN = b"unknown"
 """The scheduler's answer to a heartbeat of a worker it does not know: register again."""
 

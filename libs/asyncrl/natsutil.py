@@ -155,6 +155,13 @@ def _live(kind: str) -> list[str]:
     return [live_subjects(kind)]
 
 
+def _scheduler_news() -> str:
+    """Every worker: hear a scheduler start serving (register again at once)."""
+    from asyncrl.liveness import SCHEDULER_SUBJECT
+
+    return SCHEDULER_SUBJECT
+
+
 def _weights_follower() -> dict[str, list[str]]:
     """A rollout: hear its experiments' weight announcements and the reward workers'
     addresses, answer the announcements (asyncrl.liveness); never read others' answers."""
@@ -174,7 +181,10 @@ NATS_PERMISSIONS: dict[str, dict[str, list[str]]] = {
         "publish": [">"],
         "subscribe": [f"{inbox_prefix('scheduler')}.>", *_scheduler_hears()],
     },
-    "reward": {"publish": _live("reward"), "subscribe": [f"{inbox_prefix('reward')}.>"]},
+    "reward": {
+        "publish": _live("reward"),
+        "subscribe": [f"{inbox_prefix('reward')}.>", _scheduler_news()],
+    },
     "trainer": {
         "publish": [
             *_create(STREAM),
@@ -187,7 +197,7 @@ NATS_PERMISSIONS: dict[str, dict[str, list[str]]] = {
         ],
         # nats-py's pull subscriptions deliver to `_INBOX.<nuid>`, whatever the connection's
         # inbox prefix: the trainer's durable consumer needs those too
-        "subscribe": [f"{inbox_prefix('trainer')}.>", f"{INBOX_ROOT}.*"],
+        "subscribe": [f"{inbox_prefix('trainer')}.>", f"{INBOX_ROOT}.*", _scheduler_news()],
     },
     "rollout": {
         "publish": [
@@ -197,7 +207,11 @@ NATS_PERMISSIONS: dict[str, dict[str, list[str]]] = {
             *_live("rollout"),
             *_weights_follower()["publish"],
         ],
-        "subscribe": [f"{inbox_prefix('rollout')}.>", *_weights_follower()["subscribe"]],
+        "subscribe": [
+            f"{inbox_prefix('rollout')}.>",
+            *_weights_follower()["subscribe"],
+            _scheduler_news(),
+        ],
     },
     **{
         user: {

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import grpc
 
 from asyncrl.grpcutil import channel
-from asyncrl.liveness import REWARDS_SUBJECT, UNKNOWN, Beat
+from asyncrl.liveness import REWARDS_SUBJECT, SCHEDULER_SUBJECT, UNKNOWN, Beat
 from asyncrl.logging import get_logger, keep_running
 from asyncrl.retry import connect_policy, idempotent_rpc
 from asyncrl.settings import settings
@@ -79,7 +79,9 @@ class WorkerAgent:
         self._identity = identity or {1: "rollout", 2: "reward", 3: "trainer"}.get(kind, "")
         self._inbox = ""
         self._forgotten = False
-        """The scheduler answered a beat `unknown`: register again."""
+        """The scheduler answered a beat `unknown`, or a scheduler started: register again."""
+        self._wake = asyncio.Event()
+        """Set with `_forgotten`: the beat loop registers at once, not after its interval."""
         self._task: asyncio.Task | None = None
         self._channel = channel(self.scheduler, identity, options=SCHEDULER_CHANNEL)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
@@ -118,7 +120,11 @@ class WorkerAgent:
         not answer. The RPC waits for the connection (`wait_for_ready`, up to three intervals):
         a scheduler replaced on a hand-over is reached the moment its successor binds (gRPC's
         reconnect backoff), which answers `known: false`, and the worker registers at once."""
-        await asyncio.sleep(self.interval)
+        try:
+            await asyncio.wait_for(self._wake.wait(), self.interval)
+        except TimeoutError:
+            pass
+        self._wake.clear()
         if self._forgotten:
             log.warning("worker_unknown_reregistering", worker=self.worker_id)
             await self.register()
@@ -175,16 +181,19 @@ class WorkerAgent:
                 log.warning("heartbeat_nats_unavailable", error=repr(e), using="Heartbeat RPC")
 
     async def _listen(self) -> None:
-        """Subscribe to the scheduler's `unknown` answers and, with `on_beat`, the reward
-        workers' addresses."""
+        """Subscribe to the scheduler's `unknown` answers, a scheduler's start and, with
+        `on_beat`, the reward workers' addresses."""
         self._inbox = self.nc.new_inbox()
         await self.nc.subscribe(self._inbox, cb=self._answered)
+        await self.nc.subscribe(SCHEDULER_SUBJECT, cb=self._answered)
         if self.on_beat is not None:
             await self.nc.subscribe(REWARDS_SUBJECT, cb=self._rewards)
 
     async def _answered(self, msg) -> None:
-        if msg.data == UNKNOWN:
+        """`unknown` to a beat, or a scheduler started serving: register again, now."""
+        if msg.data == UNKNOWN or msg.subject == SCHEDULER_SUBJECT:
             self._forgotten = True
+            self._wake.set()
 
     async def _rewards(self, msg) -> None:
         try:

@@ -19,7 +19,7 @@ import time
 
 from nats.aio.msg import Msg
 
-from asyncrl.liveness import LIVE_ROOT, REWARDS_SUBJECT, UNKNOWN, Beat
+from asyncrl.liveness import LIVE_ROOT, REWARDS_SUBJECT, SCHEDULER_SUBJECT, UNKNOWN, Beat
 from asyncrl.logging import get_logger, keep_running
 from services.scheduler.registry import BeatResult, Registry
 
@@ -82,6 +82,14 @@ class Liveness:
             asyncio.create_task(keep_running("liveness", self._apply_soon, log, self.batch_s)),
             asyncio.create_task(keep_running("liveness_report", self._report, log, REPORT_S)),
         ]
+
+    async def announce_start(self) -> None:
+        """Serving: tell every worker to register (`SCHEDULER_SUBJECT`). Best effort: a worker
+        that misses it registers when its next heartbeat is answered `unknown`."""
+        try:
+            await self.nc.publish(SCHEDULER_SUBJECT, b"serving")
+        except Exception as e:  # noqa: BLE001 - NATS away: the heartbeats' answers do it
+            log.warning("scheduler_start_not_announced", error=repr(e))
 
     async def close(self) -> None:
         for task in self._tasks:

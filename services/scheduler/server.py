@@ -259,6 +259,7 @@ async def create_scheduler(
             port=port,
         )
         await runtime.serve_metrics(metrics_port, SchedulerCollector(scheduler))
+        await scheduler.liveness.announce_start()  # the workers register now, not in a beat
     except BaseException:
         await runtime.close()
         raise

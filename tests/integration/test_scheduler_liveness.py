@@ -68,6 +68,21 @@ async def test_a_forgotten_worker_is_told_and_registers_again(cluster):
     assert cluster.scheduler.liveness.counts[BeatResult.UNKNOWN] >= 1
 
 
+async def test_a_scheduler_that_starts_serving_has_every_worker_register_at_once(cluster):
+    """A hand-over's successor (here: a new scheduler on the same port) knows no worker; it
+    says it serves on `asyncrl.fleet.scheduler`, and the workers register within a second, not
+    at their next heartbeat 30 s away."""
+    await cluster.start_scheduler(lease_ttl_s=90.0, heartbeat_interval_s=30.0)
+    agent, _ = await cluster.worker(REWARD)
+    old = agent.worker_id
+    port = cluster.port
+    await cluster.stop_scheduler()
+    await cluster.start_scheduler(lease_ttl_s=90.0, heartbeat_interval_s=30.0, port=port)
+    await wait_until(lambda: bool(cluster.scheduler.workers()), 5)
+    (again,) = cluster.scheduler.workers()
+    assert again.address == agent.address and agent.worker_id != old
+
+
 async def test_registering_again_is_no_restart_but_a_new_incarnation_is(cluster, files):
     """A bound rollout registering again from the same process is not bound again (no
     BindExperiment, no UpdateWeights); another process at its address loads the experiment."""
