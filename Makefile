@@ -1,7 +1,7 @@
 # asyncrl — `make help` lists the targets.
 SHELL := /bin/bash
 PY := .venv/bin/python
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 VENV_STAMP := .venv/.installed-$(shell cat requirements.txt requirements-sglang.txt pyproject.toml | md5sum | cut -c1-8)
 PROTOS := $(wildcard protos/asyncrl/v1/*.proto)
 PROTO_STAMP := libs/asyncrl/v1/.generated
@@ -30,7 +30,7 @@ $(PROTO_STAMP): $(PROTOS) $(VENV_STAMP)
 schema: venv protos ## regenerate protos/asyncrl/v1/experiment.schema.json from libs/asyncrl/spec.py
 	$(PY) -m asyncrl.spec > protos/asyncrl/v1/experiment.schema.json
 
-test: venv protos ## run the test suite (unit, integration, e2e) on TEST_WORKERS pytest-xdist workers (2; 0: one process)
+test: venv protos ## run the test suite (unit, integration, e2e) on TEST_WORKERS pytest-xdist workers (3; 0: one process)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not gpu" --durations=20 tests
 
 test-fast: venv protos ## unit + integration tests that deploy no model (~3 min on 2 cores)
