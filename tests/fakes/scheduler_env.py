@@ -91,12 +91,20 @@ class FakeRollout(GroupsServicer):
         return common_pb2.BindExperimentResponse()
 
     async def _group(self, request):
+        """One group; AbortGroups reaches it only while it runs (as a real rollout's)."""
+        aborted = self._aborts[request.group_id] = asyncio.Event()
+        try:
+            return await self._run_group(request, aborted)
+        finally:
+            if self._aborts.get(request.group_id) is aborted:
+                del self._aborts[request.group_id]
+
+    async def _run_group(self, request, aborted: asyncio.Event):
         self.requests.append(request)
         self.served.append(self.version)
         if self.fail_next:
             self.fail_next -= 1
             raise GroupCallError(grpc.StatusCode.INTERNAL, "engine crashed")
-        aborted = self._aborts.setdefault(request.group_id, asyncio.Event())
         try:
             if self.hold and (self.hold_eval or not request.eval):
                 wake = [asyncio.ensure_future(e.wait()) for e in (self.release, aborted)]
