@@ -5,7 +5,9 @@ answers on NATS with that answer (its fingerprint) or the error.
 `WeightsFollower.follow(experiment_id)` subscribes when the experiment binds (BindExperiment,
 before the scheduler may name the rollout in an announcement: the subscription is flushed to
 the server first). An announcement that does not name this worker is none of its business.
-Announcements of one experiment are handled one after the other, in order.
+Announcements of one experiment are handled one after the other, in order. The scheduler
+sends an announcement again to whoever has not answered (one may be lost while NATS
+reconnects): a repeat of the version last loaded is answered with the answer already given.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class WeightsFollower:
         self.agent = agent
         self.update = update
         self._subs: OrderedDict[str, object] = OrderedDict()
+        self._answered: dict[str, tuple[tuple, bytes]] = {}
+        """Per experiment: the announcement last handled (version, uri, fingerprint) and the
+        answer sent (a rewound lineage announces a lower version: handled as new)."""
 
     async def follow(self, experiment_id: str) -> None:
         nc = self.agent.nc
@@ -64,6 +69,11 @@ class WeightsFollower:
         worker_id = self.agent.worker_id
         if worker_id not in ann.workers:
             return
+        which = (ann.version, ann.uri, ann.fingerprint)
+        last = self._answered.get(ann.experiment_id)
+        if last is not None and last[0] == which:  # a repeat: the answer already given
+            await self.agent.nc.publish(ack_subject(ann.experiment_id), last[1])
+            return
         ack = scheduler_pb2.WeightsAck(
             worker_id=worker_id,
             lease_key=self.agent.lease_key,
@@ -82,4 +92,6 @@ class WeightsFollower:
             code = status_for(e).name  # as the RPC's failure reads: `CODE: details`
             ack.error = f"{code}: {e}" if str(e) else code
             log.warning("announced_weights_failed", version=ann.version, error=ack.error)
-        await self.agent.nc.publish(ack_subject(ann.experiment_id), ack.SerializeToString())
+        answer = ack.SerializeToString()
+        self._answered[ann.experiment_id] = (which, answer)
+        await self.agent.nc.publish(ack_subject(ann.experiment_id), answer)

@@ -7,6 +7,12 @@ answer it would have given (its fingerprint: the weights it now serves) or the e
 answer counts only with the lease key of that rollout's registration (every rollout shares one
 NATS user; only the scheduler reads the answers). Whoever has not answered by the deadline is
 missing from the result: the fleet fences it, as it fenced a failed UpdateWeights call.
+
+An announcement is a NATS message, not a stored one: one published while a rollout's
+connection was reconnecting (nats-server restarted) never reaches it. So it goes out again
+every REPUBLISH_S to those that have not answered (a rollout answers a repeat with the answer
+it gave), and a rollout that leaves or whose lease lapses is answered for at once
+(`worker_gone`): the round waits for no one who cannot answer.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ from asyncrl.v1 import rollout_pb2, scheduler_pb2
 from services.scheduler.registry import Registry, Worker
 
 log = get_logger()
+
+REPUBLISH_S = 2.0
+"""How often an announcement goes out again to the rollouts that have not answered it."""
 
 Answer = rollout_pb2.UpdateWeightsResponse | str
 """A rollout's answer: what it loaded, or why it could not."""
@@ -77,16 +86,33 @@ class Announcer:
             workers=sorted(rnd.expected),
             deadline_s=timeout,
         )
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
-            await self.nc.publish(weights_subject(experiment_id), message.SerializeToString())
-            try:
-                await asyncio.wait_for(rnd.done.wait(), timeout)
-            except TimeoutError:
-                pass
+            while True:
+                await self.nc.publish(weights_subject(experiment_id), message.SerializeToString())
+                left = deadline - asyncio.get_running_loop().time()
+                try:
+                    await asyncio.wait_for(rnd.done.wait(), min(REPUBLISH_S, max(0.0, left)))
+                    break
+                except TimeoutError:
+                    if left <= REPUBLISH_S:
+                        break
+                del message.workers[:]  # again, to the silent ones only
+                message.workers.extend(sorted(rnd.expected - rnd.answers.keys()))
+                message.deadline_s = deadline - asyncio.get_running_loop().time()
         finally:
             if self._rounds.get(key) is rnd:
                 del self._rounds[key]
         return rnd.answers
+
+    def worker_gone(self, worker_id: str, why: str) -> None:
+        """`worker_id` left or its lease lapsed: every round still waiting for it has its
+        answer (the failure `why`), so none waits out its deadline for it."""
+        for rnd in self._rounds.values():
+            if worker_id in rnd.expected and worker_id not in rnd.answers:
+                rnd.answers[worker_id] = f"UNAVAILABLE: the rollout {why}"
+                if len(rnd.answers) == len(rnd.expected):
+                    rnd.done.set()
 
     async def _answered(self, msg: Msg) -> None:
         try:
@@ -102,6 +128,6 @@ class Announcer:
             self.refused += 1
             log.warning("weights_ack_refused", worker=ack.worker_id, version=ack.version)
             return
-        rnd.answers[ack.worker_id] = ack.error or ack.answer
+        rnd.answers.setdefault(ack.worker_id, ack.error or ack.answer)
         if len(rnd.answers) == len(rnd.expected):
             rnd.done.set()

@@ -486,6 +486,7 @@ class Scheduler:
         always). A trainer is handled as one whose lease lapsed."""
         log.info("worker_left", worker=worker.worker_id, kind=worker.kind.value)
         if worker.kind == WorkerKind.ROLLOUT:
+            self.announcer.worker_gone(worker.worker_id, "left")
             for runner in self._runners_of(worker):
                 runner.fleet.ready.discard(worker.worker_id)
         elif worker.kind == WorkerKind.TRAINER:
@@ -501,6 +502,8 @@ class Scheduler:
             experiment=worker.experiment_id,
             running=worker.running,
         )
+        if worker.kind == WorkerKind.ROLLOUT:
+            self.announcer.worker_gone(worker.worker_id, f"is gone ({why})")
         for runner in self._runners_of(worker):
             if worker.kind == WorkerKind.ROLLOUT:
                 runner.release_rollout(worker, "lease expired")  # its groups are re-queued

@@ -10,6 +10,7 @@ import asyncio
 
 from structlog.testing import capture_logs
 
+from asyncrl.announcements import WeightsFollower
 from asyncrl.liveness import ACK_ROOT, WEIGHTS_ROOT
 from asyncrl.natsutil import connect, wait_until
 from asyncrl.v1 import scheduler_pb2
@@ -128,3 +129,51 @@ async def test_an_answer_without_the_lease_key_is_no_answer(cluster, files):
             await forger.close()
     assert [w for w, _ in _fenced(logs)] == [q.worker_id]
     assert cluster.scheduler.announcer.refused == 1 and fleet.ready == set()
+
+
+async def test_a_rollout_that_leaves_mid_round_is_answered_for_at_once(cluster, files):
+    """A rollout that leaves while an announcement waits for it (a SIGTERM's hand-over) is
+    answered for at once: the version reaches the fleet without waiting out the 30 s
+    deadline, and the one that left is fenced with that reason."""
+    with capture_logs() as logs:
+        quiet, fine = SilentRollout(), FakeRollout()
+        exp_id, (q, f) = await _running(
+            cluster, files, [quiet, fine], rollout={"weight_update_timeout_s": 30.0}
+        )
+        commit = asyncio.create_task(cluster.commit(exp_id, 1))  # answered once the fleet is
+        fleet = cluster.scheduler.get(exp_id).fleet
+        await wait_until(lambda: fine.version == 1, 5)
+        quiet_id = q.worker_id  # (its agent registers again once it is forgotten)
+        cluster.scheduler.heartbeat(quiet_id, leaving=True)
+        await wait_until(lambda: fleet.version == 1, 5)
+        await commit
+    assert _fenced(logs) == [(quiet_id, "UpdateWeights v1 failed: UNAVAILABLE: the rollout left")]
+
+
+async def test_an_announcement_lost_on_the_way_goes_out_again(cluster, files, monkeypatch):
+    """An announcement a rollout never got (published while its connection reconnected) goes
+    out again to whoever has not answered: the version reaches the fleet in seconds, nobody is
+    fenced, and the rollout that had answered answers the repeat from what it gave."""
+    original = WeightsFollower._announced
+    dropped: list[bytes] = []
+
+    async def lossy(self, msg):
+        if not dropped and self.agent.worker_id == lost_id[0]:
+            dropped.append(msg.data)  # lost on the way
+            return
+        await original(self, msg)
+
+    lost_id: list[str] = [""]
+    monkeypatch.setattr(WeightsFollower, "_announced", lossy)
+    with capture_logs() as logs:
+        lossy_rollout, fine = FakeRollout(), FakeRollout()
+        exp_id, (a, _) = await _running(
+            cluster, files, [lossy_rollout, fine], rollout={"weight_update_timeout_s": 30.0}
+        )
+        lost_id[0] = a.worker_id
+        await cluster.commit(exp_id, 1)
+        fleet = cluster.scheduler.get(exp_id).fleet
+        await wait_until(lambda: fleet.version == 1, 8)
+    assert dropped and _fenced(logs) == []
+    assert lossy_rollout.version == 1 and fine.updates[-1][0] == 1
+    assert len([u for u in fine.updates if u[0] == 1]) == 1  # loaded once
