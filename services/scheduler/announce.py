@@ -105,10 +105,13 @@ class Announcer:
                 del self._rounds[key]
         return rnd.answers
 
-    def worker_gone(self, worker_id: str, why: str) -> None:
-        """`worker_id` left or its lease lapsed: every round still waiting for it has its
-        answer (the failure `why`), so none waits out its deadline for it."""
-        for rnd in self._rounds.values():
+    def worker_gone(self, worker_id: str, why: str, experiment_id: str | None = None) -> None:
+        """`worker_id` left, its lease lapsed or it cannot be reached (of `experiment_id`'s
+        rounds only, when given: fenced there): every round still waiting for it has its answer
+        (the failure `why`), so none waits out its deadline for it."""
+        for (exp, _), rnd in self._rounds.items():
+            if experiment_id is not None and exp != experiment_id:
+                continue
             if worker_id in rnd.expected and worker_id not in rnd.answers:
                 rnd.answers[worker_id] = f"UNAVAILABLE: the rollout {why}"
                 if len(rnd.answers) == len(rnd.expected):

@@ -456,7 +456,7 @@ class ExperimentRunner:
         if not self.registry.serves(worker, self.id):
             return
         self.registry.release(worker, self.id, cooldown_s)
-        self.fleet.ready.discard(worker.worker_id)
+        self.fleet.fenced(worker.worker_id, reason)
         n = self.dispatcher.requeue_worker(worker)
         self.log.warning("rollout_fenced", worker=worker.worker_id, reason=reason, requeued=n)
         self._wake.set()

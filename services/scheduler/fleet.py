@@ -313,6 +313,18 @@ class Fleet:
                     update.slowest = result
         return update
 
+    def fenced(self, worker_id: str, reason: str) -> None:
+        """`worker_id` no longer serves this experiment: not ready, and no announcement round
+        waits for it (if it cannot be reached, none of any experiment's)."""
+        self.ready.discard(worker_id)
+        if self.announcer is not None:
+            unreachable = "UNAVAILABLE" in reason
+            self.announcer.worker_gone(
+                worker_id,
+                "is unreachable" if unreachable else f"was fenced ({reason})",
+                None if unreachable else self.record.id,
+            )
+
     async def _announce(
         self, workers: list[Worker], version: int, uri: str, fingerprint: str, timeout: float
     ) -> dict:
