@@ -217,7 +217,7 @@ class RolloutServicer(GroupsServicer):
 
 
 class RolloutCollector(Collector):
-    """Running groups/samples, tokens generated, the version the engine serves, the weight
+    """Running and orphaned groups, running samples, tokens generated, the version the engine serves, the weight
     updates' phases (a histogram) and the engine's own counters (`Engine.stats`)."""
 
     def __init__(self, service: RolloutService):
@@ -227,6 +227,7 @@ class RolloutCollector(Collector):
         s = self.service
         values = {
             "running_groups": ("Groups being generated", s.running_groups),
+            "orphaned_groups": ("Groups whose call ended, kept for one to adopt", s.groups.orphans),
             "running_samples": ("Samples in the engine", s.engine.running),
             "tokens_generated": ("Tokens generated since start", s.throughput.total),
             "tokens_per_s": ("Generated tokens per second", s.throughput.rate()),

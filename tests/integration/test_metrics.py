@@ -123,6 +123,7 @@ async def test_worker_collectors_one_registry_each_report_live_state_without_con
         e = (("experiment", "exp-1"),)
         got = await asyncio.to_thread(scrape, port)
         assert got[("asyncrl_rollout_running_groups", e)] == 0.0
+        assert got[("asyncrl_rollout_orphaned_groups", e)] == 0.0
         assert got[("asyncrl_rollout_running_samples", e)] == 0.0
         assert got[("asyncrl_rollout_tokens_generated", e)] == 120.0
         assert got[("asyncrl_rollout_engine_version", e)] == 0.0
