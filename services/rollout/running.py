@@ -17,7 +17,7 @@ otherwise it is cancelled. So a scheduler hand-over costs the run no generation.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from asyncrl.logging import get_logger
@@ -51,15 +51,8 @@ class RunningGroup:
     orphan_timer: asyncio.TimerHandle | None = None
 
     def same_group(self, job: GroupJob) -> bool:
-        """`job` asks for this group again (its id, experiment and prompt), not another."""
-        mine = self.job
-        return (mine.group_id, mine.experiment_id, mine.prompt_id, mine.prompt, mine.answer) == (
-            job.group_id,
-            job.experiment_id,
-            job.prompt_id,
-            job.prompt,
-            job.answer,
-        ) and (mine.eval, mine.epoch) == (job.eval, job.epoch)
+        """`job` asks for this group again (all but the reward addresses the same), not another."""
+        return replace(self.job, reward_addresses=job.reward_addresses) == job
 
     async def until_attended(self) -> None:
         """Wait for a call to take the summary (at once while one waits): an orphan's is

@@ -217,8 +217,9 @@ class RolloutServicer(GroupsServicer):
 
 
 class RolloutCollector(Collector):
-    """Running and orphaned groups, running samples, tokens generated, the version the engine serves, the weight
-    updates' phases (a histogram) and the engine's own counters (`Engine.stats`)."""
+    """Running and orphaned groups, running samples, tokens generated, the version the engine
+    serves, the weight updates' phases (a histogram) and the engine's own counters
+    (`Engine.stats`)."""
 
     def __init__(self, service: RolloutService):
         self.service = service

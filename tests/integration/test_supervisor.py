@@ -153,8 +153,8 @@ def test_sigterm_reward_successor_registered_before_the_old_one_leaves(cluster):
     """A SIGTERM the supervisor did not send: the scheduler lists a reward worker at every poll
     (the successor registers while the old one serves), then only the successor's. Once the
     successor is listed its scoring processes run (forkserver + one per core, at most 4, and
-    the spares): its
-    first pooled items wait for no pool to start (2-8 s on the loaded machine)."""
+    the spares): its first pooled items wait for no pool to start (2-8 s on the loaded
+    machine)."""
     old = next(p for p in cluster.procs("reward") if p["status"] == "running")
     before = {w.address for w in cluster.reward_workers()}
     os.kill(old["pid"], signal.SIGTERM)
