@@ -93,29 +93,50 @@ def _read_state(model_dir: str) -> tuple[dict[str, torch.Tensor], str]:
     return state, fingerprint.of_state(state, like=fingerprint.read_manifest(Path(model_dir)))
 
 
-def sample_token(
-    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
-) -> tuple[int, float]:
-    """Pick the next token from fp32 logits [vocab]; return (token, behaviour logprob).
+def sample_tokens(
+    logits: torch.Tensor, rows: list[tuple[SamplingParams, torch.Generator]]
+) -> tuple[list[int], list[float]]:
+    """Pick each row's next token from fp32 logits [rows, vocab]; return the tokens and their
+    behaviour logprobs.
 
-    The logprob is that of logits / temperature, before top-k/top-p (see the module
-    docstring); greedy's is that of the unscaled logits."""
-    if params.temperature == 0:
-        token = int(torch.argmax(logits))
-        return token, float(torch.log_softmax(logits, dim=-1)[token])
-    scaled = logits / params.temperature
+    Row i samples with its parameters `rows[i][0]` from one uniform draw of its own generator
+    (inverse CDF over its probabilities), so a request's tokens depend on its seed and its
+    logits only, never on the rows beside it; the softmaxes run once for the whole batch. The
+    logprob is that of logits / temperature, before top-k/top-p (see the module docstring);
+    greedy's is that of the unscaled logits."""
+    params = [p for p, _ in rows]
+    temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+    scaled = logits / temps[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
-    if params.top_k > 0 and params.top_k < scaled.numel():
+    for i, p in enumerate(params):
+        if p.temperature and (0 < p.top_k < scaled.shape[-1] or p.top_p < 1.0):
+            scaled[i] = truncated(scaled[i], p)
+    cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)
+    if not bool(torch.isfinite(cdf[:, -1]).all()):  # what torch.multinomial refuses too
+        raise ValueError("probability tensor contains either inf, nan or element < 0")
+    # one uniform per sampled row from its own generator (a greedy row draws nothing)
+    draws = [torch.rand(1, generator=g, device=g.device) if p.temperature else torch.zeros(1, device=g.device) for p, g in rows]  # fmt: skip
+    u = torch.cat(draws).to(logits.device) * cdf[:, -1]
+    # the first token whose cumulative probability passes u: never one of probability 0
+    sampled = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp(max=cdf.shape[-1] - 1)
+    greedy = torch.tensor([not p.temperature for p in params], device=logits.device)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    return tokens.tolist(), logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+
+
+def truncated(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row's scaled logits with what top-k and top-p leave out set to -inf."""
+    if 0 < params.top_k < scaled.numel():
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
+        probs = torch.softmax(scaled, dim=-1)
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs[before >= params.top_p] = 0.0  # keep the smallest prefix reaching top_p
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    token = int(torch.multinomial(probs, 1, generator=gen))
-    return token, float(logprobs[token])
+        drop = torch.zeros_like(probs, dtype=torch.bool)
+        drop[order[before >= params.top_p]] = True  # keep the smallest prefix reaching top_p
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
 
 
 @torch.no_grad()
@@ -469,10 +490,11 @@ class TorchEngine(Engine):
     def _step(self, batch: list[Slot]) -> list[tuple[Slot, str]]:
         """One token for every slot. Returns the slots that finished, with the reason."""
         t0 = time.perf_counter()
-        logits = self._next_logits(batch)
+        drawn = sample_tokens(
+            self._next_logits(batch).float(), [(s.req.params, s.gen) for s in batch]
+        )
         finished = []
-        for slot, row in zip(batch, logits, strict=True):
-            token, logprob = sample_token(row.float(), slot.req.params, slot.gen)
+        for slot, token, logprob in zip(batch, *drawn, strict=True):
             slot.output_ids.append(token)
             slot.logprobs.append(logprob)
             slot.versions.append(slot.version)

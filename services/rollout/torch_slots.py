@@ -31,7 +31,7 @@ class EngineCounters:
     """Prefill forwards (one per length bucket)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Slot:
     """One in-flight request."""
 

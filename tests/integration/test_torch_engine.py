@@ -13,7 +13,7 @@ from asyncrl.natsutil import wait_until
 from asyncrl.spec import SamplingParams
 from asyncrl.tiny import build_tiny_model
 from services.rollout.engine import GenRequest
-from services.rollout.torch_engine import TorchEngine, sample_token
+from services.rollout.torch_engine import TorchEngine, sample_tokens
 from tests.integration.engine_gate import hold_generation
 
 pytestmark = pytest.mark.slow  # deploys a model: left out of `make test-fast`
@@ -414,10 +414,46 @@ async def test_generate_many_bad_request_queues_none(models):
 
 
 def test_sample_token_logprob_is_the_temperature_scaled_log_softmax():
-    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.3, top_k=2, top_p=0.5, max_new_tokens=1)
-    token, logprob = sample_token(logits, params, gen)
+    [token], [logprob] = sample_tokens(logits, [(params, gen)])
     assert token == 0  # top_p=0.5 keeps only the most likely token
     # SGLang's default (and what the trainer recomputes): log_softmax(logits / T), before top-k/p
-    assert logprob == pytest.approx(float(torch.log_softmax(logits / 0.3, -1)[0]))
+    assert logprob == pytest.approx(float(torch.log_softmax(logits[0] / 0.3, -1)[0]))
+
+
+def test_sampled_frequencies_follow_the_softmax_and_skip_impossible_tokens():
+    """4,000 draws of one row from probabilities (0.1, 0.2, 0, 0.7): each frequency within
+    4 standard deviations of its probability (sqrt(p(1-p)/n) <= 0.0079), token 2 never."""
+    probs = torch.tensor([0.1, 0.2, 0.0, 0.7])
+    logits = torch.log(probs)[None]
+    gen, p = torch.Generator().manual_seed(3), SamplingParams(temperature=1.0)
+    tokens = [sample_tokens(logits, [(p, gen)])[0][0] for _ in range(4000)]
+    freq = torch.bincount(torch.tensor(tokens), minlength=4) / 4000
+    assert freq[2] == 0
+    assert torch.allclose(freq, probs, atol=4 * 0.0079), freq
+
+
+def test_a_rows_tokens_depend_on_its_own_generator_not_its_neighbours():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    hot, greedy = SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)
+
+    def draws(rows, params, seeds, n=20):
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        return [
+            sample_tokens(logits[rows], list(zip(params, gens, strict=True)))[0] for _ in range(n)
+        ]
+
+    alone = [t[0] for t in draws([1], [hot], [7])]
+    beside = draws([0, 1, 2], [hot, hot, greedy], [5, 7, 9])
+    assert [t[1] for t in beside] == alone
+    assert {t[2] for t in beside} == {int(logits[2].argmax())}  # greedy: the argmax, always
+    assert len(set(alone)) > 1  # it does sample
+
+
+def test_non_finite_logits_fail_the_step_instead_of_sampling_garbage():
+    logits = torch.tensor([[0.0, float("nan"), 1.0]])
+    with pytest.raises(ValueError, match="inf, nan"):
+        sample_tokens(logits, [(SamplingParams(), torch.Generator().manual_seed(0))])
