@@ -28,6 +28,9 @@ from asyncrl.spec import ExperimentSpec, spec_from_json
 from asyncrl.types import TrajectoryGroup
 from asyncrl.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
+CONNECT_TIMEOUT_S = 3.0
+"""How long a call that is not retried waits for its connection (gRPC's reconnect backoff
+starts at 1 s, so a handshake that fails once is tried again within it)."""
 CANCEL_TIMEOUT_S = 60.0
 """Cancel's deadline: the scheduler stops the trainer (up to 10 s) before it answers."""
 RESUME_TIMEOUT_S = 60.0
@@ -99,9 +102,21 @@ class AsyncrlClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def _once(self, method, request, timeout_s: float | None = None):
+    async def _once(self, method, request, timeout_s: float | None = None, to=None):
+        """A call that is not retried (not idempotent) is sent once the channel is up (`to`:
+        (channel, address), the scheduler's by default): a refused or broken handshake is
+        tried again for CONNECT_TIMEOUT_S instead of failing the call, and the request is
+        never sent twice."""
+        to_channel, address = to or (self._channel, self.address)
         try:
-            return await method(request, timeout=timeout_s or self.timeout_s)
+            await asyncio.wait_for(to_channel.channel_ready(), CONNECT_TIMEOUT_S)
+        except TimeoutError:
+            raise AsyncrlError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no connection to {address} within {CONNECT_TIMEOUT_S:g} s",
+            ) from None
+        try:
+            return await method(request, timeout=timeout_s or self.timeout_s, wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
             raise AsyncrlError.from_rpc(e) from None
 
@@ -175,7 +190,8 @@ class AsyncrlClient:
         try:
             stub = trainer_pb2_grpc.TrainerStub(trainer_channel)
             request = trainer_pb2.CheckpointNowRequest(experiment_id=experiment_id)
-            return await self._once(stub.CheckpointNow, request, timeout_s=timeout_s)
+            to = (trainer_channel, trainers[0].address)
+            return await self._once(stub.CheckpointNow, request, timeout_s, to=to)
         finally:
             await trainer_channel.close()
 
