@@ -1,7 +1,7 @@
 # asyncrl — `make help` lists the targets.
 SHELL := /bin/bash
 PY := .venv/bin/python
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 VENV_STAMP := .venv/.installed-$(shell cat requirements.txt requirements-sglang.txt pyproject.toml | md5sum | cut -c1-8)
 PROTOS := $(wildcard protos/asyncrl/v1/*.proto)
 PROTO_STAMP := libs/asyncrl/v1/.generated
@@ -30,8 +30,14 @@ $(PROTO_STAMP): $(PROTOS) $(VENV_STAMP)
 schema: venv protos ## regenerate protos/asyncrl/v1/experiment.schema.json from libs/asyncrl/spec.py
 	$(PY) -m asyncrl.spec > protos/asyncrl/v1/experiment.schema.json
 
-test: venv protos ## run the test suite (unit, integration, e2e) on TEST_WORKERS pytest-xdist workers (3; 0: one process)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not gpu" --durations=20 tests
+PYTEST_XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+test: venv protos ## run the test suite (unit, integration, e2e) on TEST_WORKERS pytest-xdist workers (2; 0: one process)
+	$(PY) -m pytest -q $(PYTEST_XDIST) -m "not gpu" --durations=20 tests
+
+test-durations: venv protos ## run the suite and re-measure tests/durations.json (the longest files start first)
+	$(PY) -m pytest -q $(PYTEST_XDIST) -m "not gpu" --junitxml=var/test-report.xml tests; \
+		$(PY) -m tests.durations var/test-report.xml
 
 test-fast: venv protos ## unit + integration tests that deploy no model (~3 min on 2 cores)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not gpu and not slow and not e2e" tests
@@ -109,4 +115,4 @@ smollm2-learn: venv protos ## SmolLM2-135M learns on the CPU against an lr=1e-12
 	ASYNCRL_VAR=$(VAR) .venv/bin/asyncrl submit examples/smollm2/learn.yaml --set trainer.lr=1e-12 --set name=smollm2-larger-control --id-file $(LEARN_DIR)/control_id --watch
 	ASYNCRL_VAR=$(VAR) $(PY) -m examples.smollm2.learn --learn $$(cat $(LEARN_DIR)/learn_id) --control $$(cat $(LEARN_DIR)/control_id) --out $(LEARN_DIR)
 
-.PHONY: help venv protos schema test test-fast lint bench chaos fuzz multihost gpu-check up down ps logs scale restart demo smollm2 smollm2-learn
+.PHONY: help venv protos schema test test-durations test-fast lint bench chaos fuzz multihost gpu-check up down ps logs scale restart demo smollm2 smollm2-learn

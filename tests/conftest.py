@@ -8,6 +8,7 @@ ASYNCRL_SECRETS; the `nc` fixture connects as the scheduler (the user that may d
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -26,10 +27,17 @@ TIER_TIMEOUT_S = {"unit": 120, "chaos": 120, "integration": 600, "e2e": 900}
 """Per-test timeout by the directory a test lives in (a test's own timeout mark wins)."""
 
 
+DURATIONS = Path(__file__).parent / "durations.json"
+"""Seconds each long test file took (`make test-durations`), so that the longest start first."""
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its tier (unit / integration / e2e: `-m "not e2e"`) and give it
-    its tier's timeout."""
+    its tier's timeout. Files run longest first (`durations.json`; a file not in it counts as
+    short), so that on pytest-xdist workers (`make test`) the long ones do not start last."""
     tests_dir = Path(__file__).parent
+    seconds = json.loads(DURATIONS.read_text())
+    items.sort(key=lambda item: -seconds.get(item.path.relative_to(tests_dir.parent).as_posix(), 0))
     for item in items:
         tier = item.path.relative_to(tests_dir).parts[0]
         if tier not in TIER_TIMEOUT_S:
