@@ -28,18 +28,34 @@ TIER_TIMEOUT_S = {"unit": 120, "chaos": 120, "integration": 600, "e2e": 900}
 
 
 DURATIONS = Path(__file__).parent / "durations.json"
-"""Seconds each long test file took (`make test-durations`), so that the longest start first."""
+"""Seconds each long test file took (`make test-durations`)."""
+HEAVY_S = 40
+"""An end-to-end or `slow` file at least this long starts services of its own by the handful
+(a cluster, torchrun, a real model): such files run one after another on one xdist worker."""
 
 
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its tier (unit / integration / e2e: `-m "not e2e"`) and give it
-    its tier's timeout. Files run longest first (`durations.json`; a file not in it counts as
-    short), so that on pytest-xdist workers (`make test`) the long ones do not start last."""
-    tests_dir = Path(__file__).parent
+    its tier's timeout. For `make test` (pytest-xdist, `--dist loadgroup`): each file is one
+    unit of work and the heavy files (HEAVY_S) together are one, queued first, longest file
+    first. Two heavy files at once on two cores slow each other down more than they gain (the
+    suite took 19.8 min instead of 18.1); one beside light ones keeps both cores busy."""
+    root = Path(__file__).parent.parent
     seconds = json.loads(DURATIONS.read_text())
-    items.sort(key=lambda item: -seconds.get(item.path.relative_to(tests_dir.parent).as_posix(), 0))
+
+    def file_of(item) -> str:
+        return item.path.relative_to(root).as_posix()
+
+    def is_heavy(item) -> bool:
+        path = file_of(item)
+        many = path.startswith("tests/e2e/") or item.get_closest_marker("slow") is not None
+        return many and seconds.get(path, 0) >= HEAVY_S
+
+    heavy = {item.nodeid for item in items if is_heavy(item)}
+    items.sort(key=lambda item: (item.nodeid not in heavy, -seconds.get(file_of(item), 0)))
     for item in items:
-        tier = item.path.relative_to(tests_dir).parts[0]
+        item.add_marker(pytest.mark.xdist_group("heavy" if item.nodeid in heavy else file_of(item)))
+        tier = item.path.relative_to(root / "tests").parts[0]
         if tier not in TIER_TIMEOUT_S:
             continue
         item.add_marker(getattr(pytest.mark, tier))

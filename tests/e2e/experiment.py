@@ -139,7 +139,8 @@ async def run_experiment(
     scheduler: str, spec: dict, timeout: float = 600, on_progress=None, poll_s: float = 0.5
 ):
     """Submit `spec` and poll every `poll_s` until the experiment ends; `on_progress(exp)` is
-    called on every poll while it runs."""
+    called on every poll while it runs. The experiment is returned with its history (the polls
+    leave it out: a long run's history is most of the message)."""
     async with AsyncrlClient(scheduler) as client:
         exp = await client.submit(spec)
         deadline = time.monotonic() + timeout
@@ -148,8 +149,8 @@ async def run_experiment(
             if on_progress is not None:
                 on_progress(exp)
             await asyncio.sleep(poll_s)
-            exp = await client.get(exp.id, with_history=True)
-        return exp
+            exp = await client.get(exp.id)
+        return await client.get(exp.id, with_history=True)
 
 
 def assert_completed(exp, total_steps: int = TOTAL_STEPS) -> None:

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from asyncrl.logging import get_logger
@@ -255,19 +256,32 @@ class Supervisor:
     broker: BrokerWatch | None = None
     nats_log: NatsLogWatch | None = None
 
+    @cached_property
+    def elsewhere(self) -> tuple[str, str]:
+        """(NATS_URL, ASYNCRL_SCHEDULER): the other hosts' addresses, read from the environment
+        once, not at every poll (two settings reads per poll, 3 ms each, 5 polls a second: 3 %
+        of a core for an idle supervisor)."""
+        config = settings()
+        return config.nats_url, config.scheduler
+
     @property
     def nats_url(self) -> str:
         """What the services connect to: this host's nats-server, or, when it is a cluster node
         (ASYNCRL_NATS_ROUTES), every node NATS_URL lists (a client fails over between them)."""
-        if ClusterNode.from_settings() is not None:
-            return settings().nats_url
+        if self.cluster_node is not None:
+            return self.elsewhere[0]
         return f"nats://127.0.0.1:{self.nats_port}"
+
+    @cached_property
+    def cluster_node(self) -> ClusterNode | None:
+        """This host's NATS cluster node (ASYNCRL_NATS_ROUTES), read once."""
+        return ClusterNode.from_settings()
 
     @property
     def scheduler_address(self) -> str:
         """This host's scheduler, or ASYNCRL_SCHEDULER where another host runs it."""
         if "scheduler" not in self.services:
-            return settings().scheduler
+            return self.elsewhere[1]
         return f"127.0.0.1:{self.scheduler_port}"
 
     def command(self, service: str, index: int = 0) -> list[str]:
@@ -278,7 +292,7 @@ class Supervisor:
                 self.paths.var / "nats",
                 port=self.nats_port,
                 host=settings().bind_host,
-                cluster=ClusterNode.from_settings(),
+                cluster=self.cluster_node,
             ).command()
         config = settings()
         if service == "trainer" and self.trainer_nproc > 1:
@@ -567,7 +581,7 @@ class Supervisor:
             stale.unlink(missing_ok=True)
         try:
             self.start_nats()
-            if ClusterNode.from_settings() is None:  # a broker of this host's own
+            if self.cluster_node is None:  # a broker of this host's own
                 self.broker = BrokerWatch(self.nats_url, self.paths.var / "nats")
                 self.broker.start()
                 self.nats_log = NatsLogWatch(self.paths.log("nats", 0), self.paths.var / "nats")
