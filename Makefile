@@ -30,7 +30,7 @@ $(PROTO_STAMP): $(PROTOS) $(VENV_STAMP)
 schema: venv protos ## regenerate protos/asyncrl/v1/experiment.schema.json from libs/asyncrl/spec.py
 	$(PY) -m asyncrl.spec > protos/asyncrl/v1/experiment.schema.json
 
-PYTEST_XDIST = -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+PYTEST_XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: venv protos ## run the test suite (unit, integration, e2e) on TEST_WORKERS pytest-xdist workers (2; 0: one process)
 	$(PY) -m pytest -q $(PYTEST_XDIST) -m "not gpu" --durations=20 tests

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -29,33 +30,52 @@ TIER_TIMEOUT_S = {"unit": 120, "chaos": 120, "integration": 600, "e2e": 900}
 
 DURATIONS = Path(__file__).parent / "durations.json"
 """Seconds each long test file took (`make test-durations`)."""
-HEAVY_S = 40
-"""An end-to-end or `slow` file at least this long starts services of its own by the handful
-(a cluster, torchrun, a real model): such files run one after another on one xdist worker."""
+HEAVY_S, HEAVY_S_PER_TEST = 40, 10
+"""A file at least this long, at least this long per test, starts services by the handful (a
+cluster, torchrun, a real model) for each of its few tests."""
+
+
+def heavy_files(nodeids) -> set[str]:
+    """The heavy test files among `nodeids` (HEAVY_S, HEAVY_S_PER_TEST)."""
+    seconds = json.loads(DURATIONS.read_text())
+    tests = Counter(nodeid.split("::")[0] for nodeid in nodeids)
+    return {f for f, n in tests.items() if seconds.get(f, 0) >= max(HEAVY_S, n * HEAVY_S_PER_TEST)}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`make test`'s pytest-xdist schedule: each file is one unit of work (`--dist loadfile`)
+    and the heavy files together are one, so they run one after another on one worker while
+    the other takes the light files. Two heavy files at once on two cores slow each other down
+    more than they gain (the suite took 19.8 min instead of 18.1)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class HeavyFilesTogether(LoadScopeScheduling):
+        heavy: set[str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.heavy is None:
+                self.heavy = heavy_files(self.collection or [])
+            path = nodeid.split("::")[0]
+            return "heavy" if path in self.heavy else path
+
+    return HeavyFilesTogether(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its tier (unit / integration / e2e: `-m "not e2e"`) and give it
-    its tier's timeout. For `make test` (pytest-xdist, `--dist loadgroup`): each file is one
-    unit of work and the heavy files (HEAVY_S) together are one, queued first, longest file
-    first. Two heavy files at once on two cores slow each other down more than they gain (the
-    suite took 19.8 min instead of 18.1); one beside light ones keeps both cores busy."""
-    root = Path(__file__).parent.parent
+    its tier's timeout. The heavy files go first, then the rest, each longest file first
+    (`durations.json`), so that no long file starts last."""
     seconds = json.loads(DURATIONS.read_text())
+    heavy = heavy_files(item.nodeid for item in items)
 
-    def file_of(item) -> str:
-        return item.path.relative_to(root).as_posix()
+    def order(item) -> tuple[bool, float]:
+        path = item.nodeid.split("::")[0]
+        return path not in heavy, -seconds.get(path, 0)
 
-    def is_heavy(item) -> bool:
-        path = file_of(item)
-        many = path.startswith("tests/e2e/") or item.get_closest_marker("slow") is not None
-        return many and seconds.get(path, 0) >= HEAVY_S
-
-    heavy = {item.nodeid for item in items if is_heavy(item)}
-    items.sort(key=lambda item: (item.nodeid not in heavy, -seconds.get(file_of(item), 0)))
+    items.sort(key=order)
+    tests_dir = Path(__file__).parent
     for item in items:
-        item.add_marker(pytest.mark.xdist_group("heavy" if item.nodeid in heavy else file_of(item)))
-        tier = item.path.relative_to(root / "tests").parts[0]
+        tier = item.path.relative_to(tests_dir).parts[0]
         if tier not in TIER_TIMEOUT_S:
             continue
         item.add_marker(getattr(pytest.mark, tier))
