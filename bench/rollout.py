@@ -5,6 +5,10 @@ Peers, on the same prompts and the same number of new tokens:
 - a plain sequential loop of HuggingFace `model.generate` (KV cache, one request at a time):
   what continuous batching buys.
 
+And a full batch (a wave of short requests, the shape of the demo's rollouts) against the same
+model's batched forwards alone (one prefill, then one single-token forward per new token, the
+next token its argmax): what the engine's own work per token (sampling, bookkeeping) costs.
+
 No request stops early (no stop tokens; HF generate gets min_new_tokens), so every side
 produces exactly n * max_new_tokens tokens. The KV-cache group time is kept in the context
 (`group_seconds`): the admission benchmark compares the scheduler's per-group cost with it.
@@ -78,6 +82,52 @@ def _hf_sequential(model_dir, batch: list[list[int]], max_new_tokens: int, repea
     return best_of(loop, repeats), sum(produced)
 
 
+def _forward_bound(model_dir, batch: list[list[int]], max_new_tokens: int, repeats: int):
+    """Best wall time of the batched forwards alone (equal-length prompts, KV cache, argmax)."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = torch.tensor(batch)
+
+    def loop():
+        with torch.no_grad():
+            cache = DynamicCache()
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            for _ in range(max_new_tokens - 1):
+                step = logits[:, -1:].argmax(dim=-1)
+                logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits
+
+    loop()  # warm-up
+    return best_of(loop, repeats), len(batch) * max_new_tokens
+
+
+def _wave(ctx: Context, model_dir) -> Result:
+    """A full engine batch of short requests against the batched forwards alone."""
+    n, max_new, prompt_len = ctx.size(256, 16), ctx.size(8, 4), ctx.size(10, 4)
+    g = torch.Generator().manual_seed(1)
+    batch = torch.randint(4, 90, (n, prompt_len), generator=g).tolist()
+    params = SamplingParams(temperature=1.0, max_new_tokens=max_new)
+    engine_s, tokens = asyncio.run(_engine_group(model_dir, batch, params, True, ctx.repeats))
+    bound_s, bound_tokens = _forward_bound(model_dir, batch, max_new, ctx.repeats)
+    assert tokens == bound_tokens, (tokens, bound_tokens)
+    settings = {
+        "concurrent_requests": n,
+        "prompt_tokens": prompt_len,
+        "max_new_tokens": max_new,
+        "repeats": ctx.repeats,
+        "model": ctx.model_config() or "tiny default",
+    }
+    return Result(
+        NAME,
+        "TorchEngine tokens/s, a full batch",
+        tokens / engine_s,
+        "tok/s",
+        "the batched forwards alone (HF, KV cache, argmax)",
+        bound_tokens / bound_s,
+        settings,
+    )
+
+
 def _sizes(ctx: Context) -> tuple[int, int, int]:
     """(requests in the group, max_new_tokens, shortest prompt)."""
     return ctx.size(8, 2), ctx.size(64, 8), ctx.size(24, 4)
@@ -134,4 +184,5 @@ def run(ctx: Context) -> list[Result]:
             hf_tok / hf_s,
             settings,
         ),
+        _wave(ctx, model_dir),
     ]

@@ -59,7 +59,11 @@ def test_quick_run_results_have_positive_peers_and_consistent_ratios(quick_run):
 def test_quick_run_rollout_compares_kv_engine_with_both_peers(quick_run):
     results, _ = quick_run
     peers = {r.peer for r in results if r.name == "rollout"}
-    assert peers == {"TorchEngine without KV cache", "sequential HF model.generate"}
+    assert peers == {
+        "TorchEngine without KV cache",
+        "sequential HF model.generate",
+        "the batched forwards alone (HF, KV cache, argmax)",
+    }
     interrupt = [r for r in results if r.name == "interrupt"]
     # the update lands mid-batch; how many requests are still running when it does depends on
     # the machine's load (the engine's own tests pin that every one of them moves)
