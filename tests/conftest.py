@@ -28,7 +28,7 @@ TIER_TIMEOUT_S = {"unit": 120, "chaos": 120, "integration": 600, "e2e": 900}
 """Per-test timeout by the directory a test lives in (a test's own timeout mark wins)."""
 
 
-DURATIONS = Path(__file__).parent / "durations.json"
+SECONDS = json.loads((Path(__file__).parent / "durations.json").read_text())
 """Seconds each long test file took (`make test-durations`)."""
 HEAVY_S, HEAVY_S_PER_TEST = 40, 10
 """A file at least this long, at least this long per test, starts services by the handful (a
@@ -37,9 +37,8 @@ cluster, torchrun, a real model) for each of its few tests."""
 
 def heavy_files(nodeids) -> set[str]:
     """The heavy test files among `nodeids` (HEAVY_S, HEAVY_S_PER_TEST)."""
-    seconds = json.loads(DURATIONS.read_text())
     tests = Counter(nodeid.split("::")[0] for nodeid in nodeids)
-    return {f for f, n in tests.items() if seconds.get(f, 0) >= max(HEAVY_S, n * HEAVY_S_PER_TEST)}
+    return {f for f, n in tests.items() if SECONDS.get(f, 0) >= max(HEAVY_S, n * HEAVY_S_PER_TEST)}
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -65,12 +64,11 @@ def pytest_collection_modifyitems(config, items):
     """Mark each test with its tier (unit / integration / e2e: `-m "not e2e"`) and give it
     its tier's timeout. The heavy files go first, then the rest, each longest file first
     (`durations.json`), so that no long file starts last."""
-    seconds = json.loads(DURATIONS.read_text())
     heavy = heavy_files(item.nodeid for item in items)
 
     def order(item) -> tuple[bool, float]:
         path = item.nodeid.split("::")[0]
-        return path not in heavy, -seconds.get(path, 0)
+        return path not in heavy, -SECONDS.get(path, 0)
 
     items.sort(key=order)
     tests_dir = Path(__file__).parent

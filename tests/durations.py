@@ -10,12 +10,10 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-OUT = Path(__file__).parent / "durations.json"
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "tests" / "durations.json"
 MIN_S = 5.0
 """Files shorter than this are left out: they fill the gaps in any order."""
-
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_file(classname: str) -> str:

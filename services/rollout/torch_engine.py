@@ -114,9 +114,7 @@ def sample_tokens(
     cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)
     if not bool(torch.isfinite(cdf[:, -1]).all()):  # what torch.multinomial refuses too
         raise ValueError("probability tensor contains either inf, nan or element < 0")
-    # one uniform per sampled row from its own generator (a greedy row draws nothing)
-    draws = [torch.rand(1, generator=g, device=g.device) if p.temperature else torch.zeros(1, device=g.device) for p, g in rows]  # fmt: skip
-    u = torch.cat(draws).to(logits.device) * cdf[:, -1]
+    u = torch.cat([torch.rand(1, generator=g, device=g.device) for _, g in rows]) * cdf[:, -1]
     # the first token whose cumulative probability passes u: never one of probability 0
     sampled = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp(max=cdf.shape[-1] - 1)
     greedy = torch.tensor([not p.temperature for p in params], device=logits.device)

@@ -47,7 +47,7 @@ from asyncrl.natsutil import ClusterNode, LocalNatsServer
 from asyncrl.net import free_port
 from asyncrl.proc import die_with_parent, kill_tree, pid_alive, signal_group
 from asyncrl.security import WORKER_ROLES, is_bundle, write_token
-from asyncrl.settings import settings
+from asyncrl.settings import Settings, settings
 from asyncrl.supervisor import gpus, handover
 from asyncrl.supervisor.broker import BrokerWatch, NatsLogWatch
 
@@ -257,19 +257,17 @@ class Supervisor:
     nats_log: NatsLogWatch | None = None
 
     @cached_property
-    def elsewhere(self) -> tuple[str, str]:
-        """(NATS_URL, ASYNCRL_SCHEDULER): the other hosts' addresses, read from the environment
-        once, not at every poll (two settings reads per poll, 3 ms each, 5 polls a second: 3 %
-        of a core for an idle supervisor)."""
-        config = settings()
-        return config.nats_url, config.scheduler
+    def started_with(self) -> Settings:
+        """The settings as the environment held them at the first read: `write_state` runs at
+        every poll, and a settings read costs 3 ms (twice per poll was 3 % of a core idle)."""
+        return settings()
 
     @property
     def nats_url(self) -> str:
         """What the services connect to: this host's nats-server, or, when it is a cluster node
         (ASYNCRL_NATS_ROUTES), every node NATS_URL lists (a client fails over between them)."""
         if self.cluster_node is not None:
-            return self.elsewhere[0]
+            return self.started_with.nats_url
         return f"nats://127.0.0.1:{self.nats_port}"
 
     @cached_property
@@ -281,7 +279,7 @@ class Supervisor:
     def scheduler_address(self) -> str:
         """This host's scheduler, or ASYNCRL_SCHEDULER where another host runs it."""
         if "scheduler" not in self.services:
-            return self.elsewhere[1]
+            return self.started_with.scheduler
         return f"127.0.0.1:{self.scheduler_port}"
 
     def command(self, service: str, index: int = 0) -> list[str]:
