@@ -38,6 +38,23 @@ class Cluster:
             "ASYNCRL_SCHEDULER_PORT": str(self.scheduler_port),
         }
         self.seen_pids: set[int] = set()
+        self.log_marks: dict[str, int] = {}
+
+    def mark_logs(self) -> None:
+        """`events` reads only what the service logs get from now on (a shared cluster: what
+        the tests before wrote is theirs)."""
+        self.log_marks = {p.name: p.stat().st_size for p in (self.var / "log").glob("*.log")}
+
+    def events(self, service: str, event: str, replica: int | None = None) -> list[dict]:
+        """The JSON log lines of `event` that `service`'s replicas (or `replica` alone) wrote
+        since `mark_logs`, replica by replica."""
+        pattern = f"{service}-{'*' if replica is None else replica}.log"
+        found = []
+        for path in sorted((self.var / "log").glob(pattern)):
+            with path.open("rb") as f:
+                f.seek(self.log_marks.get(path.name, 0))
+                found += parse_events(f.read().decode(errors="replace"), event)
+        return found
 
     @property
     def scheduler(self) -> str:
@@ -86,6 +103,21 @@ class Cluster:
         for pid in self.seen_pids:
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def parse_events(text: str, event: str) -> list[dict]:
+    """The JSON log lines of `event` in a service log's `text` (other lines are skipped)."""
+    found = []
+    for line in text.splitlines():
+        if f'"{event}"' not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") == event:
+            found.append(record)
+    return found
 
 
 def wait_for(pred, timeout: float = 60.0, interval: float = 0.25):

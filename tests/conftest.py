@@ -20,6 +20,7 @@ import torch
 
 from asyncrl.natsutil import LocalNatsServer, connect, ensure_stream
 from asyncrl.security import ensure_secrets
+from tests.e2e.shared import FILES as SHARED_CLUSTER_FILES
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -42,10 +43,11 @@ def heavy_files(nodeids) -> set[str]:
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """`make test`'s pytest-xdist schedule: each file is one unit of work (`--dist loadfile`)
-    and the heavy files together are one, so they run one after another on one worker while
-    the other takes the light files. Two heavy files at once on two cores slow each other down
-    more than they gain (the suite took 19.8 min instead of 18.1)."""
+    """`make test`'s pytest-xdist schedule: each file is one unit of work (`--dist loadfile`),
+    the heavy files together are one, so they run one after another on one worker while the
+    other takes the light files (two heavy files at once on two cores slow each other down
+    more than they gain: the suite took 19.8 min instead of 18.1), and the files that share
+    one cluster are one (tests/e2e/shared.py)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class HeavyFilesTogether(LoadScopeScheduling):
@@ -55,6 +57,8 @@ def pytest_xdist_make_scheduler(config, log):
             if self.heavy is None:
                 self.heavy = heavy_files(self.collection or [])
             path = nodeid.split("::")[0]
+            if path in SHARED_CLUSTER_FILES:
+                return "shared-cluster"
             return "heavy" if path in self.heavy else path
 
     return HeavyFilesTogether(config, log)
@@ -62,13 +66,14 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its tier (unit / integration / e2e: `-m "not e2e"`) and give it
-    its tier's timeout. The heavy files go first, then the rest, each longest file first
-    (`durations.json`), so that no long file starts last."""
-    heavy = heavy_files(item.nodeid for item in items)
+    its tier's timeout. The heavy files go first, then those sharing a cluster, then the
+    rest, each longest file first (`durations.json`), so that no long file starts last."""
+    heavy = heavy_files(item.nodeid for item in items) - SHARED_CLUSTER_FILES
 
-    def order(item) -> tuple[bool, float]:
+    def order(item) -> tuple[int, float]:
         path = item.nodeid.split("::")[0]
-        return path not in heavy, -SECONDS.get(path, 0)
+        group = 0 if path in heavy else 1 if path in SHARED_CLUSTER_FILES else 2
+        return group, -SECONDS.get(path, 0)
 
     items.sort(key=order)
     tests_dir = Path(__file__).parent

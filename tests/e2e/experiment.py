@@ -22,7 +22,7 @@ from asyncrl.cli import app as cli_app
 from asyncrl.cli import load_spec_dict
 from asyncrl.client import AsyncrlClient, is_terminal, state_name
 from asyncrl.supervisor import pid_alive
-from tests.cluster import ROOT, Cluster, wait_for
+from tests.cluster import ROOT, Cluster, parse_events, wait_for
 
 TOTAL_STEPS = 4
 ARITH_DEMO = ROOT / "examples" / "arith" / "experiment.yaml"
@@ -229,14 +229,4 @@ def kill_sglang_child(pid: int) -> None:
 
 def log_events(path: Path, event: str) -> list[dict]:
     """The JSON log lines of `event` in a service log (other lines are skipped)."""
-    found = []
-    for line in path.read_text().splitlines():
-        if f'"{event}"' not in line:
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("event") == event:
-            found.append(record)
-    return found
+    return parse_events(path.read_text(), event)

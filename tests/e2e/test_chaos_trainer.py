@@ -13,7 +13,7 @@ import pytest
 
 from asyncrl.client import state_name
 from asyncrl.ledger import fetch_report
-from tests.e2e.experiment import run_experiment, small_spec, start_cluster
+from tests.e2e.experiment import run_experiment, small_spec
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -24,15 +24,11 @@ KILL_AT = 3
 B = 2
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    yield from start_cluster(tmp_path_factory.mktemp("var"), engine="torch")
-
-
 def test_trainer_killed_mid_run_experiment_completes_nothing_lost_or_trained_twice(cluster, task):
     spec = small_spec(task, total_steps=TOTAL_STEPS, checkpoint_every=2, batch_size=B)
     spec["eval"] = {}  # no eval: the trainer's work is the point
     killed: list[int] = []
+    (before,) = cluster.procs("trainer")
 
     def kill_trainer_once(exp) -> None:
         if not killed and exp.progress.version >= KILL_AT:
@@ -46,7 +42,7 @@ def test_trainer_killed_mid_run_experiment_completes_nothing_lost_or_trained_twi
         )
     )
     assert killed, "the experiment ended before the trainer was killed"
-    assert cluster.procs("trainer")[0]["restarts"] >= 1
+    assert cluster.procs("trainer")[0]["restarts"] > before["restarts"]
     assert state_name(exp.state) == "COMPLETED", exp.message
     ledger = asyncio.run(fetch_report(exp.id, f"nats://127.0.0.1:{cluster.nats_port}"))
     assert ledger.totals["lost"] == 0, ledger.totals

@@ -23,19 +23,12 @@ from tests.e2e.experiment import (
     assert_dump_decodes,
     assert_ledger_clean,
     build_arith_demo,
-    log_events,
     run_experiment,
     small_spec,
-    start_cluster,
 )
 from tests.runlogs import assert_run_logs
 
 pytestmark = pytest.mark.timeout(900)
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    yield from start_cluster(tmp_path_factory.mktemp("var"), engine="torch")
 
 
 def test_small_experiment_completes_through_all_services(cluster, task, tmp_path):
@@ -76,7 +69,7 @@ def test_megatron_backend_small_experiment_completes_through_all_services(cluste
     exp = asyncio.run(run_experiment(cluster.scheduler, spec))
     assert_completed(exp)
     assert_dump_decodes(cluster, exp, tmp_path / "traj.jsonl")
-    started = log_events(cluster.var / "log" / "trainer-0.log", "experiment_started")
+    started = cluster.events("trainer", "experiment_started")
     assert [e["backend"] for e in started if e["experiment"] == exp.id] == ["megatron"]
 
 
@@ -134,17 +127,8 @@ def test_scale_rollout_and_reward_during_a_run_new_replicas_get_work(cluster, ta
     spec = small_spec(task, total_steps=100_000)  # runs until cancelled
     spec["dataset"]["epochs"] = 100_000  # 50 epochs ran out before the new replicas started
 
-    def reward_logs():
-        return sorted((cluster.var / "log").glob("reward-*.log"))
-
-    def scored_lines() -> dict[str, int]:
-        return {p.name: len(log_events(p, "scored")) for p in reward_logs()}
-
-    before = scored_lines()  # reward-0's lines from the earlier tests
-
-    def both_rewards_scored():
-        now = scored_lines()
-        return len(now) == 2 and all(n > before.get(name, 0) for name, n in now.items())
+    def both_rewards_scored() -> bool:
+        return all(cluster.events("reward", "scored", replica) for replica in (0, 1))
 
     async def scenario():
         async with AsyncrlClient(cluster.scheduler) as client:
@@ -166,16 +150,16 @@ def test_scale_rollout_and_reward_during_a_run_new_replicas_get_work(cluster, ta
             # its first call 10 s or more after its last one or its start (a fixed 2 s here held
             # only while scaling out took 8 s or more)
             while not both_rewards_scored():
-                assert time.monotonic() < deadline, [p.read_text()[-500:] for p in reward_logs()]
+                assert time.monotonic() < deadline, cluster.events("reward", "scored")
                 assert not is_terminal(await client.get(exp.id))
                 await asyncio.sleep(0.5)
             exp = await client.cancel(exp.id)
             return exp
 
-    exp = asyncio.run(scenario())
-    assert state_name(exp.state) == "CANCELLED"
-    # both reward replicas scored items: each logs its batches
-    logs = reward_logs()
-    assert len(logs) == 2
-    assert all("score" in p.read_text() for p in logs), [p.read_text()[-500:] for p in logs]
-    wait_for(lambda: len(cluster.workers(common_pb2.WORKER_KIND_REWARD)) == 2)
+    try:
+        exp = asyncio.run(scenario())
+        assert state_name(exp.state) == "CANCELLED"
+        wait_for(lambda: len(cluster.workers(common_pb2.WORKER_KIND_REWARD)) == 2)
+    finally:  # the cluster is shared: back to one replica each
+        for service in ("rollout", "reward"):
+            cluster.sup("scale", service, "1")

@@ -17,24 +17,12 @@ from tests.e2e.experiment import (
     _settled_ledger,
     assert_completed,
     assert_ledger_clean,
-    log_events,
     run_experiment,
     small_spec,
-    start_cluster,
 )
 
 pytestmark = pytest.mark.timeout(900)
 STEPS = 10_000  # runs until cancelled, once the joined rollout took broadcasts
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    yield from start_cluster(tmp_path_factory.mktemp("var"), engine="torch")
-
-
-def _events(cluster, log: str, event: str) -> list[dict]:
-    path = cluster.var / "log" / log
-    return log_events(path, event) if path.exists() else []
 
 
 def test_broadcast_run_goes_on_and_a_joining_rollout_takes_the_store_then_the_stream(cluster, task):
@@ -47,7 +35,7 @@ def test_broadcast_run_goes_on_and_a_joining_rollout_takes_the_store_then_the_st
     spec["dataset"]["epochs"] = 100_000
 
     def both_streamed() -> bool:
-        sent = _events(cluster, "trainer-0.log", "broadcast_sent")
+        sent = cluster.events("trainer", "broadcast_sent")
         return sum(e["rollouts"] == 2 for e in sent) >= 2
 
     async def scenario():
@@ -64,16 +52,19 @@ def test_broadcast_run_goes_on_and_a_joining_rollout_takes_the_store_then_the_st
                 await asyncio.sleep(0.5)
             return await client.cancel(exp.id)
 
-    exp = asyncio.run(scenario())
+    try:
+        exp = asyncio.run(scenario())
+    finally:  # the cluster is shared: back to one rollout
+        cluster.sup("scale", "rollout", "1")
     report = wait_for(lambda: _settled_ledger(cluster, exp), timeout=60)
     assert report["totals"]["lost"] == 0 and report["totals"]["trained_twice"] == 0
-    sent = _events(cluster, "trainer-0.log", "broadcast_sent")
+    sent = cluster.events("trainer", "broadcast_sent")
     assert all(e["bytes"] > 0 for e in sent)
-    assert not _events(cluster, "scheduler-0.log", "weights_fingerprint_mismatch")
-    assert not _events(cluster, "rollout-0.log", "broadcast_not_taken")
-    assert _events(cluster, "rollout-0.log", "weights_streamed")
-    loaded = _events(cluster, "rollout-1.log", "experiment_loaded")
-    streamed = _events(cluster, "rollout-1.log", "weights_streamed")
+    assert not cluster.events("scheduler", "weights_fingerprint_mismatch")
+    assert not cluster.events("rollout", "broadcast_not_taken", 0)
+    assert cluster.events("rollout", "weights_streamed", 0)
+    loaded = cluster.events("rollout", "experiment_loaded", 1)
+    streamed = cluster.events("rollout", "weights_streamed", 1)
     assert loaded and streamed, "the second rollout loads from the store, then streams"
     assert loaded[0]["version"] >= 3 and loaded[0]["version"] < streamed[0]["version"]
 
@@ -87,8 +78,6 @@ def test_megatron_trainer_streams_to_the_torch_engine(cluster, task):
     exp = asyncio.run(run_experiment(cluster.scheduler, spec))
     assert_completed(exp)
     assert_ledger_clean(cluster, exp)
-    sent = [
-        e for e in _events(cluster, "trainer-0.log", "broadcast_sent") if e["experiment"] == exp.id
-    ]
+    sent = [e for e in cluster.events("trainer", "broadcast_sent") if e["experiment"] == exp.id]
     assert len(sent) >= 2 and all(e["rollouts"] >= 1 for e in sent)
-    assert not _events(cluster, "scheduler-0.log", "weights_fingerprint_mismatch")
+    assert not cluster.events("scheduler", "weights_fingerprint_mismatch")

@@ -16,20 +16,13 @@ from tests.e2e.experiment import (
     assert_completed,
     assert_dump_decodes,
     assert_ledger_clean,
-    log_events,
     run_experiment,
     small_spec,
-    start_cluster,
 )
 
 pytestmark = pytest.mark.timeout(900)
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "up_proj", "down_proj"]}
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    yield from start_cluster(tmp_path_factory.mktemp("var"), engine="torch")
 
 
 def test_lora_experiment_completes_through_all_services(cluster, task, tmp_path):
@@ -52,19 +45,16 @@ def test_lora_experiment_completes_through_all_services(cluster, task, tmp_path)
         assert manifests[int(d.name[1:])] == fingerprint.of_dir(d)
     # the trainer committed each version with its adapter's fingerprint, and the fleet took
     # every one: the rollout proved it holds that adapter (no rollout fenced)
-    log = cluster.var / "log"
     commits = {
         e["version"]: e["fingerprint"]
-        for e in log_events(log / "scheduler-0.log", "version_committed")
+        for e in cluster.events("scheduler", "version_committed")
         if e["experiment"] == exp.id
     }
     assert sorted(commits) == [1, 2, 3, 4]
     assert all(commits[v] == fp for v, fp in manifests.items())
-    updates = [
-        e for e in log_events(log / "scheduler-0.log", "fleet_updated") if e["experiment"] == exp.id
-    ]
+    updates = [e for e in cluster.events("scheduler", "fleet_updated") if e["experiment"] == exp.id]
     assert updates and all(e["fenced"] == 0 and e["updated"] == 1 for e in updates)
-    applied = log_events(log / "rollout-0.log", "weights_applied")
+    applied = cluster.events("rollout", "weights_applied")
     assert {e["version"] for e in applied if e["kind"] == "adapter"} >= {v for v in manifests}
     ckpts = sorted((cluster.var / "checkpoints" / exp.id).glob("step_*"))
     state = torch.load(ckpts[-1] / "backend" / "model.pt")

@@ -21,17 +21,11 @@ from tests.e2e.experiment import (
     assert_completed,
     run_experiment,
     small_spec,
-    start_cluster,
 )
 
 pytestmark = pytest.mark.timeout(900)
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "up_proj", "down_proj"]}
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    yield from start_cluster(tmp_path_factory.mktemp("var"), engine="torch")
 
 
 def cli(cluster, *args: str):

@@ -18,7 +18,7 @@ from asyncrl.client import read_groups, state_name
 from asyncrl.types import RewardStatus
 from examples.math.reward import final_answer
 from examples.smollm2.fetch import fetch
-from tests.e2e.experiment import assert_ledger_clean, log_events, run_experiment, start_cluster
+from tests.e2e.experiment import assert_ledger_clean, run_experiment
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # deploys a real model
 warnings.filterwarnings("ignore")
@@ -26,11 +26,6 @@ warnings.filterwarnings("ignore")
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "examples" / "math" / "smoke.yaml"
 REWARD = "plugin:examples.math.reward:final_answer"
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    yield from start_cluster(tmp_path_factory.mktemp("var"), engine="torch")
 
 
 def test_math_smoke_spec_runs_two_steps_scored_by_the_math_reward(cluster):
@@ -52,6 +47,5 @@ def test_math_smoke_spec_runs_two_steps_scored_by_the_math_reward(cluster):
     assert all(s.reward == final_answer(s.text, g.answer) for g, s in samples)
     data = ROOT / "examples" / "math" / "data" / "train.jsonl"
     assert {g.answer for g in trained} <= {json.loads(row)["answer"] for row in data.open()}
-    reward_log = cluster.var / "log" / "reward-0.log"
-    bound = [e for e in log_events(reward_log, "experiment_bound") if e["experiment"] == exp.id]
+    bound = [e for e in cluster.events("reward", "experiment_bound") if e["experiment"] == exp.id]
     assert bound and all(e["function"] == REWARD for e in bound)

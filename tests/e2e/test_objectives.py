@@ -17,10 +17,8 @@ import pytest
 from asyncrl.client import state_name
 from tests.e2e.experiment import (
     assert_ledger_clean,
-    log_events,
     run_experiment,
     small_spec,
-    start_cluster,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -36,11 +34,6 @@ CASES = [
     {"offpolicy_correction": "cispo", "entropy_coef": 0.01},
     {"offpolicy_correction": "m2po", "advantage": "rloo", "loss_agg": "dr_grpo"},
 ]
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    yield from start_cluster(tmp_path_factory.mktemp("var"), engine="torch")
 
 
 def _spec(task, objective: dict) -> dict:
@@ -61,7 +54,7 @@ def test_objective_trains_through_all_services(cluster, task, objective):
     exp = asyncio.run(run_experiment(cluster.scheduler, _spec(task, objective), timeout=240))
     assert state_name(exp.state) == "COMPLETED", exp.message
     # the trainer's backend built the objective the spec chose
-    used = log_events(cluster.var / "log" / "trainer-0.log", "trainer_objective")[-1]
+    used = cluster.events("trainer", "trainer_objective")[-1]
     assert used["correction"] == objective["offpolicy_correction"]
     assert used["backend"] == objective.get("backend", "torch")
     for field, key in (("advantage", "advantage"), ("loss_agg", "agg"), ("kl_in", "kl_in")):

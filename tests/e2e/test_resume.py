@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from asyncrl.cli import app as cli_app
 from asyncrl.client import AsyncrlClient, is_terminal, state_name
-from tests.e2e.experiment import ledger_report, small_spec, start_cluster
+from tests.e2e.experiment import ledger_report, small_spec
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -22,11 +22,6 @@ B = 2
 EPOCHS = 3
 CANCEL_AT = 3
 """The fleet version at which the run is cancelled (of 3 x 64 prompts / B = 96 steps)."""
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    yield from start_cluster(tmp_path_factory.mktemp("var"), engine="torch")
 
 
 def cli(cluster, *args: str) -> str:

@@ -16,16 +16,11 @@ import pytest
 
 from asyncrl.client import AsyncrlClient, is_terminal, state_name
 from asyncrl.ledger import fetch_report
-from tests.e2e.experiment import run_experiment, small_spec, start_cluster
+from tests.e2e.experiment import run_experiment, small_spec
 
 pytestmark = pytest.mark.timeout(600)
 
 COIN_REWARD = "plugin:tests.fixtures_plugins.rewards:coin"
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    yield from start_cluster(tmp_path_factory.mktemp("var"), engine="torch")
 
 
 def test_lr_1e30_run_failed_diverged_at_v1_untouched_prompts_not_failed(cluster, task):
