@@ -4,9 +4,11 @@ standby scheduler takes over within seconds of the active one's death and two ne
 The lease's value is {holder, epoch, renewed_unix_ms, released} (JSON); every write of it is a
 compare-and-set on the revision the writer last saw:
 - a scheduler starting (`acquire`) reads it every `poll_s` and takes it, epoch + 1, when it is
-  absent, released, or its revision has not changed for `ttl_s` since this process first saw
-  that revision (by this process's monotonic clock: no clocks are compared across hosts);
-  until then it binds no port and reads no experiment (a standby);
+  absent, released, its holder was a process of this host that exists no more (killed: a
+  supervisor's restart, a standby beside it, take over at once), or its revision has not
+  changed for `ttl_s` since this process first saw that revision (by this process's monotonic
+  clock: no clocks are compared across hosts); until then it binds no port and reads no
+  experiment (a standby);
 - the holder renews it every ttl_s / RENEWALS and acts (`held`) only until ACT_FRACTION of
   ttl_s after the start of its last renewal that succeeded: it stops before any standby may
   take over, since a standby waits a whole ttl_s from a revision it saw after that renewal;
@@ -33,6 +35,7 @@ import nats.errors
 import nats.js.errors
 
 from asyncrl.logging import get_logger
+from asyncrl.proc import pid_alive
 from asyncrl.service_main import StartAbandoned
 
 log = get_logger(component="leadership")
@@ -82,9 +85,19 @@ class Sighting:
             self.revision, self.since = revision, now
 
 
-def may_take(value: LeaseValue | None, sighting: Sighting, now: float, ttl_s: float) -> bool:
-    """Whether a standby may take the lease: none yet, released, or unchanged for ttl_s."""
-    return value is None or value.released or now - sighting.since >= ttl_s
+def may_take(
+    value: LeaseValue | None, sighting: Sighting, now: float, ttl_s: float, gone: bool = False
+) -> bool:
+    """Whether a standby may take the lease: none yet, released, its holder `gone` (a process
+    of this host that no longer exists), or unchanged for ttl_s."""
+    return value is None or value.released or gone or now - sighting.since >= ttl_s
+
+
+def holder_gone(holder: str, hostname: str, alive: Callable[[int], bool]) -> bool:
+    """Whether `holder` (`holder_id`: host:pid:port-token) was a process of `hostname` that is
+    not `alive` now: a scheduler killed on this host, whose lease nobody need wait out."""
+    host, pid, _ = ([*holder.split(":", 2), "", ""])[:3]
+    return host == hostname and pid.isdigit() and not alive(int(pid))
 
 
 def act_until(renewal_started: float, ttl_s: float) -> float:
@@ -92,8 +105,11 @@ def act_until(renewal_started: float, ttl_s: float) -> float:
     return renewal_started + ACT_FRACTION * ttl_s
 
 
+HOSTNAME = socket.gethostname()
+
+
 def holder_id(port: int) -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{port}-{secrets.token_hex(3)}"
+    return f"{HOSTNAME}:{os.getpid()}:{port}-{secrets.token_hex(3)}"
 
 
 class Leadership:
@@ -143,7 +159,8 @@ class Leadership:
                     if self.held():
                         break
                     continue
-                if may_take(value, sighting, time.monotonic(), self.ttl_s):
+                gone = value is not None and holder_gone(value.holder, HOSTNAME, pid_alive)
+                if may_take(value, sighting, time.monotonic(), self.ttl_s, gone):
                     if await self._take(value, revision):
                         break
                     continue

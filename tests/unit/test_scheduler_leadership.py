@@ -9,7 +9,7 @@ import pytest
 
 from asyncrl.grpcutil import grpc_target
 from asyncrl.supervisor.daemon import metrics_port_for, scheduler_addresses
-from services.scheduler.leadership import LeaseValue, Sighting, act_until, may_take
+from services.scheduler.leadership import LeaseValue, Sighting, act_until, holder_gone, may_take
 
 ACTIVE = LeaseValue("host:10:50051-aaaaaa", epoch=4, renewed_unix_ms=1_000)
 
@@ -97,3 +97,22 @@ def test_metrics_port_standby_scheduler_none_not_the_trainers():
     assert metrics_port_for("scheduler", 0, 9100) == 9100
     assert metrics_port_for("scheduler", 1, 9100) is None
     assert metrics_port_for("trainer", 0, 9100) == 9101
+
+
+@pytest.mark.parametrize(
+    "holder, expected",
+    [
+        ("h1:4242:50051-ab12cd", True),  # this host, the process is gone
+        ("h1:77:50051-ab12cd", False),  # this host, alive (paused, say): wait out the lease
+        ("h2:4242:50051-ab12cd", False),  # another host: only the lease tells
+        ("garbage", False),
+    ],
+)
+def test_holder_gone_only_a_dead_process_of_this_host(holder, expected):
+    assert holder_gone(holder, "h1", alive=lambda pid: pid == 77) is expected
+
+
+def test_may_take_holder_gone_true_at_once():
+    sighting = Sighting()
+    sighting.see(9, now=100.0)
+    assert may_take(ACTIVE, sighting, now=100.0, ttl_s=3.0, gone=True) is True
