@@ -147,6 +147,8 @@ class Leadership:
         waited = time.monotonic()
         announced = False
         while True:
+            if stopping():  # first: a stop beside a graceful release takes nothing over
+                raise StandbyStopped()
             try:
                 value, revision = await self._read()
             except (TimeoutError, nats.errors.Error) as e:
@@ -167,8 +169,6 @@ class Leadership:
                 if not announced:
                     log.info("scheduler_standby", active=value.holder, epoch=value.epoch)
                     announced = True
-            if stopping():
-                raise StandbyStopped()
             await asyncio.sleep(self.poll_s)
         log.info(
             "scheduler_active",
