@@ -1,8 +1,9 @@
 """A standby scheduler (services/scheduler/leadership.py): two real scheduler processes on one
 real nats-server (TLS and tokens as everywhere), clients and a worker dialing both addresses.
 The active one killed (-9): the standby binds, serves the same experiments, and the client and
-the worker follow it. The active one paused (SIGSTOP) until the standby took over, then
-resumed: it steps down (exit STEPPED_DOWN) and writes nothing to NATS."""
+the worker follow it. The active one paused (SIGSTOP): the standby takes over once the lease
+lapses, and a client of both addresses reaches it past the paused one; resumed, the paused one
+steps down (exit STEPPED_DOWN) and writes nothing to NATS."""
 
 from __future__ import annotations
 
@@ -159,9 +160,16 @@ async def test_standby_paused_active_resumed_steps_down_writes_nothing(pair, fil
     async with AsyncrlClient(active.address, timeout_s=60.0) as to_active:
         exp = await to_active.submit(json.loads(scheduler_env.spec(files)))
         os.kill(active.proc.pid, signal.SIGSTOP)
+        paused = time.monotonic()
         # a request that waits for the paused scheduler: it reads it when resumed
         late = asyncio.create_task(to_active.submit(json.loads(scheduler_env.spec(files))))
         await until(standby.serving, "the standby took over")
+        print(f"takeover of a paused scheduler: serving {time.monotonic() - paused:.2f} s after")
+        async with AsyncrlClient(both(pair), timeout_s=5.0) as client:  # the first one paused
+            asked = time.monotonic()
+            got = await until(lambda: get_or_none(client, exp.id), "the experiment via the list")
+            print(f"the list past a paused first scheduler: {time.monotonic() - asked:.2f} s")
+        assert got.id == exp.id
         os.kill(standby.proc.pid, signal.SIGSTOP)  # from here nobody may write
         await asyncio.sleep(0.5)  # what the standby sent before its pause is stored
         before = await stream_sequences(js)
