@@ -137,7 +137,7 @@ class Leadership:
         self._wake = asyncio.Event()
 
     def held(self) -> bool:
-        """Whether this scheduler may act now (write, dispatch)."""
+        """Whether this scheduler may write to NATS now (its lease renewed in time)."""
         return not self.lost and time.monotonic() < self._until
 
     async def acquire(self, stopping: Callable[[], bool] = lambda: False) -> None:
@@ -155,18 +155,18 @@ class Leadership:
                 log.warning("lease_read_failed", error=repr(e))
             else:
                 sighting.see(revision, time.monotonic())
-                if value is not None and value.holder == self.holder and not value.released:
-                    self.epoch, self.revision = value.epoch, revision  # a take whose answer
-                    await self.renew()  # was lost
+                mine = value is not None and value.holder == self.holder and not value.released
+                gone = value is not None and holder_gone(value.holder, HOSTNAME, pid_alive)
+                if mine:  # a take whose answer a timeout lost
+                    self.epoch, self.revision = value.epoch, revision
+                    await self.renew()
                     if self.held():
                         break
-                    continue
-                gone = value is not None and holder_gone(value.holder, HOSTNAME, pid_alive)
-                if may_take(value, sighting, time.monotonic(), self.ttl_s, gone):
+                elif may_take(value, sighting, time.monotonic(), self.ttl_s, gone):
                     if await self._take(value, revision):
                         break
-                    continue
-                if not announced:
+                    continue  # another standby was first: read what it wrote
+                elif not announced:
                     log.info("scheduler_standby", active=value.holder, epoch=value.epoch)
                     announced = True
             await asyncio.sleep(self.poll_s)
