@@ -70,8 +70,8 @@ gpu-check: venv protos ## GPU readiness: megatron steps, torch engine, math reci
 VAR ?= var
 SUPERVISOR := $(PY) -m asyncrl.supervisor
 
-up: venv protos ## start nats + all services (SERVICES=a,b to pick); returns when healthy
-	$(SUPERVISOR) start --var $(VAR) $(if $(SERVICES),--services $(SERVICES))
+up: venv protos ## start nats + all services (SERVICES=a,b to pick; STANDBY=1: a standby scheduler); returns when healthy
+	$(if $(STANDBY),ASYNCRL_SCHEDULER_STANDBY=1 )$(SUPERVISOR) start --var $(VAR) $(if $(SERVICES),--services $(SERVICES))
 
 down: ## stop the services started by `make up`, then nats
 	@if [ -x $(PY) ]; then $(SUPERVISOR) stop --var $(VAR); else echo "asyncrl is not running"; fi

@@ -162,7 +162,12 @@ async def _watch(address: str, experiment_id: str, as_json: bool, plain: bool = 
 def main(
     ctx: typer.Context,
     scheduler: Annotated[
-        str, typer.Option("--scheduler", envvar="ASYNCRL_SCHEDULER", help="Scheduler HOST:PORT.")
+        str,
+        typer.Option(
+            "--scheduler",
+            envvar="ASYNCRL_SCHEDULER",
+            help="Scheduler HOST:PORT (or HOST:PORT,HOST:PORT: a scheduler and its standby).",
+        ),
     ] = "127.0.0.1:50051",
 ) -> None:
     configure_cli_logging()

@@ -36,7 +36,7 @@ import json
 import math
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 import nats
@@ -85,9 +85,12 @@ class Ledger:
     """Appends one experiment's events, in order. `record` returns once the event is stored;
     `emit` (for synchronous code) queues it for a background writer: `flush` waits for it."""
 
-    def __init__(self, js, experiment_id: str):
+    def __init__(self, js, experiment_id: str, held: Callable[[], bool] = lambda: True):
         self.js = js
         self.subject = ledger_subject(experiment_id)
+        self.held = held
+        """Whether the writer may write now (the scheduler: while it holds its lease, so that
+        a former scheduler paused and resumed appends nothing): a write waits until it may."""
         self._pending: list[dict] = []
         """Emitted events not yet sent, oldest first (a plain list: `emit` runs twice per
         group, and asyncio.Queue's put/get cost more than the event)."""
@@ -111,7 +114,12 @@ class Ledger:
         await self.flush()  # keep the order of earlier emits
         body = json.dumps(self._event(event, fields), separators=(",", ":")).encode()
         headers = {"Nats-Msg-Id": f"{self.subject}-{hashlib.sha1(body).hexdigest()}"}
+        await self._may_write()
         await jetstream_call(lambda: self.js.publish(self.subject, body, headers=headers))
+
+    async def _may_write(self) -> None:
+        while not self.held():
+            await asyncio.sleep(RETRY_S)
 
     def emit(self, event: str, **fields) -> None:
         self._pending.append(self._event(event, fields))
@@ -132,6 +140,7 @@ class Ledger:
             # dropped by JetStream: a `trained` event stored twice would count a step twice
             headers = {"Nats-Msg-Id": f"{self.subject}-{hashlib.sha1(body).hexdigest()}"}
             while True:  # NATS away (restarting): keep the events and try again
+                await self._may_write()
                 try:
                     await self.js.publish(self.subject, body, headers=headers)
                     break

@@ -35,7 +35,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client.registry import Collector
 
 from asyncrl.errors import BadRequest, status_for, status_message
-from asyncrl.grpcutil import CHANNEL_OPTIONS
+from asyncrl.grpcutil import SERVER_OPTIONS
 from asyncrl.logging import get_logger
 from asyncrl.metrics import MetricsServer
 from asyncrl.natsutil import connect
@@ -204,7 +204,7 @@ class ServiceRuntime:
         """Start the gRPC server: `servicers` are (add_XServicer_to_server, servicer) pairs,
         plus health and reflection. Returns the bound port (pass 0 for a free one)."""
         interceptors = [*server_interceptors(), ErrorInterceptor()]
-        server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         for add, servicer in servicers:
             add(servicer, server)
         self._health = health.aio.HealthServicer()

@@ -19,11 +19,27 @@ import asyncio
 import signal
 from collections.abc import Awaitable
 
+from asyncrl.logging import get_logger
 from asyncrl.runtime import ServiceRuntime, freeze_heap
 from asyncrl.settings import settings
 from asyncrl.supervisor.handover import Handover
 
+log = get_logger()
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_stop_signals: list[int] = []
+"""The stop signals this process got (`run_until_signal`)."""
+
+
+class StartAbandoned(Exception):
+    """A service gave up starting because a stop came (a standby scheduler that never took
+    over): it exits without having served."""
+
+
+def stop_requested() -> bool:
+    """Whether a stop signal came (a service still starting may give up: StartAbandoned)."""
+    return bool(_stop_signals)
+
+
 PORT_HELP = "port to bind (0: any free port)"
 HOST_HELP = "address to bind (0.0.0.0: all)"
 REGISTER_HELP = "do not register with the scheduler (ASYNCRL_SCHEDULER)"
@@ -71,7 +87,7 @@ async def run_until_signal(startup: Awaitable[ServiceRuntime]) -> None:
     successor's address before it stops answering). A singleton on a fixed port (the scheduler)
     takes over itself in `startup` (`Handover.take_over`).
     """
-    signals: list[int] = []
+    signals = _stop_signals
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -82,7 +98,13 @@ async def run_until_signal(startup: Awaitable[ServiceRuntime]) -> None:
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     hand = Handover.from_env()
-    runtime = await startup
+    try:
+        runtime = await startup
+    except StartAbandoned as e:
+        log.info("start_abandoned", reason=str(e) or type(e).__name__)
+        if hand is not None:
+            hand.gone()
+        return
     announcing = None
     if hand is not None:
         announcing = asyncio.create_task(hand.announce(runtime.serving))

@@ -101,6 +101,9 @@ class Settings(BaseSettings):
     nats_name: str = ""
     """That node's server name, unique in the cluster (default nats-<advertise host>)."""
     scheduler_port: int = 50051
+    scheduler_standby: bool = False
+    """`make up` starts a second scheduler on scheduler_port + 1, the first one's standby
+    (services/scheduler/leadership.py); the services get both addresses."""
     scheduler_args: str = ""
     """Extra command-line flags for the scheduler `make up` starts (likewise for the others)."""
     rollout_args: str = ""

@@ -1,17 +1,22 @@
 """python -m services.scheduler [--port 50051] [--host 127.0.0.1] [--lease-ttl S]
 [--heartbeat-interval S] [--progress-timeout S] [--trainer-poll-interval S]
-[--metrics-port PORT]  (defaults: services.scheduler.config.SchedulerConfig)
+[--leader-lease S] [--metrics-port PORT]  (defaults: services.scheduler.config.SchedulerConfig)
 
 Environment: NATS_URL (experiment state in NATS KV).
+
+A scheduler started beside an active one waits as its standby (no port bound) and takes over
+once the active one's lease lapses (services/scheduler/leadership.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
 
 from asyncrl.logging import configure_logging
 from asyncrl.runtime import ServiceRuntime
-from asyncrl.service_main import add_service_args, serve
+from asyncrl.service_main import add_service_args, serve, stop_requested
 from asyncrl.settings import settings
 from asyncrl.supervisor.handover import Handover
 from services.scheduler.config import SchedulerConfig
@@ -47,6 +52,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         " is started again (the second time: the experiment is FAILED) (%(default)s)",
     )
     p.add_argument(
+        "--leader-lease",
+        type=float,
+        default=DEFAULTS.leader_lease_s,
+        help="seconds after the active scheduler's last lease renewal before a standby takes"
+        " over (%(default)s)",
+    )
+    p.add_argument(
         "--trainer-poll-interval",
         type=float,
         default=DEFAULTS.trainer_poll_interval_s,
@@ -57,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def start(args: argparse.Namespace) -> ServiceRuntime:
     hand = Handover.from_env()  # a successor connects, then waits for its predecessor to close
-    runtime, _ = await create_scheduler(
+    runtime, scheduler = await create_scheduler(
         settings().nats_url,
         port=args.port,
         host=args.host,
@@ -67,7 +79,11 @@ async def start(args: argparse.Namespace) -> ServiceRuntime:
         progress_timeout_s=args.progress_timeout,
         trainer_poll_interval_s=args.trainer_poll_interval,
         take_over=hand.take_over if hand is not None else None,
+        stopping=stop_requested,
+        leader_lease_s=args.leader_lease,
     )
+    # paused (SIGSTOP) and resumed: renew now; a lease taken over meanwhile stops it at once
+    asyncio.get_running_loop().add_signal_handler(signal.SIGCONT, scheduler.leadership.renew_soon)
     return runtime
 
 

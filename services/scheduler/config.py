@@ -27,6 +27,9 @@ class SchedulerConfig:
     """How often a running experiment asks its trainer for its status (GetStatus)."""
     trainer_poll_timeout_s: float = 5.0
     """Deadline of that GetStatus."""
+    leader_lease_s: float = 3.0
+    """The lease that makes one scheduler the active one (services/scheduler/leadership.py):
+    a standby takes over this long after the active one's last renewal."""
     progress_timeout_s: float = 300.0
     """No step committed, no group settled and no rollout joined for this long: the trainer is
     started again; the second time in a row the experiment is FAILED."""

@@ -94,3 +94,6 @@ class RunnerContext:
     """A group on a shared rollout ended: the other experiments sharing it may dispatch."""
     announcer: object = None
     """Announces committed versions on NATS (services/scheduler/announce.py)."""
+    held: Callable[[], bool] = lambda: True
+    """Whether this scheduler holds its lease now (services/scheduler/leadership.py): the
+    ledger's writes wait until it does."""

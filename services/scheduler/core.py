@@ -171,9 +171,9 @@ def check_storage(runners: list[ExperimentRunner]) -> None:
 
 
 class Scheduler:
-    def __init__(self, js, config: SchedulerConfig | None = None):
+    def __init__(self, js, config: SchedulerConfig | None = None, leadership=None):
         self.js = js  # JetStream context: the KV bucket holding experiment state
-        self.config = config or SchedulerConfig()
+        self.config, self.leadership = config or SchedulerConfig(), leadership  # its lease
         self.registry = Registry(self.config.lease_ttl_s, self.config.heartbeat_interval_s)
         self.liveness = Liveness(js._nc, self.registry)
         """Heartbeats on NATS (services/scheduler/liveness.py)."""
@@ -195,8 +195,8 @@ class Scheduler:
     # ---- start / stop ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.store = await StateStore.open(self.js, self.config.save_interval_s)
-        self.history = await HistoryLog.open(self.js)
+        self.store = await StateStore.open(self.js, self.config.save_interval_s, self.leadership)
+        self.history = await HistoryLog.open(self.js, self.store.held)
         await ensure_ledger(self.js)
         self._ctx = RunnerContext(
             self.config,
@@ -209,6 +209,7 @@ class Scheduler:
             fleet_seconds=self.fleet_seconds,
             slot_freed=self._slot_freed,
             announcer=self.announcer,
+            held=self.store.held,
         )
         for record in await self.store.load_all():
             try:

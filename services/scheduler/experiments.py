@@ -173,7 +173,7 @@ class ExperimentRunner:
             DispatchHooks(**hooks, eval_done=lambda result: eval_done(self, result)),
             self.log,
             lambda: self.version,
-            Ledger(ctx.js, record.id),
+            Ledger(ctx.js, record.id, ctx.held),
         )
         self.supervisor = TrainerSupervisor(
             record.id, ctx.registry, self.calls, ctx.channels, ctx.config, life, self.log

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
 import nats.errors
 import nats.js.errors
@@ -32,16 +33,18 @@ def history_subject(experiment_id: str) -> str:
 
 
 class HistoryLog:
-    def __init__(self, js):
+    def __init__(self, js, held: Callable[[], bool] = lambda: True):
         self.js = js
+        self.held = held
+        """Whether the scheduler holds its lease: an append waits until it does."""
         self._queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
         self._task: asyncio.Task | None = None
 
     @classmethod
-    async def open(cls, js) -> HistoryLog:
+    async def open(cls, js, held: Callable[[], bool] = lambda: True) -> HistoryLog:
         """The history stream, created on first use."""
         await ensure_file_stream(js, STREAM, [f"{SUBJECT_ROOT}.>"])
-        return cls(js)
+        return cls(js, held)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._write_forever(), name="history-writer")
@@ -59,6 +62,8 @@ class HistoryLog:
         while True:
             subject, data = await self._queue.get()
             while True:
+                while not self.held():
+                    await asyncio.sleep(RETRY_S)
                 try:
                     await self.js.publish(subject, data)
                     break
@@ -71,7 +76,7 @@ class HistoryLog:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        while not self._queue.empty():
+        while not self._queue.empty() and self.held():
             subject, data = self._queue.get_nowait()
             try:
                 await self.js.publish(subject, data, timeout=timeout)

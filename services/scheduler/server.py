@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable
 
 from prometheus_client.registry import Collector
@@ -20,8 +21,10 @@ from services.scheduler.convert import experiment_to_proto, kind_from_proto, wor
 from services.scheduler.core import Scheduler
 from services.scheduler.experiments import ExperimentRunner
 from services.scheduler.fleet import WEIGHTS_CHECKED
+from services.scheduler.leadership import STEPPED_DOWN, Leadership, holder_id
 from services.scheduler.records import Event
 from services.scheduler.registry import WorkerKind
+from services.scheduler.state import open_bucket
 
 log = get_logger()
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
@@ -230,6 +233,13 @@ class SchedulerCollector(Collector):
         yield accuracy
 
 
+def exit_stepped_down(why: str) -> None:
+    """Another scheduler holds the lease: exit now, without a flush or a goodbye (the
+    supervisor starts this one again, as a standby)."""
+    log.error("scheduler_exiting_stepped_down", reason=why)
+    os._exit(STEPPED_DOWN)
+
+
 async def create_scheduler(
     nats_url: str,
     port: int = 0,
@@ -237,6 +247,8 @@ async def create_scheduler(
     metrics_port: int | None = None,
     grace_s: float = 2.0,
     take_over: Callable[[], Awaitable[None]] | None = None,
+    on_lost: Callable[[str], None] = exit_stepped_down,
+    stopping: Callable[[], bool] = lambda: False,
     **config,
 ) -> tuple[ServiceRuntime, Scheduler]:
     """Start a scheduler serving on host:port (0 = a free port); returns (runtime, scheduler),
@@ -244,13 +256,23 @@ async def create_scheduler(
     heartbeat_interval_s, ...; their defaults are SchedulerConfig's). Stop with
     `await runtime.close()` (experiment state stays in NATS KV; a new scheduler resumes it).
     `take_over`: awaited once connected, before the experiments are read (a successor's wait
-    for its predecessor to close: `asyncrl.supervisor.handover`)."""
+    for its predecessor to close: `asyncrl.supervisor.handover`).
+
+    It then waits as a standby until it holds the scheduler's lease (`Leadership.acquire`;
+    StandbyStopped once `stopping()`), and only then reads the experiments and binds `port`.
+    `on_lost`: called when another scheduler took the lease over (default: exit at once)."""
     runtime = ServiceRuntime("scheduler", host=host, grace_s=grace_s)
     try:
         nc = await runtime.connect_nats(nats_url)
-        scheduler = Scheduler(nc.jetstream(), SchedulerConfig(**config))
+        js = nc.jetstream()
+        scheduler_config = SchedulerConfig(**config)
         if take_over is not None:
             await take_over()
+        ttl_s = scheduler_config.leader_lease_s
+        leadership = Leadership(await open_bucket(js), holder_id(port), ttl_s, on_lost)
+        await leadership.acquire(stopping)
+        runtime.on_close(leadership.release)  # after the scheduler's last flush
+        scheduler = Scheduler(js, scheduler_config, leadership)
         await scheduler.start()
         runtime.on_close(scheduler.close)
         await runtime.serve(

@@ -18,6 +18,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from asyncrl.logging import get_logger, keep_running
 from asyncrl.natsutil import KV_BUCKET
 from asyncrl.settings import settings
+from services.scheduler.leadership import Leadership, NotHeld
 from services.scheduler.records import ExperimentRecord
 
 log = get_logger(component="state")
@@ -37,11 +38,34 @@ def record_key(experiment_id: str) -> str:
     return f"{KEY_PREFIX}{experiment_id}"
 
 
+async def open_bucket(js):
+    """The scheduler's KV bucket (records and the lease), created on first use."""
+    try:
+        return await js.key_value(KV_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return await js.create_key_value(
+            KeyValueConfig(
+                bucket=KV_BUCKET,
+                history=1,
+                storage=StorageType.FILE,
+                replicas=settings().nats_replicas,
+            )
+        )
+
+
 class StateStore:
-    def __init__(self, kv, js, min_interval_s: float = 0.2):
+    """With a `fence` (the scheduler's `Leadership`) every write is a compare-and-set on the
+    revision this store last saw of the key (read at `load_all`, which writes every record back
+    once so that a former leader's revisions are all stale), and only while the lease is held:
+    a write a paused former leader makes late fails, and it steps down."""
+
+    def __init__(self, kv, js, min_interval_s: float = 0.2, fence: Leadership | None = None):
         self.kv = kv
         self.js = js
         self.min_interval_s = min_interval_s
+        self.fence = fence
+        self._revisions: dict[str, int] = {}
+        """The revision of each record as this store last wrote or read it."""
         self._dirty: dict[str, Callable[[], ExperimentRecord]] = {}
         self._unstored: set[str] = set()
         """Experiments whose last flush could not write their record (`stored`)."""
@@ -50,26 +74,20 @@ class StateStore:
         self._task: asyncio.Task | None = None
 
     @classmethod
-    async def open(cls, js, min_interval_s: float = 0.2) -> StateStore:
-        """The scheduler's KV bucket, created on first use."""
-        try:
-            kv = await js.key_value(KV_BUCKET)
-        except nats.js.errors.BucketNotFoundError:
-            kv = await js.create_key_value(
-                KeyValueConfig(
-                    bucket=KV_BUCKET,
-                    history=1,
-                    storage=StorageType.FILE,
-                    replicas=settings().nats_replicas,
-                )
-            )
-        return cls(kv, js, min_interval_s)
+    async def open(
+        cls, js, min_interval_s: float = 0.2, fence: Leadership | None = None
+    ) -> StateStore:
+        return cls(await open_bucket(js), js, min_interval_s, fence)
+
+    def held(self) -> bool:
+        """Whether this scheduler may write now (it holds its lease, or has no fence)."""
+        return self.fence is None or self.fence.held()
 
     async def load_all(self) -> list[ExperimentRecord]:
         records = []
         for key in await self._keys():
             try:
-                entry = await self.kv.get(key)
+                entry = await self._claim(key)
             except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):  # by hand
                 continue
             try:
@@ -77,6 +95,19 @@ class StateStore:
             except (ValueError, KeyError, TypeError) as e:
                 log.error("state_record_unreadable", key=key, error=str(e))
         return sorted(records, key=lambda r: r.created_unix_ms)
+
+    async def _claim(self, key: str):
+        """The record at `key`; with a fence, written back as it is (its revision is this
+        store's own from now on: any write based on an earlier one fails)."""
+        while True:
+            entry = await self.kv.get(key)
+            if self.fence is None:
+                return entry
+            try:
+                self._revisions[key] = await self.kv.update(key, entry.value, last=entry.revision)
+                return entry
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue  # the former leader's last write landed just now: take that one
 
     async def _keys(self) -> list[str]:
         """The experiment keys, from the bucket stream's subjects. (nats-py's `kv.keys()` reads
@@ -94,7 +125,25 @@ class StateStore:
         self._event.set()
 
     async def save(self, record: ExperimentRecord) -> None:
-        await self.kv.put(record_key(record.id), record.to_json())
+        """Write `record` (NotHeld without the lease; a compare-and-set that fails steps this
+        scheduler down unless the lease is still its own, when it raises NotHeld and the
+        next write takes the revision read now)."""
+        key, data = record_key(record.id), record.to_json()
+        if self.fence is None:
+            await self.kv.put(key, data)
+            return
+        if not self.held():
+            raise NotHeld("the scheduler's lease is not renewed")
+        last = self._revisions.get(key)
+        try:
+            if last is None:
+                self._revisions[key] = await self.kv.create(key, data)
+            else:
+                self._revisions[key] = await self.kv.update(key, data, last=last)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            if await self.fence.confirm():  # a write of ours whose answer a timeout lost
+                self._revisions[key] = (await self.kv.get(key)).revision
+            raise NotHeld(f"{key} changed under this scheduler") from None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._flush_forever(), name="state-flusher")
@@ -117,7 +166,7 @@ class StateStore:
                 try:
                     await self.save(snapshot())
                     self._unstored.discard(experiment_id)
-                except (TimeoutError, nats.errors.Error) as e:
+                except (TimeoutError, nats.errors.Error, NotHeld) as e:
                     log.warning("state_save_failed", experiment=experiment_id, error=str(e))
                     self._dirty.setdefault(experiment_id, snapshot)
                     self._unstored.add(experiment_id)

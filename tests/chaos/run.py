@@ -71,12 +71,15 @@ class Run(ExperimentWatch):
     """The cluster of one run and what the run saw of it."""
 
     def __init__(self, cfg: RunConfig, scenario: Scenario):
-        super().__init__(SCHEDULER, cfg.timeout_s, cfg.stall_s)
+        # a scenario with a standby scheduler dials both (its ASYNCRL_SCHEDULER)
+        super().__init__(
+            scenario.env.get("ASYNCRL_SCHEDULER", SCHEDULER), cfg.timeout_s, cfg.stall_s
+        )
         self.cfg = cfg
         self.scenario = scenario
         self.env = {
             k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_") and k != "NATS_URL"
-        } | {"COLUMNS": "10000", "NATS_URL": NATS_URL, "ASYNCRL_SCHEDULER": SCHEDULER}
+        } | {"COLUMNS": "10000", "NATS_URL": NATS_URL, "ASYNCRL_SCHEDULER": self.scheduler}
         self.env |= scenario.env
         # the run's `make up` makes <var>/secrets; the CLI it runs and this process's own
         # clients (the tracker, the poison) present the credentials found there

@@ -209,9 +209,9 @@ def _scenarios() -> dict[str, Scenario]:
     from tests.chaos import scenarios_stop  # noqa: PLC0415
 
     extra = (*extra, *scenarios_stop.scenarios())
-    from tests.chaos import scenarios_tenants  # noqa: PLC0415
+    from tests.chaos import scenarios_standby, scenarios_tenants  # noqa: PLC0415
 
-    extra = (*extra, *scenarios_tenants.scenarios(Scenario))
+    extra = (*extra, *scenarios_tenants.scenarios(Scenario), *scenarios_standby.scenarios())
     return {s.name: s for s in (*kills, *others, *extra)}
 
 

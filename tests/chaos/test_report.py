@@ -121,7 +121,17 @@ def test_scenarios_every_fault_of_the_suite_present():
         "sigterm-reward-pool",
         *("power-cut", "full-restart"),
         "tenants",
+        "standby-scheduler",
     }
+
+
+def test_standby_scheduler_run_dials_both_schedulers_judged_at_10s():
+    standby = SCENARIOS["standby-scheduler"]
+    assert standby.env == {
+        "ASYNCRL_SCHEDULER_STANDBY": "1",
+        "ASYNCRL_SCHEDULER": "127.0.0.1:50051,127.0.0.1:50052",
+    }
+    assert (standby.max_stall_s, standby.count) == (10.0, 3)
 
 
 def test_tenants_stall_window_ends_at_the_recovery_point_itself():

@@ -44,14 +44,12 @@ from asyncrl.supervisor.daemon import (
     GRACE_S,
     SERVICES,
     SINGLETONS,
-    Paths,
     Supervisor,
     metrics_port_for,
     port_in_use,
-    read_json,
-    supervisor_pid,
-    write_json,
+    scheduler_addresses,
 )
+from asyncrl.supervisor.files import Paths, read_json, supervisor_pid, write_json
 from asyncrl.v1 import common_pb2
 
 WORKER_KINDS = {
@@ -153,7 +151,7 @@ class Launch:
     def scheduler(self) -> str:
         if "scheduler" not in self.services:
             return settings().scheduler  # another host's
-        return f"127.0.0.1:{self.scheduler_port}"
+        return scheduler_addresses(self.scheduler_port, settings().scheduler_standby)
 
     def daemon_command(self) -> list[str]:
         """The argv of the daemon (`run`) that supervises these services."""
@@ -184,6 +182,8 @@ def _check_ports_free(launch: Launch) -> None:
         (launch.nats_port, "nats", "ASYNCRL_NATS_PORT"),
         (launch.scheduler_port, "scheduler", "ASYNCRL_SCHEDULER_PORT"),
     ]
+    if settings().scheduler_standby:
+        wanted.append((launch.scheduler_port + 1, "scheduler standby", "ASYNCRL_SCHEDULER_PORT"))
     for name in launch.services:
         port = metrics_port_for(name, 0, launch.metrics_port)
         if port is not None:
@@ -412,6 +412,8 @@ def ps(var: VarOpt, as_json: Annotated[bool, typer.Option("--json")] = False) ->
     for p in processes:
         alive = p["status"] == "running" and pid_alive(p["pid"])
         status = p["status"] if alive or p["status"] != "running" else "dead"
+        if alive and p.get("role"):
+            status = f"{status} ({p['role']})"  # a scheduler with a standby
         uptime = f"{time.time() - p['started_at']:.0f}s" if alive else "-"
         metrics = [str(p.get("metrics_port") or "-")] if with_metrics else []
         placed = [p.get("gpus") or "-"] if with_gpus else []

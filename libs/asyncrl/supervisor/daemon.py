@@ -45,11 +45,12 @@ from pathlib import Path
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import ClusterNode, LocalNatsServer
 from asyncrl.net import free_port
-from asyncrl.proc import die_with_parent, kill_tree, pid_alive, signal_group
+from asyncrl.proc import die_with_parent, kill_tree, signal_group
 from asyncrl.security import WORKER_ROLES, is_bundle, write_token
 from asyncrl.settings import Settings, settings
 from asyncrl.supervisor import gpus, handover
 from asyncrl.supervisor.broker import BrokerWatch, NatsLogWatch
+from asyncrl.supervisor.files import Paths, read_json, write_json
 
 SERVICES = ("scheduler", "reward", "rollout", "trainer")  # start order; stop is the reverse
 SINGLETONS = ("nats", "scheduler")
@@ -88,9 +89,18 @@ def metrics_port_for(service: str, index: int, base: int | None) -> int | None:
     past the ones the scheme has room for."""
     if base is None or service not in METRICS_OFFSETS:
         return None
+    if service == "scheduler" and index > 0:  # a standby's would be the trainer's port
+        return None
     if service == "trainer" and index >= MAX_TRAINER_METRICS:
         return None
     return base + METRICS_OFFSETS[service] + index
+
+
+def scheduler_addresses(port: int, standby: bool) -> str:
+    """What the services dial: this host's scheduler, and with a standby the standby's too
+    (port + 1); whichever serves answers (`asyncrl.grpcutil.grpc_target`)."""
+    ports = [port, port + 1] if standby else [port]
+    return ",".join(f"127.0.0.1:{p}" for p in ports)
 
 
 def torchrun_command(nproc: int, master_port: int) -> list[str]:
@@ -106,68 +116,6 @@ def torchrun_command(nproc: int, master_port: int) -> list[str]:
         "--master_port",
         str(master_port),
     ]
-
-
-# ---------------------------------------------------------------- files under var/
-
-
-@dataclass(frozen=True)
-class Paths:
-    var: Path
-
-    @property
-    def run(self) -> Path:
-        return self.var / "run"
-
-    @property
-    def logs(self) -> Path:
-        return self.var / "log"
-
-    @property
-    def pidfile(self) -> Path:
-        return self.run / "supervisor.pid"
-
-    @property
-    def state(self) -> Path:
-        return self.run / "state.json"
-
-    @property
-    def replicas(self) -> Path:
-        return self.run / "replicas.json"
-
-    @property
-    def handover(self) -> Path:
-        return self.run / "handover"
-
-    @property
-    def supervisor_log(self) -> Path:
-        return self.logs / "supervisor.log"
-
-    def log(self, service: str, index: int) -> Path:
-        return self.logs / f"{service}-{index}.log"
-
-
-def write_json(path: Path, data) -> None:
-    """Atomic write: readers never see a half-written file."""
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def read_json(path: Path, default=None):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return default
-
-
-def supervisor_pid(paths: Paths) -> int | None:
-    """The running daemon's pid, or None."""
-    try:
-        pid = int(paths.pidfile.read_text().strip())
-    except (OSError, ValueError):
-        return None
-    return pid if pid_alive(pid) else None
 
 
 def port_in_use(port: int) -> bool:
@@ -280,7 +228,7 @@ class Supervisor:
         """This host's scheduler, or ASYNCRL_SCHEDULER where another host runs it."""
         if "scheduler" not in self.services:
             return self.started_with.scheduler
-        return f"127.0.0.1:{self.scheduler_port}"
+        return scheduler_addresses(self.scheduler_port, self.started_with.scheduler_standby)
 
     def command(self, service: str, index: int = 0) -> list[str]:
         """The argv of replica `index` of `service` (a multi-rank trainer gets a fresh
@@ -298,7 +246,7 @@ class Supervisor:
         else:
             cmd = [sys.executable, "-m", f"services.{service}"]
         if service == "scheduler":
-            cmd += ["--port", str(self.scheduler_port)]
+            cmd += ["--port", str(self.scheduler_port + index)]  # 1: the standby
         if service == "rollout":
             cmd += ["--engine", config.rollout_engine]
         port = metrics_port_for(service, index, self.metrics_base)
@@ -420,6 +368,8 @@ class Supervisor:
         for s in self.services:
             n = want.get(s, 1)
             counts[s] = 1 if s in SINGLETONS else max(0, int(n))
+        if "scheduler" in counts and self.started_with.scheduler_standby:
+            counts["scheduler"] = 2
         return counts
 
     def stop_replica(self, r: Replica, sig: int = signal.SIGTERM) -> None:
@@ -519,8 +469,20 @@ class Supervisor:
         self.mark(old.pid, "successor", str(r.proc.pid))
         log.info("process_handing_over", process=f"{r.service}-{r.index}", pid=old.pid)
 
+    def scheduler_role(self, r: Replica) -> str | None:
+        """With a standby: `active` for the scheduler that serves (only the lease holder binds
+        its port), `standby` for the other; None without one."""
+        if r.service != "scheduler" or not self.started_with.scheduler_standby:
+            return None
+        serving = r.status == "running" and port_in_use(self.scheduler_port + r.index)
+        return "active" if serving else "standby"
+
     def write_state(self, status: str = "running") -> None:
-        procs = [r.as_dict() for s in ("nats", *self.services) for r in self.replicas.get(s, [])]
+        procs = [
+            {**r.as_dict(), "role": self.scheduler_role(r)}
+            for s in ("nats", *self.services)
+            for r in self.replicas.get(s, [])
+        ]
         state = {
             "supervisor_pid": os.getpid(),
             "status": status,
