@@ -19,6 +19,7 @@ import nats.errors
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
+from asyncrl import natsutil
 from asyncrl.natsutil import (
     KV_BUCKET,
     STREAM,
@@ -212,9 +213,12 @@ async def test_trainer_cannot_read_the_kv_bucket_or_delete_the_stream(js, bucket
     assert len(trainer.errors) == denied  # nothing more was refused
 
 
-@pytest.mark.slow  # 34 s (--durations, loaded 2-core machine): left out of make test-fast
-async def test_viewer_cannot_publish_trajectories_or_touch_consumers_reads_stored(js, as_user):
+async def test_viewer_cannot_publish_trajectories_or_touch_consumers_reads_stored(
+    js, as_user, monkeypatch
+):
     await publish_group(js, _group("g1"))
+    # a refused publish times out like a broker away: retried for PUBLISH_RETRY_S, not 30 s
+    monkeypatch.setattr(natsutil, "PUBLISH_RETRY_S", 2 * DENIED_WAIT_S)
     trainer_cfg = ConsumerConfig(
         durable_name="trainer-exp1",
         ack_policy=AckPolicy.EXPLICIT,
