@@ -71,6 +71,8 @@ before the rollouts had read it)."""
 TRIES = 5
 """Versions tried for one kill whose plan was written before the runner watched for it."""
 SERVED_TIMEOUT_S = 240.0
+LEDGER_TRIES = 3
+STREAM_END_S = 60.0
 WINDOW_S = 5.0
 """A version's stream and its fallback are read in the logs from this long before the kill
 (a trainer that was killed before took more than that to come back: an older lineage's
@@ -282,8 +284,18 @@ async def kill_rollout_mid_stream(run: Run, rng: random.Random) -> None:
             break
         again = await served_again(run, victim, since)
         fault["done_s"] = run.since()
+        await stream_ended(run, v)
         judge_rollout_kill(run, fault, v, victim, survivor, again)
     await judge_run(run)
+
+
+async def stream_ended(run: Run, version: int) -> None:
+    """Wait (up to STREAM_END_S) for the trainer to log how its stream of `version` ended: a
+    receiver killed while its group was connecting fails the send only at the group's timeout
+    (30 s), after the replacement may have served already."""
+    deadline = time.monotonic() + STREAM_END_S
+    while not stream_end(_log(run, "trainer"), version) and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
 
 
 def judge_rollout_kill(run: Run, fault: dict, v: int, victim: int, survivor: int, again) -> None:
@@ -359,7 +371,13 @@ async def judge_run(run: Run) -> None:
     mismatch = [e for e in scheduler if e["event"] == "weights_fingerprint_mismatch"]
     if mismatch:
         run.errors.append(f"{len(mismatch)} weights_fingerprint_mismatch at the scheduler")
-    ledger = await asyncio.to_thread(run.cli_json, "ledger")
+    for _ in range(LEDGER_TRIES):  # a read of 10 s, timed out once at load 5
+        ledger = await asyncio.to_thread(run.cli_json, "ledger")
+        if "error" not in ledger:
+            break
+    else:
+        run.errors.append(f"the ledger could not be read: {ledger['error'].strip()}")
+        return
     bad = uncommitted_samples(ledger, committed(scheduler))
     if bad:
         run.errors.append(f"{len(bad)} trained samples of uncommitted weights: {bad[:3]}")
