@@ -212,6 +212,9 @@ def _scenarios() -> dict[str, Scenario]:
     from tests.chaos import scenarios_standby, scenarios_tenants  # noqa: PLC0415
 
     extra = (*extra, *scenarios_tenants.scenarios(Scenario), *scenarios_standby.scenarios())
+    from tests.chaos import scenarios_bcast  # noqa: PLC0415
+
+    extra = (*extra, *scenarios_bcast.scenarios())
     return {s.name: s for s in (*kills, *others, *extra)}
 
 

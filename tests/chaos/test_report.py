@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.chaos import report
+from tests.chaos import report, scenarios_bcast
 from tests.chaos.__main__ import parse_args, plan
 from tests.chaos.scenarios import SCENARIOS, run_rng, targets
 from tests.chaos.scenarios_ck import _rewound_in_log
@@ -122,6 +122,7 @@ def test_scenarios_every_fault_of_the_suite_present():
         *("power-cut", "full-restart"),
         "tenants",
         "standby-scheduler",
+        *("broadcast-rollout", "broadcast-trainer"),
     }
 
 
@@ -216,3 +217,55 @@ def test_deep_rewind_counts_the_versions_the_trainer_threw_away_from_its_log(tmp
     (tmp_path / "log").mkdir()
     (tmp_path / "log" / "trainer-0.log").write_text("\n".join(lines) + "\n")
     assert _rewound_in_log(SimpleNamespace(cfg=SimpleNamespace(var=tmp_path))) == 8
+
+
+def _line(event: str, second: int, **fields) -> dict:
+    return {"event": event, "timestamp": f"2026-12-06T21:00:{second:02d}.000000Z", **fields}
+
+
+def test_broadcast_stream_end_the_killed_trainers_lines_only():
+    """v7 sent by a trainer before a rewind (second 1), then the killed trainer's v7 never
+    finished (killed at second 30): only lines in [after, before) count."""
+    log = [_line("broadcast_sent", 1, version=7), _line("broadcast_failed", 20, version=8)]
+    t = scenarios_bcast.at(_line("x", 30))
+    assert scenarios_bcast.stream_end(log, 7, t - 5, t) == ""
+    assert scenarios_bcast.stream_end(log, 7) == "broadcast_sent"
+    assert scenarios_bcast.stream_end(log, 8, t - 15, t) == "broadcast_failed"
+
+
+def test_broadcast_samples_of_weights_nobody_committed_are_named():
+    scheduler = [
+        _line("version_committed", 1, version=3, fingerprint="xxh3:a"),
+        _line("version_committed", 9, version=3, fingerprint="xxh3:b"),  # after a rewind
+        _line("version_committed", 2, version=4, fingerprint="xxh3:c"),
+    ]
+    committed = scenarios_bcast.committed(scheduler)
+    assert committed == {3: {"xxh3:a", "xxh3:b"}, 4: {"xxh3:c"}}
+    samples = [{"0": "sha256:base", "3": "xxh3:b"}, {"4": "xxh3:c"}, {"4": "xxh3:partial"}]
+    ledger = {"prompts": [{"fate": "trained", "epoch": 0, "index": 5, "samples": samples}]}
+    ledger["prompts"].append({"fate": "filtered", "epoch": 0, "index": 6, "samples": samples})
+    assert scenarios_bcast.uncommitted_samples(ledger, committed) == ["e0 p5 s2 v4 xxh3:partial"]
+    samples[0]["3"] = ""
+    assert scenarios_bcast.uncommitted_samples(ledger, committed)[0] == "e0 p5 s0 v3 unverified"
+
+
+def test_broadcast_how_a_rollout_took_the_version_in_flight():
+    log = [
+        _line("weights_updated", 1, version=5),
+        _line("broadcast_not_taken", 11, version=5, reason="RuntimeError: Connection closed"),
+        _line("weights_updated", 12, version=5),
+        _line("weights_streamed", 14, version=6),
+    ]
+    since = scenarios_bcast.at(_line("x", 10))
+    assert scenarios_bcast.took(log, 5, since) == {
+        "not_taken": "RuntimeError: Connection closed",
+        "updated": "",
+    }
+    assert scenarios_bcast.took(log, 6, since) == {"streamed": ""}
+
+
+def test_broadcast_a_stream_broken_on_the_wire_told_from_one_broken_before_it():
+    wire = "RuntimeError: [/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read"
+    assert scenarios_bcast.in_stream({"not_taken": wire, "updated": ""})
+    assert not scenarios_bcast.in_stream({"not_taken": "DistNetworkError: Connection reset"})
+    assert not scenarios_bcast.in_stream({"streamed": "", "updated": ""})
