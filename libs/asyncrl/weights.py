@@ -111,12 +111,18 @@ def prune(
     above it is of an abandoned lineage (trained after the checkpoint it resumed from, lost with
     that process, to be trained again): removed, and the newest `keep` counted from `newest`
     down. By name alone, after a deep rewind (v37 -> v30) the abandoned v35..v37 would be the
-    newest and the v30, v31 just written for the fleet would go."""
+    newest and the v30, v31 just written for the fleet would go. For the same reason a
+    temporary directory of a version up to `newest` (`.tmp-v<N>-*`) is no writer's any more: a
+    trainer killed while it wrote it left it behind; it is removed too."""
     d = Path(root) / experiment_id
     if not d.exists():
         return
     versions = sorted(p for p in d.iterdir() if p.is_dir() and p.name.startswith("v"))
     if newest is not None:
+        for p in d.glob(".tmp-v*-*"):
+            number = p.name.removeprefix(".tmp-v").split("-", 1)[0]
+            if number.isdigit() and int(number) <= newest:
+                shutil.rmtree(p, ignore_errors=True)
         abandoned = [p for p in versions if p.name[1:].isdigit() and int(p.name[1:]) > newest]
         for p in abandoned:
             shutil.rmtree(p, ignore_errors=True)

@@ -83,14 +83,16 @@ def test_write_version_keeps_newest(tmp_path):
     assert (version_dir(root, "e", 7) / "config.json").read_bytes() == b"7"
 
 
-def test_write_version_leftover_temp_dir_left_alone_not_a_version(tmp_path):
+def test_write_version_crashed_writers_temp_never_a_version_removed_once_passed(tmp_path):
     src, root = _tokenizer(tmp_path), tmp_path / "weights"
     leftover = root / "e" / ".tmp-v000002-deadbeef"  # a crashed writer's
     leftover.mkdir(parents=True)
     (leftover / "config.json").write_bytes(b"partial")
-    for version in (1, 2, 3):
+    write_version(root, "e", 1, {"config.json": b"{}"}, src, keep=1)
+    assert sorted(p.name for p in (root / "e").iterdir()) == [".tmp-v000002-deadbeef", "v000001"]
+    for version in (2, 3):
         write_version(root, "e", version, {"config.json": b"{}"}, src, keep=1)
-    assert sorted(p.name for p in (root / "e").iterdir()) == [".tmp-v000002-deadbeef", "v000003"]
+    assert sorted(p.name for p in (root / "e").iterdir()) == ["v000003"]
     assert (version_dir(root, "e", 3) / "config.json").read_bytes() == b"{}"
 
 

@@ -43,6 +43,18 @@ def test_prune_newest_removes_versions_above_it_keeps_newest_below(tmp_path):
     assert _names(tmp_path / "e") == ["v000002", "v000003"]
 
 
+def test_prune_newest_removes_a_killed_writers_temporaries_up_to_it(tmp_path):
+    """A trainer killed while it wrote v3 left `.tmp-v000003-*`; its successor wrote v3 again
+    (and v4): what is left of the killed write goes, a temporary above `newest` stays."""
+    for v in (2, 3, 4):
+        _version(tmp_path, v)
+    for name in (".tmp-v000003-0123abcd", ".tmp-v000004-89abcdef", ".tmp-v000005-00000000"):
+        (tmp_path / "e" / name).mkdir()
+        (tmp_path / "e" / name / "model.safetensors").write_bytes(b"partial")
+    prune(tmp_path, "e", keep=3, newest=4)
+    assert _names(tmp_path / "e") == [".tmp-v000005-00000000", "v000002", "v000003", "v000004"]
+
+
 def test_prune_no_experiment_dir_does_nothing(tmp_path):
     prune(tmp_path, "missing", keep=1)
     assert not (tmp_path / "missing").exists()
