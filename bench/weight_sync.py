@@ -68,8 +68,7 @@ def build_demo(root: Path, quick: bool) -> Path:
 
 def demo_spec(root: Path, steps: int, quick: bool) -> dict:
     """examples/arith/experiment.yaml on the built model, at eta = 2, for `steps` steps (quick:
-    every group kept, as the untrained model rarely gets a reward, B = n = 4 and a small
-    eval: the smoke run needs the pipeline, not the workload)."""
+    every group kept and a small eval, the untrained model rarely gets a reward)."""
     spec = yaml.safe_load((ROOT / "examples/arith/experiment.yaml").read_text())
     spec["name"] = f"weight-sync-eta{ETA}"
     spec["model"]["path"] = str(root / "model")
@@ -79,7 +78,6 @@ def demo_spec(root: Path, steps: int, quick: bool) -> dict:
     spec["trainer"]["total_steps"] = steps
     if quick:
         spec["rollout"]["filter"] = "none"
-        spec["rollout"]["n_samples"] = spec["trainer"]["batch_size"] = 4
         spec["eval"]["max_prompts"] = 8
     return spec
 
@@ -115,8 +113,7 @@ def run(ctx: Context) -> list[Result]:
     settings = {
         "eta": ETA,
         "steps": len(exp.history),
-        "workload": "examples/arith (megatron backend, torch engine,"
-        f" B={spec['trainer']['batch_size']}, n={spec['rollout']['n_samples']})",
+        "workload": "examples/arith (megatron backend, torch engine, B=16, n=16)",
         "experiment_wall_s": round((exp.updated_unix_ms - exp.created_unix_ms) / 1000, 2),
         "trainer_wall_s": round(f["trainer_wall_s"], 2),
         "train_s": round(f["train_s"], 2),

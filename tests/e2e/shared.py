@@ -18,6 +18,7 @@ from pathlib import Path
 from asyncrl.client import AsyncrlClient, is_terminal
 from asyncrl.v1 import common_pb2
 from tests.cluster import Cluster, wait_for
+from tests.e2e.experiment import start_cluster
 
 FILES = frozenset(
     f"tests/e2e/{name}.py"
@@ -36,14 +37,12 @@ FILES = frozenset(
 )
 """The files whose `cluster` is the shared one (tests/e2e/conftest.py)."""
 
-KINDS = (
-    common_pb2.WORKER_KIND_ROLLOUT,
-    common_pb2.WORKER_KIND_REWARD,
-    common_pb2.WORKER_KIND_TRAINER,
+KINDS = sorted(
+    (common_pb2.WORKER_KIND_ROLLOUT, common_pb2.WORKER_KIND_REWARD, common_pb2.WORKER_KIND_TRAINER)
 )
 
-_running: dict[str, Iterator[Cluster]] = {}
-_clusters: dict[str, Cluster] = {}
+_started: list[tuple[Iterator[Cluster], Cluster]] = []
+"""The shared cluster while it runs: (start_cluster's generator, the cluster)."""
 
 
 def shares(nodeid: str) -> bool:
@@ -52,13 +51,10 @@ def shares(nodeid: str) -> bool:
 
 def shared_cluster(make_var: Callable[[], Path]) -> Cluster:
     """The running shared cluster, started on first use, in its starting shape."""
-    from tests.e2e.experiment import start_cluster
-
-    if "torch" not in _running:
+    if not _started:
         started = start_cluster(make_var(), engine="torch")
-        _clusters["torch"] = next(started)
-        _running["torch"] = started
-    cluster = _clusters["torch"]
+        _started.append((started, next(started)))
+    _, cluster = _started[0]
     wait_for(lambda: _in_starting_shape(cluster), timeout=120, interval=0.5)
     cluster.mark_logs()
     return cluster
@@ -71,8 +67,7 @@ def _in_starting_shape(cluster: Cluster) -> bool:
         procs = [p for p in state["processes"] if p["service"] == service]
         if [p["status"] for p in procs] != ["running"]:
             return False
-    workers = cluster.workers()
-    if sorted(w.kind for w in workers) != sorted(KINDS):
+    if sorted(w.kind for w in cluster.workers()) != KINDS:
         return False
     return not asyncio.run(_running_experiments(cluster))
 
@@ -84,12 +79,11 @@ async def _running_experiments(cluster: Cluster) -> list[str]:
 
 def release_unless_next_shares(nextitem) -> None:
     """Stop the shared cluster unless the next test to run uses it too."""
-    if _running and (nextitem is None or not shares(nextitem.nodeid)):
+    if nextitem is None or not shares(nextitem.nodeid):
         release()
 
 
 def release() -> None:
-    for started in _running.values():
+    while _started:
+        started, _ = _started.pop()
         started.close()  # start_cluster's `finally`: stop, kill what is left
-    _running.clear()
-    _clusters.clear()
