@@ -186,6 +186,7 @@ class BroadcastSender(WeightSender):
         self._base_lock = threading.Lock()  # a base is encoded against or overwritten
         self._snaps: dict[int, Snapshot] = {}
         self._writes: dict[int, asyncio.Task] = {}
+        self._moved: dict[int, tuple[int, int]] = {}  # the last version sent: (sent, full)
         self.last: dict[str, float] = {}
         """The last version's figures: bytes, pack_s, seal_s, delta_s, hello_s, group_s,
         send_s, and the bytes the group moved (sent_bytes; full_bytes as a full version)."""
@@ -204,6 +205,9 @@ class BroadcastSender(WeightSender):
     def fingerprint(self, version: int) -> str:
         snap = self._snaps.get(version)
         return snap.fingerprint if snap else self.files.fingerprint(version)
+
+    def moved(self, version: int) -> tuple[int, int]:
+        return self._moved.get(version, (0, 0))
 
     async def restore(self, version: int, files) -> None:
         await self.files.restore(version, files)
@@ -285,7 +289,8 @@ class BroadcastSender(WeightSender):
             ]
             snap.changed = [k for k, _ in pairs]
             snap.deltas = [d for _, d in pairs]
-            snap.base_fp = base.fingerprint
+            if any(d is not None for d in snap.deltas):  # else nothing to gain: goes whole
+                snap.base_fp = base.fingerprint
 
     # ---- the broadcast (a worker thread) -------------------------------------------------
 
@@ -354,12 +359,10 @@ class BroadcastSender(WeightSender):
 
     def _sent(self, version, snap: Snapshot, delta: bool, rollouts, fresh, times) -> None:
         t0, t1, t2, t3 = times
+        self._moved = {version: (sent_bytes(snap, delta), sent_bytes(snap, False))}
+        sent, full = self._moved[version]
         self.last.update(
-            hello_s=t1 - t0,
-            group_s=t2 - t1,
-            send_s=t3 - t2,
-            sent_bytes=sent_bytes(snap, delta),
-            full_bytes=sent_bytes(snap, False),
+            hello_s=t1 - t0, group_s=t2 - t1, send_s=t3 - t2, sent_bytes=sent, full_bytes=full
         )
         changed = {}
         if snap.changed:  # encoded: the fraction of words that differ from the base

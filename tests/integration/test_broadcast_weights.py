@@ -214,6 +214,7 @@ async def test_versions_travel_as_deltas_with_a_full_one_every_k(tiny, tmp_path)
             else:
                 assert s["sent_bytes"] == s["full_bytes"] >= sender.last["bytes"]
         assert receivers[0].held == receivers[1].held == sender.fingerprint(5)
+        assert sender.moved(5) == (sent[-1]["sent_bytes"], sent[-1]["full_bytes"])
     finally:
         await sender.close()
         for e in engines:
