@@ -189,7 +189,8 @@ class BroadcastSender(WeightSender):
         self._moved: dict[int, tuple[int, int]] = {}  # the last version sent: (sent, full)
         self.last: dict[str, float] = {}
         """The last version's figures: bytes, pack_s, seal_s, delta_s, hello_s, group_s,
-        send_s, and the bytes the group moved (sent_bytes; full_bytes as a full version)."""
+        send_s, the bytes the group moved (sent_bytes; full_bytes as a full version) and, when
+        it was encoded as a delta, the fraction of its words that changed (changed)."""
 
     @property
     def device(self) -> torch.device:
@@ -364,10 +365,9 @@ class BroadcastSender(WeightSender):
         self.last.update(
             hello_s=t1 - t0, group_s=t2 - t1, send_s=t3 - t2, sent_bytes=sent, full_bytes=full
         )
-        changed = {}
         if snap.changed:  # encoded: the fraction of words that differ from the base
             words = sum(snap.plan.sizes) // buckets.WORD
-            changed["changed"] = round(sum(snap.changed) / max(words, 1), 6)
+            self.last["changed"] = sum(snap.changed) / max(words, 1)
         self.log.info(
             "broadcast_sent",
             version=version,
@@ -375,8 +375,7 @@ class BroadcastSender(WeightSender):
             new_group=fresh,
             buckets=len(snap.buffers),
             mode="delta" if delta else "full",
-            **changed,
-            **{k: round(v, 4) for k, v in self.last.items()},
+            **{k: round(v, 6 if k == "changed" else 4) for k, v in self.last.items()},
         )
 
     def _hellos(self, version: int) -> list[dict] | None:
