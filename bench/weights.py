@@ -13,6 +13,12 @@ as the services run them):
   stall), checksums them, and streams them over a gloo group on loopback to both engines'
   staging buffers while the store copy is written beside it; each engine checks the bucket
   checksums and swaps (services/trainer/broadcast.py).
+- `broadcast+delta`: the same for a version that follows one both engines took by broadcast,
+  sent as its delta (`trainer.broadcast_delta`: per bucket the 4-byte words that changed,
+  encoded after the checksums). Its stand-in step changes one element in `SPARSE` of every
+  parameter (fp32 here: one word each) instead of all of them, a sparse update like a bf16
+  step's (most bf16 weights stay bit-identical between steps); the row says the fraction of
+  words that changed and the bytes sent against the full version's.
 
 Per transport: `train end -> both serving` (seconds from the nudge to the last engine serving
 the version) against the bound: a memcpy of the bytes the version moves into the engines (2 x
@@ -45,6 +51,9 @@ from services.trainer.transport import DiskSender, Store
 NAME = "weights"
 EXP = "bench"
 ENGINES = 2
+SPARSE = 100
+"""The delta row's stand-in step changes every SPARSE-th element of each parameter."""
+TRANSPORTS = ("disk", "broadcast", "broadcast+delta")
 
 
 def _memcpy_s(nbytes: int, repeats: int = 3) -> float:
@@ -99,11 +108,12 @@ class Rig:
         for e in self.engines:
             await e.stop()
 
-    def step(self) -> float:
-        """A stand-in step (every parameter nudged); when it ended."""
+    def step(self, every: int = 1) -> float:
+        """A stand-in step (every `every`-th element of every parameter nudged; 1: all of
+        them); when it ended."""
         with torch.no_grad():
             for p in self.backend.model.parameters():
-                p.add_(1e-3)
+                p.view(-1)[::every].add_(1e-3)
         self.version += 1
         return time.perf_counter()
 
@@ -124,8 +134,10 @@ async def _disk(rig: Rig) -> dict:
     return {"serving_s": time.perf_counter() - ended, "stall_s": stall, "stored_s": written}
 
 
-async def _broadcast(rig: Rig, sender: BroadcastSender, receivers) -> dict:
-    ended = rig.step()
+async def _broadcast(rig: Rig, sender: BroadcastSender, receivers, delta: bool) -> dict:
+    """A version streamed whole, or (`delta`) a sparse one sent as its delta."""
+    sender.delta = delta
+    ended = rig.step(SPARSE if delta else 1)
     snap = await asyncio.to_thread(sender.snapshot, rig.backend)
     stall = time.perf_counter() - ended
     v, master = rig.version, rig.spec.trainer.nccl_master
@@ -143,11 +155,15 @@ async def _broadcast(rig: Rig, sender: BroadcastSender, receivers) -> dict:
         await asyncio.gather(*(one(r) for r in range(1, ENGINES + 1)))
 
     await sender.send(v, commit())
+    sent, full = sender.moved(v)
     return {
         "serving_s": max(served) - ended,
         "stall_s": stall,
         "stored_s": time.perf_counter() - ended,
         **{k: v for k, v in sender.last.items() if k.endswith("_s")},
+        "sent_mib": sent / (1 << 20),
+        "full_mib": full / (1 << 20),
+        **{k: v for k, v in sender.last.items() if k == "changed"},  # encoded: words changed
     }
 
 
@@ -156,63 +172,60 @@ async def _shape(ctx: Context, label: str, model_dir: Path, repeats: int) -> lis
     await rig.start()
     sender = BroadcastSender(DiskSender(rig.store), rig.spec.trainer, structlog.get_logger(), 60)
     receivers = [BroadcastReceiver() for _ in rig.engines]
-    runs: dict[str, list[dict]] = {"disk": [], "broadcast": []}
+    runs: dict[str, list[dict]] = {t: [] for t in TRANSPORTS}
     try:
         for _ in range(repeats + 1):  # the first of each: warm-up (buffers, the group)
             runs["disk"].append(await _disk(rig))
-            runs["broadcast"].append(await _broadcast(rig, sender, receivers))
+            runs["broadcast"].append(await _broadcast(rig, sender, receivers, delta=False))
+            runs["broadcast+delta"].append(await _broadcast(rig, sender, receivers, delta=True))
         nbytes = rig.nbytes
-        memcpy = _memcpy_s(ENGINES * nbytes)
-        cp = _cp_s(rig.store.dir(rig.version) / "model.safetensors")
+        bounds = {"memcpy": _memcpy_s(ENGINES * nbytes)}
+        bounds["cp"] = _cp_s(rig.store.dir(rig.version) / "model.safetensors")
     finally:
         await sender.close()
         await rig.stop()
-    mib = nbytes / (1 << 20)
     out = []
     for transport, rows in runs.items():
         best = min(rows[1:], key=lambda r: r["serving_s"])
-        settings = {
-            "model": label,
-            "version_mib": round(mib, 1),
-            "mib_moved": round(mib * (ENGINES + 1), 1),  # into the engines + the store
-            "engines": ENGINES,
-            **{k: round(v, 4) for k, v in best.items()},
-            "repeats": repeats,
-        }
+        out += _rows(label, transport, best, nbytes, bounds, repeats)
+    return out
+
+
+def _rows(label, transport, best: dict, nbytes: int, bounds: dict, repeats: int) -> list:
+    """One transport's results: train end -> serving and the stall against the memcpy bound;
+    disk's also against `cp`, a delta's MiB sent against the full version's (its settings say
+    the fraction of words that changed: `changed`)."""
+    mib = nbytes / (1 << 20)
+    settings = {
+        "model": label,
+        "version_mib": round(mib, 1),
+        "mib_moved": round(best.get("sent_mib", mib) * ENGINES + mib, 1),  # engines + store
+        "engines": ENGINES,
+        **{k: round(v, 6 if k == "changed" else 4) for k, v in best.items()},
+        "repeats": repeats,
+    }
+    memcpy, head = f"memcpy of {ENGINES} x {mib:.1f} MiB", f"{label} {transport}"
+    serving = f"{head}: train end -> {ENGINES} engines serving (s)"
+    out = [
+        Result(NAME, serving, best["serving_s"], "s", memcpy, bounds["memcpy"], settings),
+        Result(
+            NAME,
+            f"{head}: trainer stall (s)",
+            best["stall_s"],
+            "s",
+            memcpy,
+            bounds["memcpy"],
+            settings,
+        ),
+    ]
+    if transport == "disk":
+        cp = f"cp of the {mib:.1f} MiB file"
         out.append(
-            Result(
-                NAME,
-                f"{label} {transport}: train end -> {ENGINES} engines serving (s)",
-                best["serving_s"],
-                "s",
-                f"memcpy of {ENGINES} x {mib:.1f} MiB",
-                memcpy,
-                settings,
-            )
+            Result(NAME, f"{serving} vs cp", best["serving_s"], "s", cp, bounds["cp"], settings)
         )
-        out.append(
-            Result(
-                NAME,
-                f"{label} {transport}: trainer stall (s)",
-                best["stall_s"],
-                "s",
-                f"memcpy of {ENGINES} x {mib:.1f} MiB",
-                memcpy,
-                settings,
-            )
-        )
-        if transport == "disk":
-            out.append(
-                Result(
-                    NAME,
-                    f"{label} disk: train end -> {ENGINES} engines serving (s) vs cp",
-                    best["serving_s"],
-                    "s",
-                    f"cp of the {mib:.1f} MiB file",
-                    cp,
-                    settings,
-                )
-            )
+    if transport == "broadcast+delta":
+        what, full = f"{head}: MiB sent per engine", "the full version's buckets"
+        out.append(Result(NAME, what, best["sent_mib"], "MiB", full, best["full_mib"], settings))
     return out
 
 

@@ -15,6 +15,11 @@ tensors anywhere else (`fingerprint_of_state`: the weight store's copy, an engin
 weights), so an engine that loads the version from the store proves it the same way. xxh3 runs
 at several GB/s per core (bench `weights` measures it); sha256 (`asyncrl.fingerprint`'s default
 kind) at ~1.4.
+
+A bucket may also travel as a delta against the same bucket of the previous version
+(`encode_delta`, `apply_delta`): the 4-byte words that changed, their indices then their new
+values in one int32 tensor. Bucket buffers are a multiple of `ALIGN` bytes (the padding at the
+end is zeros on the trainer and not part of the checksum), so every bucket is whole words.
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ if TYPE_CHECKING:
     import torch
 
 ALIGN = 8
-"""Every tensor starts at a multiple of this many bytes in its bucket (any dtype's view)."""
+"""Every tensor starts at a multiple of this many bytes in its bucket (any dtype's view), and
+every bucket buffer is a multiple of it long."""
+WORD = 4
+"""A delta compares buckets in words of this many bytes (int32)."""
 PREFIX = "xxh3/b"
 """A bucket fingerprint starts with this, then the bucket size, ':' and the hash."""
 
@@ -62,7 +70,8 @@ class Slot:
 
 @dataclass(frozen=True)
 class Plan:
-    """Where every tensor of a version goes; `sizes[i]` is bucket i's buffer size in bytes."""
+    """Where every tensor of a version goes; `sizes[i]` is bucket i's buffer size in bytes (its
+    tensors' extent, rounded up to `ALIGN`)."""
 
     bucket_bytes: int
     slots: tuple[Slot, ...]
@@ -108,12 +117,12 @@ def plan(metas: Iterable[tuple[str, str, tuple[int, ...]]], bucket_bytes: int) -
     sizes: list[int] = []
     for name, dtype, shape in sorted(metas):
         n = nbytes_of(dtype, shape)
-        offset = -(-sizes[-1] // ALIGN) * ALIGN if sizes else 0
+        offset = sizes[-1] if sizes else 0
         if not sizes or (offset + n > bucket_bytes and sizes[-1] > 0):
             sizes.append(0)
             offset = 0
         slots.append(Slot(name, dtype, tuple(shape), len(sizes) - 1, offset, n))
-        sizes[-1] = offset + n
+        sizes[-1] = -(-(offset + n) // ALIGN) * ALIGN
     return Plan(bucket_bytes, tuple(slots), tuple(sizes))
 
 
@@ -159,3 +168,31 @@ def fingerprint_of_state(state: Mapping[str, torch.Tensor], bucket_bytes: int) -
     p = plan_of_state(state, bucket_bytes)
     sums = [checksum(raw(state[s.name]) for s in p.bucket(i)) for i in range(len(p.sizes))]
     return fingerprint(p, sums)
+
+
+def encode_delta(new: torch.Tensor, old: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    """Bucket buffer `new` against `old` (uint8, the same size, whole words): how many words
+    differ, and the delta: one int32 tensor of those k word indices, then their k values in
+    `new`. None instead when the delta is not smaller than the bucket (send it whole)."""
+    import torch
+
+    a, b = new.view(torch.int32), old.view(torch.int32)
+    changed = a != b
+    k = int(changed.sum())
+    if 2 * k >= a.numel() or a.numel() > torch.iinfo(torch.int32).max:
+        return k, None
+    at = changed.nonzero().reshape(-1)
+    return k, torch.cat([at.to(torch.int32), a[at]])
+
+
+def apply_delta(buf: torch.Tensor, delta: torch.Tensor) -> None:
+    """Write an `encode_delta` delta into bucket buffer `buf` (uint8, in place)."""
+    import torch
+
+    k = delta.numel() // 2
+    buf.view(torch.int32)[delta[:k].long()] = delta[k:]
+
+
+def delta_nbytes(words: int) -> int:
+    """The bytes of a delta of `words` changed words (an index and a value each)."""
+    return 2 * WORD * words

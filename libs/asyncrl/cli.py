@@ -35,11 +35,12 @@ from asyncrl.errors import BadRequest, Conflict, NotFound
 from asyncrl.ledger import fetch_report
 from asyncrl.logging import configure_cli_logging
 from asyncrl.natsutil import nats_url
+from asyncrl.overrides import apply_overrides
 from asyncrl.runlog import run_log_hints
 from asyncrl.security import AuthError
 from asyncrl.security_cli import app as secrets_app
 from asyncrl.settings import settings
-from asyncrl.spec import ExperimentSpec, SpecError, apply_overrides, json_schema, validate_spec
+from asyncrl.spec import ExperimentSpec, SpecError, json_schema, validate_spec
 from asyncrl.spec_defaults import defaults_yaml
 from asyncrl.v1 import common_pb2, scheduler_pb2
 from asyncrl.watchview import ProgressView, follow

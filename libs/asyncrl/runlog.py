@@ -49,6 +49,8 @@ WEIGHT_UPDATE_PHASES = (
     "rollout_load_s",
     "rollout_resume_s",
     "scheduler_s",
+    "weight_bytes_sent",
+    "weight_bytes_full",
 )
 """StepMetrics fields of a version's weight update (common.proto documents each)."""
 X_AXIS = "version"

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -319,6 +318,17 @@ class TrainerSpec(_Section):
     """host:port of rank 0, the trainer (the engines' `nccl_master`; `broadcast`: its store)."""
     broadcast_bucket_mb: int = Field(64, gt=0, le=4096)
     """`broadcast`: MiB per bucket (one collective each)."""
+    broadcast_delta: bool = True
+    """`broadcast`: a version may travel as the 4-byte words that changed since the previous one
+    (indices + values per bucket; a bucket where that is not smaller goes whole), when every
+    rollout holds the previous one; checked against the full version's checksums like a full
+    one, so a rollout whose base differs rejects it and loads the version from the store."""
+    broadcast_full_every: int = Field(8, ge=1)
+    """`broadcast` with `broadcast_delta`: at most K-1 delta versions in a row, then a full one
+    (one goes full also after a mismatch, a failed broadcast or a change of the group; 1: never
+    a delta). Each delta version is proven whole by its checksums, so this is a backstop that
+    bounds how long staging buffers live on deltas alone; 8 costs one full send in eight (with
+    deltas at ~5 % of full, an average version moves ~17 % of its bytes)."""
     nccl_world_size: int | None = Field(None, gt=1)
     """Ranks of the weight-update group: 1 (the trainer) + the TP ranks of all engines."""
     loggers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=lambda: ["tensorboard"])
@@ -568,30 +578,6 @@ def _spec_error(e: ValidationError) -> SpecError:
 def json_schema() -> dict:
     """The JSON Schema of a spec, for clients in other languages."""
     return ExperimentSpec.model_json_schema()
-
-
-def parse_assignments(
-    items: list[str], what: str = "override", example: str = "a.b=value"
-) -> list[tuple[str, Any]]:
-    """`key=value` strings (value parsed as YAML) -> [(key, value)]; SpecError otherwise."""
-    pairs = []
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise SpecError(item, f"{what} must look like {example}")
-        pairs.append((key.strip(), yaml.safe_load(raw)))
-    return pairs
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict in place."""
-    for key, value in parse_assignments(overrides):
-        node = data
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
-    return data
 
 
 if __name__ == "__main__":  # `make schema`

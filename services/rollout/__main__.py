@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 
 from asyncrl.logging import configure_logging
+from asyncrl.overrides import parse_assignments
 from asyncrl.registry import ENGINES
 from asyncrl.runtime import ServiceRuntime
 from asyncrl.service_main import add_service_args, serve
 from asyncrl.settings import settings
-from asyncrl.spec import SpecError, parse_assignments
+from asyncrl.spec import SpecError
 from services.rollout.engines import make_engine
 from services.rollout.server import DEFAULT_CAPACITY, create_rollout
 

@@ -9,6 +9,12 @@ is computed as it arrives; the version's fingerprint from them must equal the tr
 nothing is applied: `Mismatch` names the buckets that differ. The engine then copies the staged
 tensors into its model between two decode steps (`TorchEngine.apply_state`).
 
+The staging buffers keep the version after it is applied, so the hello also says which one
+they hold (`held`: its fingerprint, set once a version passed its checks and cleared before
+the buffers change). When every rollout holds the previous version, the trainer may send a
+delta version: per bucket the words that changed, written into the staging copy
+(`buckets.apply_delta`) and then checked against the full version's checksums like a full one.
+
 `Unavailable` (no plan in time, a plan that says `skipped`, a broken group): the caller loads
 the version from the weight store instead.
 """
@@ -44,6 +50,9 @@ class Received:
     fingerprint: str
     nbytes: int
     seconds: float
+    moved: int = 0
+    """The bytes that arrived (a delta version's are fewer than `nbytes`)."""
+    delta: bool = False
 
 
 def _key(experiment_id: str, version: int, what: str) -> str:
@@ -60,6 +69,8 @@ class BroadcastReceiver:
         self.tcp = None
         self.group, self.group_name = None, ""
         self._staging: tuple[buckets.Plan, list[torch.Tensor]] | None = None
+        self.held = ""
+        """The fingerprint of the version the staging buffers hold ("" none or unknown)."""
         self.corrupt = None
         """Tests only: called with the staged buffers before they are checked."""
 
@@ -70,6 +81,7 @@ class BroadcastReceiver:
         t0 = time.perf_counter()
         try:
             info = self._plan(experiment_id, master, version, rank, n, timeout_s)
+            self.held = ""  # the staging buffers change from here on
             p = buckets.Plan.from_json(info["plan"])
             if info["group"] != self.group_name:
                 self.close()
@@ -78,14 +90,17 @@ class BroadcastReceiver:
                 )
                 self.group_name = info["group"]
             staged = self._buffers(p)
-            sums = self._stream(p, staged)
+            sums, moved = self._stream(p, staged, info.get("delta"))
         except (RuntimeError, ValueError) as exc:  # store or group gone, timed out
             self.close()
             self.tcp = None  # reconnected next time (the trainer may have restarted)
             raise Unavailable(f"{type(exc).__name__}: {exc}") from exc
         self._check(version, info, p, sums)
+        self.held = info["fingerprint"]
         state = {s.name: _view(staged[s.bucket], s) for s in p.slots}
-        return Received(state, info["fingerprint"], p.nbytes, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        delta = info.get("delta") is not None
+        return Received(state, info["fingerprint"], p.nbytes, seconds, moved, delta)
 
     def _plan(self, experiment_id, master, version, rank, n, timeout_s) -> dict:
         """Hello (the group held), then the trainer's plan for the version."""
@@ -93,7 +108,7 @@ class BroadcastReceiver:
             host, port = master.rsplit(":", 1)
             self.close()
             self.tcp, self.master = open_store(host, int(port), False, timeout_s), master
-        hello = json.dumps({"group": self.group_name, "rollouts": n})
+        hello = json.dumps({"group": self.group_name, "rollouts": n, "holds": self.held})
         self.tcp.set(_key(experiment_id, version, f"hello/{rank}"), hello)
         key = _key(experiment_id, version, "plan")
         self.tcp.wait([key], timedelta(seconds=timeout_s))
@@ -108,15 +123,28 @@ class BroadcastReceiver:
             self._staging = (p, bufs)
         return self._staging[1]
 
-    def _stream(self, p: buckets.Plan, staged: list[torch.Tensor]) -> list[int]:
-        """Receive every bucket; the checksums, each computed as its bucket arrives."""
-        sums = []
+    def _stream(self, p: buckets.Plan, staged: list[torch.Tensor], delta) -> tuple[list, int]:
+        """Receive every bucket, whole or (`delta`: per bucket its changed words, None for a
+        whole one) as a delta into its staging copy; the checksums, each computed as its
+        bucket arrives, and the bytes that arrived."""
+        sums, moved = [], 0
         for i, buf in enumerate(staged):
-            self.group.broadcast(buf)
+            moved += self._bucket(buf, None if delta is None else delta[i])
             if self.corrupt is not None:
                 self.corrupt(i, buf)
             sums.append(buckets.checksum(buckets.raw(_view(buf, s)) for s in p.bucket(i)))
-        return sums
+        return sums, moved
+
+    def _bucket(self, buf: torch.Tensor, words: int | None) -> int:
+        """One bucket into `buf`: whole, or the delta of `words` changed words; its bytes."""
+        if words is None:
+            self.group.broadcast(buf)
+            return buf.numel()
+        if words:  # an unchanged bucket moves nothing
+            delta = torch.empty(2 * words, dtype=torch.int32, device=self.device)
+            self.group.broadcast(delta)
+            buckets.apply_delta(buf, delta)
+        return buckets.delta_nbytes(words)
 
     def _check(self, version: int, info: dict, p: buckets.Plan, sums: list[int]) -> None:
         bad = [i for i, (a, b) in enumerate(zip(sums, info["checksums"], strict=True)) if a != b]

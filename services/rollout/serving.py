@@ -301,7 +301,14 @@ class Serving:
         interrupted = await self.engine.apply_state(
             str(path), version, got.state, got.fingerprint, got.seconds
         )
-        log.info("weights_streamed", version=version, bytes=got.nbytes, seconds=got.seconds)
+        log.info(
+            "weights_streamed",
+            version=version,
+            bytes=got.nbytes,
+            moved=got.moved,
+            delta=got.delta,
+            seconds=got.seconds,
+        )
         self._observe(binding.experiment_id, self.engine.last_update)
         return interrupted, self.engine.last_update
 

@@ -12,12 +12,23 @@ serialisation), and `send` broadcasts the buckets while CommitWeights runs.
 The group (the trainer rank 0, the experiment's ready rollouts ranks 1..n) meets on a TCPStore
 the trainer hosts at `trainer.nccl_master`. Per version v, under the experiment's prefix:
   1. each rollout the scheduler sends UpdateWeights(v) (with its rank r and the number n of
-     rollouts it goes to) sets `v<v>/hello/<r>` to the group it holds ("" none);
+     rollouts it goes to) sets `v<v>/hello/<r>` to the group it holds ("" none) and the
+     fingerprint its staging buffers hold;
   2. the trainer waits for the n hellos, keeps its group when every one holds it and n is
      unchanged, else names a new one (a rollout joined, left or restarted), and sets
      `v<v>/plan`: the group, the bucket plan, the checksums and the fingerprint;
   3. everyone joins the new group if there is one; the trainer broadcasts every bucket, each
      rollout checksums what it received (services/rollout/broadcast_receiver.py).
+A version may travel as a delta (`trainer.broadcast_delta`): beside the next step `publish`
+also encodes each bucket against the same bucket of the previous version, still intact in the
+other set of buffers (`buckets.encode_delta`: the 4-byte words that changed, indices + values;
+a bucket where that is not smaller goes whole). A rollout's hello says the fingerprint of what
+its staging buffers hold ("" when unknown: nothing received yet, or a version that did not pass
+its checks); the trainer sends the delta only when every hello holds the previous version, the
+group is unchanged and fewer than `trainer.broadcast_full_every` - 1 deltas went in a row
+(`use_delta`). The plan then names that base and each bucket's changed words (`delta`); each
+rollout writes them into its staging copy and checks the result against the full version's
+checksums, so a wrong base is a `Mismatch` like a flipped bit, and the next version goes whole.
 When the hellos do not all come (a rollout died, the fleet skipped v) the plan says `skipped`,
 and the rollouts load v from the weight store instead; a broadcast that fails midway is logged
 and the group dropped (the next version builds one): rollouts load from the store then, and a
@@ -29,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Mapping
@@ -64,6 +76,14 @@ class Snapshot:
     """config.json of the version."""
     checksums: list[int] = field(default_factory=list)
     fingerprint: str = ""
+    base: Snapshot | None = None
+    """The previous version while its buffers are intact and not yet encoded against."""
+    base_fp: str = ""
+    """The fingerprint of the version `deltas` apply to ("" none encoded)."""
+    deltas: list[torch.Tensor | None] = field(default_factory=list)
+    """Per bucket, its `buckets.encode_delta` delta against the base, or None (send whole)."""
+    changed: list[int] = field(default_factory=list)
+    """Per bucket, how many of its words differ from the base's."""
 
     def views(self, i: int) -> list[torch.Tensor]:
         """Bucket i's tensors, as views of its buffer (no copy)."""
@@ -97,6 +117,25 @@ class Snapshot:
         head += b" " * (-len(head) % 8)
         prefix = len(head).to_bytes(8, "little") + head
         return {"model.safetensors": [prefix, *parts], "config.json": self.config}
+
+
+def use_delta(holds: list[str], base_fp: str, fresh: bool, in_row: int, full_every: int) -> bool:
+    """Whether a version goes as its delta: encoded against base `base_fp` ("" none), every
+    rollout holds that base (`holds`, their hellos), the group is not new, and `in_row` deltas
+    (since the last full version) leave room for one more of `full_every` - 1."""
+    if fresh or not base_fp or in_row + 1 >= full_every:
+        return False
+    return all(h == base_fp for h in holds)
+
+
+def sent_bytes(snap: Snapshot, delta: bool) -> int:
+    """What the buckets of `snap` move over the group, as a delta version or a full one."""
+    if not delta:
+        return sum(snap.plan.sizes)
+    return sum(
+        size if d is None else buckets.delta_nbytes(k)
+        for size, d, k in zip(snap.plan.sizes, snap.deltas, snap.changed, strict=True)
+    )
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -141,10 +180,17 @@ class BroadcastSender(WeightSender):
         self.group, self.group_name, self.world = None, "", 0
         self._pool: dict[int, list[torch.Tensor]] = {}  # two sets, alternating
         self._packed = 0
+        self.delta, self.full_every = trainer.broadcast_delta, trainer.broadcast_full_every
+        self._in_row = 0  # delta versions sent since the last full one
+        self._last: Snapshot | None = None  # the newest snapshot: the next one's base
+        self._base_lock = threading.Lock()  # a base is encoded against or overwritten
         self._snaps: dict[int, Snapshot] = {}
         self._writes: dict[int, asyncio.Task] = {}
+        self._moved: dict[int, tuple[int, int]] = {}  # the last version sent: (sent, full)
         self.last: dict[str, float] = {}
-        """The last version's figures: bytes, pack_s, seal_s, hello_s, group_s, send_s."""
+        """The last version's figures: bytes, pack_s, seal_s, delta_s, hello_s, group_s,
+        send_s, the bytes the group moved (sent_bytes; full_bytes as a full version) and, when
+        it was encoded as a delta, the fraction of its words that changed (changed)."""
 
     @property
     def device(self) -> torch.device:
@@ -161,6 +207,9 @@ class BroadcastSender(WeightSender):
         snap = self._snaps.get(version)
         return snap.fingerprint if snap else self.files.fingerprint(version)
 
+    def moved(self, version: int) -> tuple[int, int]:
+        return self._moved.get(version, (0, 0))
+
     async def restore(self, version: int, files) -> None:
         await self.files.restore(version, files)
 
@@ -175,10 +224,17 @@ class BroadcastSender(WeightSender):
         p = buckets.plan_of_state(state, self.bucket_bytes)
         self._packed += 1
         slot = self._packed % 2  # the other set may still be in flight (sent, written)
+        last = self._last
+        with self._base_lock:  # the set about to be packed is the newest snapshot's base
+            if last is not None:
+                last.base = None
         buffers = self._pool.get(slot)
         if buffers is None or [b.numel() for b in buffers] != list(p.sizes):
             buffers = self._pool[slot] = new_buffers(p, self.device)
         snap = Snapshot(p, pack(state, p, buffers), config)
+        if last is not None and last.plan == p and last.buffers is not buffers:
+            snap.base = last
+        self._last = snap
         if self.device.type == "cuda":
             import torch
 
@@ -191,7 +247,9 @@ class BroadcastSender(WeightSender):
         snap: Snapshot = files
         t0 = time.perf_counter()
         await asyncio.to_thread(snap.seal)
-        self.last["seal_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        await asyncio.to_thread(self._encode, snap)
+        self.last.update(seal_s=t1 - t0, delta_s=time.perf_counter() - t1)
         self._snaps = {version: snap}
         store = self.files.store
         self._writes[version] = asyncio.create_task(
@@ -218,6 +276,23 @@ class BroadcastSender(WeightSender):
         await asyncio.to_thread(self._drop_group)
         self.tcp = None
 
+    def _encode(self, snap: Snapshot) -> None:
+        """Each bucket's delta against the previous version, while its buffers are intact (a
+        worker thread; the next `snapshot` waits for it before packing over them)."""
+        with self._base_lock:
+            base, snap.base = snap.base, None
+            due = self._in_row + 1 >= self.full_every  # this version goes whole anyway
+            if base is None or not base.fingerprint or not self.delta or due:
+                return
+            pairs = [
+                buckets.encode_delta(new, old)
+                for new, old in zip(snap.buffers, base.buffers, strict=True)
+            ]
+            snap.changed = [k for k, _ in pairs]
+            snap.deltas = [d for _, d in pairs]
+            if any(d is not None for d in snap.deltas):  # else nothing to gain: goes whole
+                snap.base_fp = base.fingerprint
+
     # ---- the broadcast (a worker thread) -------------------------------------------------
 
     def _broadcast(self, version: int, snap: Snapshot) -> None:
@@ -231,48 +306,81 @@ class BroadcastSender(WeightSender):
 
     def _stream(self, version: int, snap: Snapshot) -> None:
         t0 = time.perf_counter()
-        held = self._hellos(version)
+        hellos = self._hellos(version)
         t1 = time.perf_counter()
         key = store_key(self.experiment_id, version, "plan")
-        if held is None:
+        if hellos is None:
             self.tcp.set(key, json.dumps({"skipped": True}))
             self.log.warning("broadcast_skipped", version=version, reason="not every hello came")
             return
-        fresh = self.group is None or self.world != len(held) + 1
-        fresh = fresh or any(g != self.group_name for g in held)
+        world = len(hellos) + 1
+        fresh = self.group is None or self.world != world
+        fresh = fresh or any(h["group"] != self.group_name for h in hellos)
+        holds = [h.get("holds", "") for h in hellos]
+        delta = use_delta(holds, snap.base_fp, fresh, self._in_row, self.full_every)
         if fresh:
             self._drop_group()
             self.group_name = f"{self.experiment_id}/g{version}-{uuid.uuid4().hex[:8]}"
+        self.tcp.set(key, json.dumps(self._plan(snap, world, delta)))
+        if fresh:
+            self.group = own_group(
+                self.tcp, self.backend, 0, world, self.group_name, self.group_timeout_s
+            )
+            self.world = world
+        t2 = time.perf_counter()
+        self._send_buckets(snap, delta)
+        self._in_row = self._in_row + 1 if delta else 0
+        t3 = time.perf_counter()
+        self._sent(version, snap, delta, len(hellos), fresh, (t0, t1, t2, t3))
+
+    def _plan(self, snap: Snapshot, world: int, delta: bool) -> dict:
+        """The version's plan for the store; a delta version's names its base and, per
+        bucket, its changed words (None: the bucket goes whole)."""
         plan = {
             "group": self.group_name,
-            "world": len(held) + 1,
+            "world": world,
             "plan": snap.plan.to_json(),
             "checksums": snap.checksums,
             "fingerprint": snap.fingerprint,
         }
-        self.tcp.set(key, json.dumps(plan))
-        if fresh:
-            self.group = own_group(
-                self.tcp, self.backend, 0, len(held) + 1, self.group_name, self.group_timeout_s
-            )
-            self.world = len(held) + 1
-        t2 = time.perf_counter()
-        for buf in snap.buffers:
-            self.group.broadcast(buf)
-        t3 = time.perf_counter()
-        self.last.update(hello_s=t1 - t0, group_s=t2 - t1, send_s=t3 - t2)
+        if delta:
+            plan["base"] = snap.base_fp
+            plan["delta"] = [
+                None if d is None else k for d, k in zip(snap.deltas, snap.changed, strict=True)
+            ]
+        return plan
+
+    def _send_buckets(self, snap: Snapshot, delta: bool) -> None:
+        for i, buf in enumerate(snap.buffers):
+            d = snap.deltas[i] if delta else None
+            if d is None:
+                self.group.broadcast(buf)
+            elif d.numel():  # an unchanged bucket moves nothing
+                self.group.broadcast(d)
+
+    def _sent(self, version, snap: Snapshot, delta: bool, rollouts, fresh, times) -> None:
+        t0, t1, t2, t3 = times
+        self._moved = {version: (sent_bytes(snap, delta), sent_bytes(snap, False))}
+        sent, full = self._moved[version]
+        self.last.update(
+            hello_s=t1 - t0, group_s=t2 - t1, send_s=t3 - t2, sent_bytes=sent, full_bytes=full
+        )
+        if snap.changed:  # encoded: the fraction of words that differ from the base
+            words = sum(snap.plan.sizes) // buckets.WORD
+            self.last["changed"] = sum(snap.changed) / max(words, 1)
         self.log.info(
             "broadcast_sent",
             version=version,
-            rollouts=len(held),
+            rollouts=rollouts,
             new_group=fresh,
             buckets=len(snap.buffers),
-            **{k: round(v, 4) for k, v in self.last.items()},
+            mode="delta" if delta else "full",
+            **{k: round(v, 6 if k == "changed" else 4) for k, v in self.last.items()},
         )
 
-    def _hellos(self, version: int) -> list[str] | None:
-        """The groups the version's n rollouts hold (by rank), or None if not all said hello
-        within `hello_timeout_s`."""
+    def _hellos(self, version: int) -> list[dict] | None:
+        """The hellos of the version's n rollouts (by rank: the group each holds, the
+        fingerprint its staging holds), or None if not all came within `hello_timeout_s`."""
         timeout = timedelta(seconds=self.hello_timeout_s)
         first = store_key(self.experiment_id, version, "hello/1")
         try:
@@ -282,7 +390,7 @@ class BroadcastSender(WeightSender):
             self.tcp.wait(keys, timeout)
         except RuntimeError:  # the store's timeout (DistStoreError)
             return None
-        return [json.loads(self.tcp.get(k))["group"] for k in keys]
+        return [json.loads(self.tcp.get(k)) for k in keys]
 
     def _drop_group(self) -> None:
         if self.group is not None:

@@ -17,7 +17,8 @@ PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 class StepTimes:
     """Seconds around one step, the StepMetrics fields of the same names (common.proto): this
     step's wait and its version's serialise and write; the previous version's commit and
-    checkpoint (they end after this step's metrics are sent); and the stall before this step."""
+    checkpoint (they end after this step's metrics are sent), and the bytes its broadcast
+    moved; and the stall before this step."""
 
     wait_s: float = 0.0
     serialize_s: float = 0.0
@@ -25,6 +26,8 @@ class StepTimes:
     commit_s: float = 0.0
     checkpoint_s: float = 0.0
     stall_s: float = 0.0
+    weight_bytes_sent: int = 0
+    weight_bytes_full: int = 0
 
 
 def stall_seconds(prev_train_end: float | None, train_start: float, wait_s: float) -> float:

@@ -141,6 +141,9 @@ class Publisher:
         """Version -> the fingerprint of its weights, as written."""
         self.commit_s = 0.0
         """How long the last version's CommitWeights took (sent with the next step)."""
+        self.moved = (0, 0)
+        """The bytes the last version's broadcast moved, and its whole size (sent with the next
+        step; `WeightSender.moved`)."""
         self._inflight = InFlight()
 
     @property
@@ -174,6 +177,7 @@ class Publisher:
         self._inflight.stage = "commit"
         resp = await self.sender.send(m.version, self._commit(uri, m, fp))
         self.commit_s = time.perf_counter() - t1
+        self.moved = self.sender.moved(m.version)
         self._observe("commit", self.commit_s)
         fields = {"run": self.run_id, "fingerprint": fp, **sample_fingerprints(groups)}
         # stored in the background, retried while NATS is away (`ledger_behind`)

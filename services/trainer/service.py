@@ -487,6 +487,8 @@ class TrainerService:
             times=replace(
                 self._after,
                 commit_s=self.publisher.commit_s,
+                weight_bytes_sent=self.publisher.moved[0],
+                weight_bytes_full=self.publisher.moved[1],
                 wait_s=batch.wait_s,
                 serialize_s=serialize_s,
                 stall_s=stall_s,

@@ -113,6 +113,11 @@ class WeightSender:
         answer. Rollouts that load from the URI need nothing more than the commit."""
         return await commit
 
+    def moved(self, version: int) -> tuple[int, int]:
+        """The bytes `send` moved for `version` over a weight group, and what it would have
+        moved whole; (0, 0) when none (the rollouts load from the URI)."""
+        return 0, 0
+
     async def close(self) -> None:
         """Leave whatever the sender joined (idempotent)."""
 

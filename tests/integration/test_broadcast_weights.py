@@ -43,12 +43,29 @@ def _spec(tiny_dir, port: int) -> ExperimentSpec:
     )
 
 
-async def _setup(tiny, tmp_path):
+class Log:
+    """The sender's structured log, kept: (event, fields) per line."""
+
+    def __init__(self):
+        self.lines: list[tuple[str, dict]] = []
+
+    def info(self, event: str, **fields) -> None:
+        self.lines.append((event, fields))
+
+    warning = info
+
+    def sent(self) -> list[dict]:
+        return [f for e, f in self.lines if e == "broadcast_sent"]
+
+
+async def _setup(tiny, tmp_path, **trainer):
     spec = _spec(tiny[0], free_port())
+    spec.trainer = spec.trainer.model_copy(update=trainer)
     backend = TorchBackend(spec, device="cpu")
     backend.load(str(tiny[0]))
     store = Store(root=tmp_path / "w", experiment_id=EXP, tokenizer_dir=tiny[0], keep=4)
-    sender = BroadcastSender(DiskSender(store), spec.trainer, structlog.get_logger(), 10.0)
+    log = Log() if trainer else structlog.get_logger()
+    sender = BroadcastSender(DiskSender(store), spec.trainer, log, 10.0)
     engines = [TorchEngine(device="cpu", seed=i) for i in range(2)]
     for e in engines:
         await e.start()
@@ -56,11 +73,17 @@ async def _setup(tiny, tmp_path):
     return spec, backend, sender, engines
 
 
-async def _version(tiny, spec, backend, sender, receivers, engines, version: int, started=()):
-    """Train a step, publish, and (beside the commit) have each engine receive and apply it:
-    what the engines answered (the number of requests moved, or the exception). `started`:
-    called once the step is trained (requests to run during the update)."""
-    await asyncio.to_thread(backend.train_step, [_group(tiny, f"g{version}", version - 1)])
+async def _version(
+    tiny, spec, backend, sender, receivers, engines, version: int, started=(), step=None
+):
+    """Train a step (or `step(backend)`), publish, and (beside the commit) have each engine
+    receive and apply it: what the engines answered (the number of requests moved, or the
+    exception). `started`: called once the step is trained (requests to run during the
+    update)."""
+    if step is None:
+        await asyncio.to_thread(backend.train_step, [_group(tiny, f"g{version}", version - 1)])
+    else:
+        step(backend)
     snap = await asyncio.to_thread(sender.snapshot, backend)
     for start in started:
         start()
@@ -146,6 +169,81 @@ async def test_a_flipped_bit_in_one_bucket_is_refused_and_nothing_is_applied(tin
             assert torch.equal(tensor, before[name]), name  # the live weights untouched
         assert not isinstance(moved[0], BaseException)
         assert engines[0].version == 1 and engines[0].fingerprint == sender.fingerprint(1)
+    finally:
+        await sender.close()
+        for e in engines:
+            await e.stop()
+
+
+def _nudge(name: str):
+    """A sparse step: every 50th element of parameter `name` changes (the rest stays)."""
+
+    def step(backend) -> None:
+        with torch.no_grad():
+            backend.model.state_dict()[name].view(-1)[::50] += 0.25
+
+    return step
+
+
+def _assert_holds(engine, backend, fp: str) -> None:
+    assert engine.fingerprint == fp
+    held = _held(engine)
+    for name, tensor in _trained(backend).items():
+        assert torch.equal(held[name], tensor), name
+
+
+async def test_versions_travel_as_deltas_with_a_full_one_every_k(tiny, tmp_path):
+    spec, backend, sender, engines = await _setup(tiny, tmp_path, broadcast_full_every=3)
+    receivers = [BroadcastReceiver() for _ in engines]
+    last = sorted(_trained(backend))[-1]
+    try:
+        for version in range(1, 6):
+            step = _nudge(last) if version > 1 else None  # v1: a real step, no base yet
+            moved = await _version(
+                tiny, spec, backend, sender, receivers, engines, version, (), step
+            )
+            assert not any(isinstance(m, BaseException) for m in moved), moved
+            for engine in engines:
+                assert engine.version == version
+                _assert_holds(engine, backend, sender.fingerprint(version))
+        sent = sender.log.sent()
+        assert [s["mode"] for s in sent] == ["full", "delta", "delta", "full", "delta"]
+        for s in sent:
+            if s["mode"] == "delta":
+                assert s["sent_bytes"] < s["full_bytes"] / 10 and 0 < s["changed"] < 0.02
+            else:
+                assert s["sent_bytes"] == s["full_bytes"] >= sender.last["bytes"]
+        assert receivers[0].held == receivers[1].held == sender.fingerprint(5)
+        assert sender.moved(5) == (sent[-1]["sent_bytes"], sent[-1]["full_bytes"])
+    finally:
+        await sender.close()
+        for e in engines:
+            await e.stop()
+
+
+async def test_a_delta_onto_a_base_that_differs_is_refused_and_the_next_goes_whole(tiny, tmp_path):
+    spec, backend, sender, engines = await _setup(tiny, tmp_path, broadcast_full_every=8)
+    receivers = [BroadcastReceiver() for _ in engines]
+    last = sorted(_trained(backend))[-1]
+    try:
+        await _version(tiny, spec, backend, sender, receivers, engines, 1)
+        v1 = {k: v.clone() for k, v in _held(engines[1]).items()}
+        staging = receivers[1]._staging[1][0]  # bucket 0 starts with the first tensor
+        staging[1] ^= 1 << 2  # the base differs where v2 changes nothing; it still says v1
+        assert receivers[1].held == sender.fingerprint(1)
+        moved = await _version(tiny, spec, backend, sender, receivers, engines, 2, (), _nudge(last))
+        assert sender.log.sent()[-1]["mode"] == "delta"
+        assert isinstance(moved[1], Mismatch) and "bucket(s) [0]" in str(moved[1])
+        assert engines[1].version == 1 and receivers[1].held == ""
+        for name, tensor in _held(engines[1]).items():
+            assert torch.equal(tensor, v1[name]), name  # nothing applied
+        assert engines[0].version == 2
+        _assert_holds(engines[0], backend, sender.fingerprint(2))
+        moved = await _version(tiny, spec, backend, sender, receivers, engines, 3, (), _nudge(last))
+        assert sender.log.sent()[-1]["mode"] == "full"  # one rollout holds no base
+        for engine in engines:
+            assert engine.version == 3
+            _assert_holds(engine, backend, sender.fingerprint(3))
     finally:
         await sender.close()
         for e in engines:

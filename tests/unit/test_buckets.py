@@ -23,7 +23,7 @@ def test_plan_lays_tensors_out_in_name_order_aligned_and_split_at_the_bucket_siz
     got = [(s.name, s.bucket, s.offset, s.nbytes) for s in p.slots]
     # a at 0 (6 bytes), b at 8 (aligned; ends at 20), c at 24 would end at 56 > 48: bucket 1
     assert got == [("a", 0, 0, 6), ("b", 0, 8, 12), ("c", 1, 0, 32), ("d", 2, 0, 80)]
-    assert p.sizes == (20, 32, 80)
+    assert p.sizes == (24, 32, 80)  # each rounded up to ALIGN
     assert p.nbytes == 6 + 12 + 32 + 80
     assert buckets.Plan.from_json(p.to_json()) == p
 
@@ -69,3 +69,67 @@ def test_fingerprint_of_state_like_a_bucket_fingerprint_takes_its_kind():
     fp = buckets.fingerprint_of_state(state, 64)
     assert fingerprint.of_state(state, like=fp) == fp
     assert fingerprint.of_state(state).startswith("sha256:")
+
+
+def _words(*values: int) -> torch.Tensor:
+    """A bucket buffer (uint8) holding these int32 words."""
+    return torch.tensor(values, dtype=torch.int32).view(torch.uint8)
+
+
+def test_a_delta_is_the_changed_words_indices_then_values():
+    old = _words(10, 20, 30, 40, 50, 60)
+    new = _words(10, 21, 30, 40, 50, -7)
+    k, delta = buckets.encode_delta(new, old)
+    assert k == 2
+    assert delta.dtype == torch.int32 and delta.tolist() == [1, 5, 21, -7]
+    assert buckets.delta_nbytes(k) == 16  # against 24 bytes whole
+    base = old.clone()
+    buckets.apply_delta(base, delta)
+    assert base.tolist() == new.tolist()
+
+
+def test_a_delta_no_smaller_than_the_bucket_is_none_and_an_unchanged_bucket_is_empty():
+    old = _words(1, 2, 3, 4)
+    k, delta = buckets.encode_delta(_words(9, 9, 3, 4), old)  # 2 of 4 words: 16 bytes, not < 16
+    assert (k, delta) == (2, None)
+    k, delta = buckets.encode_delta(_words(9, 2, 3, 4), old)
+    assert k == 1 and delta.tolist() == [0, 9]
+    k, delta = buckets.encode_delta(old.clone(), old)
+    assert k == 0 and delta.numel() == 0
+    same = old.clone()
+    buckets.apply_delta(same, delta)
+    assert same.tolist() == old.tolist()
+
+
+def test_a_delta_compares_whole_words_of_any_dtype():
+    old = torch.zeros(8, dtype=torch.bfloat16)
+    new = old.clone()
+    new[5] = 1.0  # bf16 0x3f80 in the high half of word 2 (little-endian)
+    k, delta = buckets.encode_delta(new.view(torch.uint8), old.view(torch.uint8))
+    assert k == 1 and delta.tolist() == [2, 0x3F80 << 16]
+    got = old.clone()
+    buckets.apply_delta(got.view(torch.uint8), delta)
+    assert torch.equal(got, new)
+
+
+def test_a_delta_onto_another_base_fails_the_checksum():
+    state = {"w": torch.arange(8, dtype=torch.float32)}
+    p = buckets.plan_of_state(state, 64)
+    old = torch.zeros(p.sizes[0], dtype=torch.uint8)
+    old[:32] = state["w"].view(torch.uint8)
+    new = old.clone()
+    new.view(torch.float32)[3] = 99.0
+    want = buckets.checksum([memoryview(new[:32].numpy())])
+    _, delta = buckets.encode_delta(new, old)
+    right, wrong = old.clone(), old.clone()
+    wrong.view(torch.float32)[6] = -1.0  # a base that differs where the delta does not reach
+    for base in (right, wrong):
+        buckets.apply_delta(base, delta)
+    assert buckets.checksum([memoryview(right[:32].numpy())]) == want
+    assert buckets.checksum([memoryview(wrong[:32].numpy())]) != want
+
+
+def test_bucket_buffers_are_whole_words():
+    p = buckets.plan([("a", "bfloat16", (3,)), ("b", "int8", (5,))], bucket_bytes=64)
+    assert p.sizes == (16,)  # a: 6 bytes, b at 8: 5 bytes, ends at 13 -> 16
+    assert all(n % buckets.WORD == 0 for n in p.sizes)

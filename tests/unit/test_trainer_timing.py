@@ -21,7 +21,14 @@ def test_stall_seconds_never_negative():
 
 def test_step_metrics_carry_the_step_times():
     times = StepTimes(
-        wait_s=1.0, serialize_s=0.1, write_s=0.2, commit_s=0.3, checkpoint_s=0.4, stall_s=0.9
+        wait_s=1.0,
+        serialize_s=0.1,
+        write_s=0.2,
+        commit_s=0.3,
+        checkpoint_s=0.4,
+        stall_s=0.9,
+        weight_bytes_sent=4096,
+        weight_bytes_full=65536,
     )
     m = step_metrics(
         step=3,
@@ -36,3 +43,4 @@ def test_step_metrics_carry_the_step_times():
     got = (m.wait_s, m.serialize_s, m.write_s, m.commit_s, m.checkpoint_s, m.stall_s)
     assert got == (1.0, 0.1, 0.2, 0.3, 0.4, 0.9)
     assert m.to_proto().stall_s == 0.9  # a proto field: stored and reported as any other
+    assert (m.weight_bytes_sent, m.to_proto().weight_bytes_full) == (4096, 65536)
