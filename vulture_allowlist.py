@@ -67,3 +67,5 @@ unshard  # services/trainer/megatron/convert.py: shard's inverse, the TP round-t
 latest_checkpoint  # services/trainer/checkpoint.py: tests read the newest checkpoint (the service verifies via resume_point)
 _.rootRank  # asyncrl.collective.Group.broadcast: torch's BroadcastOptions, read by the C++ side
 _.rootTensor  # the same
+weight_bytes_sent  # services/trainer/metrics.py StepTimes: read through asdict into StepMetrics
+weight_bytes_full  # the same
