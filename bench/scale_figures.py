@@ -5,6 +5,7 @@ what the stand-ins wrote (`bench.scale_fleet`) to what is reported. Pure arithme
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
@@ -106,6 +107,9 @@ def figures(raw: dict, stats: dict[str, dict], s: Sizes) -> dict:
         "lapsed_live_workers": lapsed(raw, s.vanish),
         "registrations": sum(len(st["registrations"]) for st in stats.values()),
         "commit_failures": sum(st.get("commit_failures", 0) for st in stats.values()),
+        "register_failures": dict(
+            sum((Counter(st.get("register_failures", {})) for st in stats.values()), Counter())
+        ),
         "sweep_us": round(sweep_us(s), 1),
     }
     if "bind_s" in raw:

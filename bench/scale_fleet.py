@@ -85,6 +85,8 @@ class Stats:
     commits: list[tuple[str, int, float]] = field(default_factory=list)
     """(experiment, version, wall time) of every commit (trainers)."""
     commit_failures: int = 0
+    register_failures: dict[str, int] = field(default_factory=dict)
+    """RegisterWorker calls that failed, by status code (each retried after 0.5 s)."""
 
 
 class Identity:
@@ -111,7 +113,9 @@ class Identity:
                 resp = await self.stub.RegisterWorker(request, timeout=RPC_TIMEOUT_S)
                 self.stats.registrations.append(time.time())
                 break
-            except grpc.aio.AioRpcError:
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code().name
+                self.stats.register_failures[code] = self.stats.register_failures.get(code, 0) + 1
                 await asyncio.sleep(0.5)
         self.worker_id, self.interval = resp.worker_id, resp.heartbeat_interval_s or 1.0
         self.lease_key, self.subject = resp.lease_key, resp.heartbeat_subject

@@ -103,6 +103,10 @@ class Registry:
         self._sorted: dict[WorkerKind | None, list[Worker]] = {}
         """`workers(kind)` by id, kept until a worker joins or leaves (asked several times per
         group dispatched)."""
+        self._bound: dict[WorkerKind, dict[str, list[Worker]]] = {}
+        """`bound(...)` by kind and experiment, kept until a worker joins, leaves, or is bound,
+        shared or let go (asked by every experiment's dispatch pass: one scan of ten thousand
+        rollouts per experiment per pass cost the scheduler most of its core)."""
 
     def register(
         self,
@@ -136,7 +140,7 @@ class Registry:
         self._touch(w)
         self._workers[worker_id] = w
         self._by_address[(kind, address)] = w
-        self._sorted.clear()
+        self._changed()
         return w, Joined.NEW
 
     def at(self, kind: WorkerKind, address: str) -> Worker | None:
@@ -186,7 +190,12 @@ class Registry:
     def _forget(self, w: Worker) -> None:
         if self._by_address.get((w.kind, w.address)) is w:
             del self._by_address[(w.kind, w.address)]
+        self._changed()
+
+    def _changed(self) -> None:
+        """A worker joined or left, or a binding changed: the cached lists go."""
         self._sorted.clear()
+        self._bound.clear()
 
     def workers(self, kind: WorkerKind | None = None) -> list[Worker]:
         """The live workers (of `kind`) by id; a new list each call."""
@@ -201,8 +210,14 @@ class Registry:
         return ws
 
     def bound(self, experiment_id: str, kind: WorkerKind) -> list[Worker]:
-        """The workers of `kind` bound to or shared with `experiment_id`."""
-        return [w for w in self._of(kind) if self.serves(w, experiment_id)]
+        """The workers of `kind` bound to or shared with `experiment_id` (by id; a new list)."""
+        by_experiment = self._bound.get(kind)
+        if by_experiment is None:
+            by_experiment = self._bound[kind] = {}
+            for w in self._of(kind):
+                for e in [w.experiment_id] if w.experiment_id else w.shared:
+                    by_experiment.setdefault(e, []).append(w)
+        return list(by_experiment.get(experiment_id, ()))
 
     @staticmethod
     def serves(worker: Worker, experiment_id: str) -> bool:
@@ -230,10 +245,12 @@ class Registry:
         assert worker.experiment_id is None, f"{worker.worker_id} is already bound"
         assert not worker.shared, f"{worker.worker_id} is shared"
         worker.experiment_id = experiment_id
+        self._bound.clear()
 
     def unbind(self, worker: Worker, cooldown_s: float = 0.0) -> None:
         worker.experiment_id = None
         worker.cooldown_until = self.clock() + cooldown_s
+        self._bound.clear()
 
     def share(self, worker: Worker, experiment_id: str) -> bool:
         """Share rollout `worker` with LoRA experiment `experiment_id`; False (nothing done)
@@ -242,6 +259,7 @@ class Registry:
         if self.fenced_for(worker, experiment_id) or experiment_id in worker.shared:
             return False
         worker.shared.append(experiment_id)
+        self._bound.clear()
         return True
 
     def fenced_for(self, worker: Worker, experiment_id: str) -> bool:
@@ -252,6 +270,7 @@ class Registry:
         that experiment leaves it (and may not share it again for `cooldown_s`)."""
         if experiment_id in worker.shared:
             worker.shared.remove(experiment_id)
+            self._bound.clear()
             if cooldown_s:
                 worker.fenced_for[experiment_id] = self.clock() + cooldown_s
             if not worker.shared:  # idle again: cools down as an unbound one does
