@@ -98,7 +98,8 @@ demo: venv protos ## run the demo end to end, the rollout on a core of its own (
 	@test -f $(DEMO_DIR)/model/config.json || $(PY) -m examples.arith.build --out $(DEMO_DIR)/model
 	@ASYNCRL_CPU_AFFINITY=$${ASYNCRL_CPU_AFFINITY-1} $(MAKE) --no-print-directory up
 	@rm -f $(DEMO_DIR)/experiment_id
-	ASYNCRL_VAR=$(VAR) .venv/bin/asyncrl submit examples/arith/experiment.yaml --id-file $(DEMO_DIR)/experiment_id --watch $(DEMO_ARGS) || true
+	ASYNCRL_VAR=$(VAR) .venv/bin/asyncrl submit examples/arith/experiment.yaml --id-file $(DEMO_DIR)/experiment_id --watch \
+		$(if $(filter-out var,$(VAR)),--set model.path=$(DEMO_DIR)/model --set dataset.path=$(DEMO_DIR)/train.jsonl --set eval.dataset_path=$(DEMO_DIR)/eval.jsonl) $(DEMO_ARGS) || true
 	ASYNCRL_VAR=$(VAR) .venv/bin/asyncrl report $$(cat $(DEMO_DIR)/experiment_id) --out $(DEMO_DIR)
 	@echo "services are still up: 'make down' stops them, 'asyncrl dump ID --out f.jsonl' reads trajectories"
 
