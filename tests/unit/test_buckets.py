@@ -133,3 +133,15 @@ def test_bucket_buffers_are_whole_words():
     p = buckets.plan([("a", "bfloat16", (3,)), ("b", "int8", (5,))], bucket_bytes=64)
     assert p.sizes == (16,)  # a: 6 bytes, b at 8: 5 bytes, ends at 13 -> 16
     assert all(n % buckets.WORD == 0 for n in p.sizes)
+
+
+def test_a_dense_change_in_a_large_bucket_goes_whole_on_the_probe():
+    n = buckets.PROBE_STRIDE * buckets.PROBE_MIN
+    old = torch.zeros(n, dtype=torch.int32)
+    new = old + 1  # every word
+    k, delta = buckets.encode_delta(new.view(torch.uint8), old.view(torch.uint8))
+    assert delta is None and k == n
+    sparse = old.clone()
+    sparse[1::100] = 7  # 1 % of the words, so about 1 % of the probe's
+    k, delta = buckets.encode_delta(sparse.view(torch.uint8), old.view(torch.uint8))
+    assert k == len(range(1, n, 100)) and delta is not None
