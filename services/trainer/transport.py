@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from asyncrl.fingerprint import read_manifest
+from asyncrl.fingerprint import of_state, read_manifest
 from asyncrl.retry import jetstream_call
 from asyncrl.settings import settings
 from asyncrl.spec import TrainerSpec
@@ -134,8 +134,9 @@ class DiskSender(WeightSender):
     def uri(self, version: int) -> str:
         return path_to_uri(self.store.dir(version)) if version else ""
 
-    async def publish(self, version: int, files: Files) -> str:
-        await asyncio.to_thread(self.store.write, version, files)
+    async def publish(self, version: int, files: Files, fingerprint: str | None = None) -> str:
+        """`fingerprint`: the weights', when known (else computed from `files`)."""
+        await asyncio.to_thread(self.store.write, version, files, fingerprint)
         return self.uri(version)
 
     def fingerprint(self, version: int) -> str:
@@ -160,8 +161,8 @@ class NatsSender(DiskSender):
     def uri(self, version: int) -> str:
         return version_uri(self.store.experiment_id, version) if version else ""
 
-    async def publish(self, version: int, files: Files) -> str:
-        await super().publish(version, files)
+    async def publish(self, version: int, files: Files, fingerprint: str | None = None) -> str:
+        await super().publish(version, files, fingerprint)
         t0 = time.perf_counter()
         uri = await self._upload(version)
         self.observe("upload", time.perf_counter() - t0)
@@ -210,9 +211,11 @@ class NcclSender(WeightSender):
         return self.files.uri(version)
 
     async def publish(self, version: int, files) -> str:
-        """Store the snapshot `files`'s version (its buffers, not serialised again)."""
+        """Store the snapshot `files`'s version (from its buffers, not serialised again)."""
         self._snaps = {version: files}
-        return await self.files.publish(version, files.files())
+        state = {s.name: t for i in range(len(files.buffers)) for s, t in files.tensors(i)}
+        fp = await asyncio.to_thread(of_state, state)
+        return await self.files.publish(version, files.files(), fp)
 
     async def restore(self, version: int, files: Callable[[], Files]) -> None:
         await self.files.restore(version, files)

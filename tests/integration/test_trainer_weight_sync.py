@@ -9,6 +9,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
+from asyncrl.fingerprint import of_dir, read_manifest
 from asyncrl.ledger import ensure_ledger
 from asyncrl.natsutil import publish_group, wait_until
 from asyncrl.net import free_port
@@ -108,4 +109,5 @@ async def test_trainer_weight_sync_nccl_over_gloo_engine_serves_committed_weight
     assert stats["broadcasts"] == service.sender.broadcaster.broadcasts == 1 < len(trained)
     assert served != base  # and the step changed them
     assert (stored / "model.safetensors").is_file()  # the weight store is still written
+    assert of_dir(stored) == read_manifest(stored)  # from the snapshot, its fingerprint true
     assert service.sender.broadcaster.group is None  # left when the experiment ended
