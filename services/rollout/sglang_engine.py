@@ -471,6 +471,11 @@ class SGLangEngine(Engine):
         """The engine's half of the collective update (sglang_sync.receive_version): the plan
         from the trainer's store, then one call per bucket."""
         c = self.config
+        if not self.api.takes_flattened_buckets:
+            raise SGLangError(
+                "weight_sync nccl sends flattened buckets, which SGLang takes from 0.5.6 on; "
+                f"this server is {'.'.join(map(str, self.api.version))}: use weight_sync disk"
+            )
         if not self._group_ready:
             body = init_group_body(
                 c.nccl_master, c.nccl_rank_offset, c.nccl_world, c.nccl_group, c.nccl_backend

@@ -25,7 +25,8 @@ rollout engine relies on (tests/integration/test_sglang_fake_strict.py catches e
   broadcast per tensor, or with `load_format: "flattened_bucket"` one broadcast of the listed
   tensors back to back (`flattened_layout`: a misaligned offset or an empty list is a 400
   "Failed to receive weights: ...", before any broadcast, as SGLang's `FlattenedTensorBucket`;
-  any other load_format is the per-tensor path, as SGLang); from 0.5.21 only inside a `/begin_weight_update` ... `/end_weight_update` session (a 400 outside
+  any other load_format, or any before 0.5.6, is the per-tensor path, as SGLang); from
+  0.5.21 only inside a `/begin_weight_update` ... `/end_weight_update` session (a 400 outside
   one; a second begin while one is open is a 400). A control body that is missing, or lacks a
   field its io_struct type requires, is a 422.
 - LoRA (`--enable-lora`, `/load_lora_adapter`, `/unload_lora_adapter`, `lora_path` per

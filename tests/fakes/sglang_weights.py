@@ -159,7 +159,7 @@ class WeightRoutes:
         if group is None:
             raise failure(f"no weights update group {b.get('group_name')!r}: init it first")
 
-        bucket = b.get("load_format") == "flattened_bucket"
+        bucket = b.get("load_format") == "flattened_bucket" and self.api >= (0, 5, 6)
         if bucket:
             try:
                 layout, total = flattened_layout(b["names"], b["dtypes"], b["shapes"])

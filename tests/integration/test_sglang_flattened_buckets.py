@@ -2,7 +2,8 @@
 trainer's broadcaster sends a version from its tensors in packed buckets, the engine reads the
 plan from the trainer's store and asks for one `flattened_bucket` per bucket. The served
 weights are the trainer's bit for bit, one broadcast moved each bucket, and a misaligned
-bucket is refused before any broadcast, as SGLang's `FlattenedTensorBucket` refuses it."""
+bucket is refused before any broadcast, as SGLang's `FlattenedTensorBucket` refuses it. A
+server older than flattened buckets is refused by the engine before any update call."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from asyncrl.net import free_port
 from asyncrl.tiny import build_tiny_model
 from asyncrl.weights import load_state_dict_files
 from services.rollout.sglang_config import SGLangConfig
-from services.rollout.sglang_engine import SGLangEngine
+from services.rollout.sglang_engine import SGLangEngine, SGLangError
 from services.trainer.weight_sync import WeightBroadcaster
 from tests import sglang_contract as sg
-from tests.fakes.sglang_server import spawn_fake, tensor_digest
+from tests.fakes.sglang_server import serve_fake, spawn_fake, tensor_digest
 
 pytestmark = pytest.mark.slow  # deploys a model: left out of `make test-fast`
 
@@ -94,3 +95,20 @@ async def test_flattened_buckets_serve_the_trainers_weights_one_broadcast_per_bu
         f"{misaligned['names'][1]}: byte offset 3, dtype {torch.float32}"
     )
     assert after["broadcasts"] == stats["broadcasts"]  # refused before any broadcast
+
+
+async def test_nccl_update_of_a_server_without_flattened_buckets_fails_before_any_call(models):
+    async with serve_fake(models[0], sglang_version="0.5.5") as fake:
+        engine = SGLangEngine(
+            SGLangConfig(url=fake.url, weight_sync="nccl", nccl_master="127.0.0.1:1")
+        )
+        await engine.start()
+        try:
+            await engine.load(models[0], 0)
+            fake.calls.clear()
+            with pytest.raises(SGLangError, match="from 0.5.6 on; this server is 0.5.5"):
+                await engine.update_weights(models[1], 1)
+        finally:
+            await engine.stop()
+    assert engine.version == 0
+    assert "/update_weights_from_distributed" not in [c["path"] for c in fake.calls]

@@ -123,20 +123,22 @@ def test_build_command_old_sglang_or_override_omits_what_does_not_apply():
 
 
 @pytest.mark.parametrize(
-    ("version", "reports", "body", "info"),
+    ("version", "reports", "body", "info", "flat"),
     [
-        ("0.4.10", False, None, "/get_model_info"),
-        ("0.5.1", True, None, "/get_model_info"),
-        ("0.5.4", True, None, "/get_model_info"),
-        ("0.5.5", True, {"mode": "abort"}, "/get_model_info"),
-        ("0.5.9", True, {"mode": "abort"}, "/model_info"),
+        ("0.4.10", False, None, "/get_model_info", False),
+        ("0.5.1", True, None, "/get_model_info", False),
+        ("0.5.4", True, None, "/get_model_info", False),
+        ("0.5.5", True, {"mode": "abort"}, "/get_model_info", False),
+        ("0.5.6", True, {"mode": "abort"}, "/get_model_info", True),
+        ("0.5.9", True, {"mode": "abort"}, "/model_info", True),
     ],
 )
-def test_server_api_differences_by_version(version, reports, body, info):
+def test_server_api_differences_by_version(version, reports, body, info, flat):
     api = ServerApi(parse_version(version))
     assert api.reports_weight_version is reports
     assert api.pause_body == body
     assert api.model_info_paths[0] == info
+    assert api.takes_flattened_buckets is flat
 
 
 def test_parse_generate_response_takes_ids_from_logprob_triples():
