@@ -85,6 +85,8 @@ class WeightBroadcaster:
         self.broadcasts = 0
         """Broadcasts made so far (one per bucket)."""
         self._sent: int | None = None  # the last version whose plan is in the store
+        self._pool: dict[int, list[torch.Tensor]] = {}  # two sets of buffers, alternating
+        self._packed = 0
         self._lock = threading.Lock()  # close() waits for a send in flight
 
     @classmethod
@@ -111,14 +113,20 @@ class WeightBroadcaster:
             self.tcp = open_store(self.master_address, self.master_port, True, self.timeout_s)
 
     def snapshot(self, state: Mapping[str, torch.Tensor], config: bytes = b"{}") -> Snapshot:
-        """`state` (HF names, the dtype to publish) copied into packed bucket buffers."""
+        """`state` (HF names, the dtype to publish) copied into packed bucket buffers: two sets
+        alternate, so a version may be in flight while the next is packed (not two)."""
         import torch
 
         from services.trainer.broadcast import Snapshot, new_buffers, pack  # it imports us
 
         self.host()
         p = buckets.plan_of_state(state, self.bucket_bytes, packed=True)
-        snap = Snapshot(p, pack(state, p, new_buffers(p, self.device)), config)
+        self._packed += 1
+        slot = self._packed % 2  # the other set may still be in flight (written, sent)
+        buffers = self._pool.get(slot)
+        if buffers is None or [b.numel() for b in buffers] != list(p.sizes):
+            buffers = self._pool[slot] = new_buffers(p, self.device)
+        snap = Snapshot(p, pack(state, p, buffers), config)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return snap
