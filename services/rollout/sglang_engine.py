@@ -483,7 +483,12 @@ class SGLangEngine(Engine):
             await self._request("POST", "/init_weights_update_group", body, timeout=UPDATE_TIMEOUT)
             self._group_ready = True
         timeout_s = UPDATE_TIMEOUT.total
-        plan = await asyncio.to_thread(fetch_plan, c.nccl_master, c.nccl_group, version, timeout_s)
+        try:
+            plan = await asyncio.to_thread(
+                fetch_plan, c.nccl_master, c.nccl_group, version, timeout_s
+            )
+        except (RuntimeError, ValueError) as exc:  # the store's timeout, a plan we cannot take
+            raise SGLangError(f"v{version}: no bucket plan from the trainer: {exc}") from exc
         await receive_version(
             functools.partial(self._request, timeout=UPDATE_TIMEOUT),
             plan,
