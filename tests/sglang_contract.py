@@ -3,7 +3,8 @@ requirements-sglang.txt) as the judge of what the SGLang engine sends and reads.
 
 `import sglang` needs triton and CUDA-only packages, so nothing here imports the package as a
 whole: a module whose own imports are light (the /generate schema `sglang.api.v1.api_types`,
-`sglang.srt.sampling.sampling_params`, `sglang.srt.utils.msgspec_utils`,
+`sglang.srt.sampling.sampling_params`, `sglang.srt.weight_sync.tensor_bucket`,
+`sglang.srt.utils.msgspec_utils`,
 `sglang.srt.arg_groups.arg_utils`) is loaded from its file under bare parent packages, so that
 sglang's `__init__` files do not run. What lives in a module that needs CUDA to import (the
 routes in `http_server.py`, the request types in `io_struct.py`, the launch flags, the
@@ -221,6 +222,11 @@ def api_types() -> types.ModuleType:
 
 def sampling_module() -> types.ModuleType:
     return load("sglang.srt.sampling.sampling_params")
+
+
+def tensor_bucket_module() -> types.ModuleType:
+    """`FlattenedTensorBucket`, what `load_format: "flattened_bucket"` receives into."""
+    return load("sglang.srt.weight_sync.tensor_bucket")
 
 
 @cache

@@ -7,6 +7,11 @@ buffer (a tensor larger than a bucket gets a bucket of its own). Both ends deriv
 from the same metadata, the trainer packs its parameters into the buckets, and each bucket is
 one broadcast.
 
+`plan(..., packed=True)` is the layout SGLang's `FlattenedTensorBucket` reconstructs (the
+`flattened_bucket` load format of `trainer.weight_sync: nccl`): the tensors back to back with no
+padding, each at an offset that is a multiple of its dtype's itemsize; a tensor that would land
+misaligned starts a new bucket, and each bucket's buffer is exactly its tensors' bytes.
+
 Each bucket's checksum is xxh3-64 over its tensors' bytes, in plan order (the alignment padding
 is not part of it), computed by the trainer as it packs and by an engine as it receives. The
 version's fingerprint (`fingerprint`) is one xxh3-128 over the plan and the bucket checksums,
@@ -18,7 +23,7 @@ kind) at ~1.4.
 
 A bucket may also travel as a delta against the same bucket of the previous version
 (`encode_delta`, `apply_delta`): the 4-byte words that changed, their indices then their new
-values in one int32 tensor. Bucket buffers are a multiple of `ALIGN` bytes (the padding at the
+values in one int32 tensor. Padded bucket buffers are a multiple of `ALIGN` bytes (the padding at the
 end is zeros on the trainer and not part of the checksum), so every bucket is whole words.
 """
 
@@ -75,11 +80,13 @@ class Slot:
 @dataclass(frozen=True)
 class Plan:
     """Where every tensor of a version goes; `sizes[i]` is bucket i's buffer size in bytes (its
-    tensors' extent, rounded up to `ALIGN`)."""
+    tensors' extent, rounded up to `ALIGN` unless `packed`)."""
 
     bucket_bytes: int
     slots: tuple[Slot, ...]
     sizes: tuple[int, ...]
+    packed: bool = False
+    """No padding: `plan(..., packed=True)` (module docstring)."""
 
     @property
     def nbytes(self) -> int:
@@ -90,18 +97,19 @@ class Plan:
         return [s for s in self.slots if s.bucket == i]
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "bucket_bytes": self.bucket_bytes,
-                "tensors": [[s.name, s.dtype, list(s.shape)] for s in self.slots],
-            }
-        )
+        data = {
+            "bucket_bytes": self.bucket_bytes,
+            "tensors": [[s.name, s.dtype, list(s.shape)] for s in self.slots],
+        }
+        if self.packed:  # absent otherwise: a padded plan's fingerprint stays what it was
+            data["packed"] = True
+        return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
         metas = [(name, dtype, tuple(shape)) for name, dtype, shape in data["tensors"]]
-        return plan(metas, data["bucket_bytes"])
+        return plan(metas, data["bucket_bytes"], packed=data.get("packed", False))
 
 
 def nbytes_of(dtype: str, shape: Iterable[int]) -> int:
@@ -113,8 +121,11 @@ def nbytes_of(dtype: str, shape: Iterable[int]) -> int:
     return n
 
 
-def plan(metas: Iterable[tuple[str, str, tuple[int, ...]]], bucket_bytes: int) -> Plan:
-    """The buckets of tensors `metas` (name, torch dtype name, shape), laid out in name order."""
+def plan(
+    metas: Iterable[tuple[str, str, tuple[int, ...]]], bucket_bytes: int, packed: bool = False
+) -> Plan:
+    """The buckets of tensors `metas` (name, torch dtype name, shape), laid out in name order:
+    each tensor `ALIGN`-aligned, or back to back when `packed` (module docstring)."""
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
     slots: list[Slot] = []
@@ -122,18 +133,22 @@ def plan(metas: Iterable[tuple[str, str, tuple[int, ...]]], bucket_bytes: int) -
     for name, dtype, shape in sorted(metas):
         n = nbytes_of(dtype, shape)
         offset = sizes[-1] if sizes else 0
-        if not sizes or (offset + n > bucket_bytes and sizes[-1] > 0):
+        full = offset + n > bucket_bytes and offset > 0
+        if not sizes or full or (packed and offset % _ITEMSIZE[dtype]):
             sizes.append(0)
             offset = 0
         slots.append(Slot(name, dtype, tuple(shape), len(sizes) - 1, offset, n))
-        sizes[-1] = -(-(offset + n) // ALIGN) * ALIGN
-    return Plan(bucket_bytes, tuple(slots), tuple(sizes))
+        sizes[-1] = offset + n if packed else -(-(offset + n) // ALIGN) * ALIGN
+    return Plan(bucket_bytes, tuple(slots), tuple(sizes), packed)
 
 
-def plan_of_state(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> Plan:
+def plan_of_state(
+    state: Mapping[str, torch.Tensor], bucket_bytes: int, packed: bool = False
+) -> Plan:
     return plan(
         ((k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in state.items()),
         bucket_bytes,
+        packed,
     )
 
 

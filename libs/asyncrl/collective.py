@@ -19,6 +19,12 @@ def collective_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def plan_key(group_name: str, version: int) -> str:
+    """The key of version `version`'s bucket plan in the store of group `group_name`
+    (`trainer.weight_sync: nccl`: the trainer sets it, the SGLang engines read it)."""
+    return f"{group_name}/v{version}/plan"
+
+
 def group_on_store(
     store,
     backend: str,

@@ -30,7 +30,8 @@ class SGLangConfig:
     """How a new version reaches the server: "disk" (`/update_weights_from_disk`) or "nccl"
     (broadcast from the trainer, see sglang_sync)."""
     nccl_master: str | None = None
-    """host:port of the trainer's rendezvous (rank 0); required with weight_sync nccl."""
+    """host:port of the trainer's rendezvous and store (rank 0; the buckets' plan, sized by the
+    trainer's `broadcast_bucket_mb`, is read there); required with weight_sync nccl."""
     nccl_group: str = "asyncrl-weights"
     """Name of the weight-update process group (the trainer uses the same)."""
     nccl_rank_offset: int = 1
@@ -39,9 +40,6 @@ class SGLangConfig:
     """Ranks in the group; None: 1 + the launched server's tp_size (1 + 1 when attached)."""
     nccl_backend: str = "nccl"
     """torch.distributed backend of the group ("gloo" in CPU tests)."""
-    bucket_mb: int = 512
-    """Tensors per `/update_weights_from_distributed` call, in MiB (a bigger tensor goes
-    alone)."""
     startup_timeout_s: float = 900.0
     """How long a server may take to become healthy (first start, restart, reconnect)."""
     drain_timeout_s: float = 5.0

@@ -89,7 +89,7 @@ from services.rollout.sglang_protocol import (  # noqa: F401 - re-exported
     parse_json,
     wire_rid,
 )
-from services.rollout.sglang_sync import receive_version
+from services.rollout.sglang_sync import fetch_plan, receive_version
 
 log = get_logger(component="sglang_engine")
 
@@ -468,19 +468,31 @@ class SGLangEngine(Engine):
         self._version = version
 
     async def _apply_distributed(self, model_dir: str, version: int) -> None:
-        """The engine's half of the collective update (sglang_sync.receive_version)."""
+        """The engine's half of the collective update (sglang_sync.receive_version): the plan
+        from the trainer's store, then one call per bucket."""
         c = self.config
+        if not self.api.takes_flattened_buckets:
+            raise SGLangError(
+                "weight_sync nccl sends flattened buckets, which SGLang takes from 0.5.6 on; "
+                f"this server is {'.'.join(map(str, self.api.version))}: use weight_sync disk"
+            )
         if not self._group_ready:
             body = init_group_body(
                 c.nccl_master, c.nccl_rank_offset, c.nccl_world, c.nccl_group, c.nccl_backend
             )
             await self._request("POST", "/init_weights_update_group", body, timeout=UPDATE_TIMEOUT)
             self._group_ready = True
+        timeout_s = UPDATE_TIMEOUT.total
+        try:
+            plan = await asyncio.to_thread(
+                fetch_plan, c.nccl_master, c.nccl_group, version, timeout_s
+            )
+        except (RuntimeError, ValueError) as exc:  # the store's timeout, a plan we cannot take
+            raise SGLangError(f"v{version}: no bucket plan from the trainer: {exc}") from exc
         await receive_version(
             functools.partial(self._request, timeout=UPDATE_TIMEOUT),
-            model_dir,
+            plan,
             group=c.nccl_group,
-            bucket_bytes=c.bucket_mb << 20,
             weight_version=version if self.api.reports_weight_version else None,
             session=self.api.needs_update_session,
         )

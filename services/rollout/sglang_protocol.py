@@ -84,6 +84,13 @@ class ServerApi:
         return self.version >= (0, 5, 21)
 
     @property
+    def takes_flattened_buckets(self) -> bool:
+        """`/update_weights_from_distributed` takes `load_format: "flattened_bucket"` (one
+        broadcast per bucket; sgl-project/sglang#13824, merged after 0.5.5). An older server
+        ignores the field and would wait for one broadcast per tensor."""
+        return self.version >= (0, 5, 6)
+
+    @property
     def model_info_paths(self) -> tuple[str, str]:
         """Preferred path first; the other is tried on 404."""
         if self.version >= (0, 5, 9):

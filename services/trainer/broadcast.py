@@ -87,8 +87,12 @@ class Snapshot:
 
     def views(self, i: int) -> list[torch.Tensor]:
         """Bucket i's tensors, as views of its buffer (no copy)."""
+        return [t for _, t in self.tensors(i)]
+
+    def tensors(self, i: int) -> list[tuple[buckets.Slot, torch.Tensor]]:
+        """Bucket i's slots and their tensors, as views of its buffer (no copy)."""
         return [
-            self.buffers[i][s.offset : s.offset + s.nbytes].view(_dtype(s.dtype)).view(s.shape)
+            (s, self.buffers[i][s.offset : s.offset + s.nbytes].view(_dtype(s.dtype)).view(s.shape))
             for s in self.plan.bucket(i)
         ]
 

@@ -7,15 +7,16 @@ one knob `trainer.weight_sync` of the experiment spec (`sender_for`):
         rollouts fetch its nats-obj:// URI into their own cache (no shared filesystem).
   broadcast  streamed from the trainer's parameters in buckets to the torch engines over one
         process group, the store written beside it from the same snapshot (`broadcast.py`).
-  nccl  written there, and broadcast to the SGLang engines' GPUs (the trainer is rank 0 of
-        their weight-update group, `weight_sync.py`) while the scheduler commits the version
-        and has the engines receive it.
+  nccl  packed from the trainer's parameters into flat buckets, written there from them, and
+        broadcast from them to the SGLang engines' GPUs, one broadcast per bucket (the trainer
+        is rank 0 of their weight-update group, `weight_sync.py`) while the scheduler commits
+        the version and has the engines receive it.
 
-Every sender writes the weight store first: checkpoints and resume read it, an NCCL engine
-reads the tensors' names and shapes from it, and a restarted engine reloads from it. The
-payload is the version's files as the backend serialised them (`TrainerBackend.hf_files`:
-safetensors, a name -> tensor mapping, plus config.json, its metadata); a LoRA adapter is the
-same call with adapter_model.safetensors and adapter_config.json.
+Every sender writes the weight store first: checkpoints and resume read it, and a restarted
+engine reloads from it. The payload is the version's files as the backend serialised them
+(`TrainerBackend.hf_files`: safetensors, a name -> tensor mapping, plus config.json, its
+metadata), or, under `nccl` and `broadcast`, written from the bucket snapshot's buffers; a
+LoRA adapter is the same call with adapter_model.safetensors and adapter_config.json.
 
 `ASYNCRL_WEIGHTS_TRANSPORT=nats`, the former deployment-wide knob, is a deprecated alias: it
 turns `disk` into `nats`, and under `nccl` sends the files through NATS too (what it did
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from asyncrl.fingerprint import read_manifest
+from asyncrl.fingerprint import of_state, read_manifest
 from asyncrl.retry import jetstream_call
 from asyncrl.settings import settings
 from asyncrl.spec import TrainerSpec
@@ -133,8 +134,9 @@ class DiskSender(WeightSender):
     def uri(self, version: int) -> str:
         return path_to_uri(self.store.dir(version)) if version else ""
 
-    async def publish(self, version: int, files: Files) -> str:
-        await asyncio.to_thread(self.store.write, version, files)
+    async def publish(self, version: int, files: Files, fingerprint: str | None = None) -> str:
+        """`fingerprint`: the weights', when known (else computed from `files`)."""
+        await asyncio.to_thread(self.store.write, version, files, fingerprint)
         return self.uri(version)
 
     def fingerprint(self, version: int) -> str:
@@ -159,8 +161,8 @@ class NatsSender(DiskSender):
     def uri(self, version: int) -> str:
         return version_uri(self.store.experiment_id, version) if version else ""
 
-    async def publish(self, version: int, files: Files) -> str:
-        await super().publish(version, files)
+    async def publish(self, version: int, files: Files, fingerprint: str | None = None) -> str:
+        await super().publish(version, files, fingerprint)
         t0 = time.perf_counter()
         uri = await self._upload(version)
         self.observe("upload", time.perf_counter() - t0)
@@ -191,18 +193,29 @@ class NatsSender(DiskSender):
 
 
 class NcclSender(WeightSender):
-    """`nccl`: stored as `files` does it, and broadcast to the engines beside the commit."""
+    """`nccl`: a snapshot of the trainer's parameters in packed buckets (`weight_sync.py`),
+    stored as `files` does it (written from the snapshot's buffers), and broadcast from them to
+    the engines beside the commit, one broadcast per bucket."""
 
     name = "nccl"
 
     def __init__(self, files: DiskSender, broadcaster: WeightBroadcaster):
         self.files, self.broadcaster = files, broadcaster
+        self._snaps: dict = {}  # version -> its Snapshot, until sent
+
+    def snapshot(self, backend):
+        state, config = backend.hf_state()
+        return self.broadcaster.snapshot(state, config)
 
     def uri(self, version: int) -> str:
         return self.files.uri(version)
 
-    async def publish(self, version: int, files: Files) -> str:
-        return await self.files.publish(version, files)
+    async def publish(self, version: int, files) -> str:
+        """Store the snapshot `files`'s version (from its buffers, not serialised again)."""
+        self._snaps = {version: files}
+        state = {s.name: t for i in range(len(files.buffers)) for s, t in files.tensors(i)}
+        fp = await asyncio.to_thread(of_state, state)
+        return await self.files.publish(version, files.files(), fp)
 
     async def restore(self, version: int, files: Callable[[], Files]) -> None:
         await self.files.restore(version, files)
@@ -213,9 +226,9 @@ class NcclSender(WeightSender):
     async def send(self, version: int, commit: Awaitable[T]) -> T:
         """The broadcast (joining the group at the first) and the commit run together; both
         finish before a failure of either is raised, so no broadcast outlives the step."""
-        model_dir = self.files.store.dir(version)
+        snap = self._snaps.pop(version)
         sent, resp = await asyncio.gather(
-            asyncio.to_thread(self.broadcaster.send_version, model_dir),
+            asyncio.to_thread(self.broadcaster.send, version, snap),
             commit,
             return_exceptions=True,
         )

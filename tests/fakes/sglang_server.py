@@ -21,7 +21,11 @@ rollout engine relies on (tests/integration/test_sglang_fake_strict.py catches e
 - `/update_weights_from_disk` waits for running requests (SGLang's writer lock), swaps the
   weights and the reported `weight_version`; a bad path or a model of another shape is a 400
   with a message. `/init_weights_update_group` + `/update_weights_from_distributed` receive
-  tensors by collective broadcast (gloo on CPU, nccl on GPU), the trainer being rank 0; from
+  tensors by collective broadcast (gloo on CPU, nccl on GPU), the trainer being rank 0: one
+  broadcast per tensor, or with `load_format: "flattened_bucket"` one broadcast of the listed
+  tensors back to back (`flattened_layout`: a misaligned offset or an empty list is a 400
+  "Failed to receive weights: ...", before any broadcast, as SGLang's `FlattenedTensorBucket`;
+  any other load_format, or any before 0.5.6, is the per-tensor path, as SGLang); from
   0.5.21 only inside a `/begin_weight_update` ... `/end_weight_update` session (a 400 outside
   one; a second begin while one is open is a 400). A control body that is missing, or lacks a
   field its io_struct type requires, is a 422.
@@ -130,7 +134,7 @@ class FakeSGLang(WeightRoutes, LoraRoutes):
         self.update_session = False  # between /begin_weight_update and /end_weight_update
         self.requests: list[_Request] = []
         self.groups: dict[str, object] = {}
-        self.stats = {"requests": 0, "tokens": 0, "aborted": 0, "updates": 0}
+        self.stats = {"requests": 0, "tokens": 0, "aborted": 0, "updates": 0, "broadcasts": 0}
         self.calls: list[dict] = []
         """Every call but health and fake_*: {"method", "path", "body"} (body: JSON or None)."""
         self.mangle: Callable[[dict], dict | str] | None = None

@@ -23,6 +23,30 @@ def tensor_digest(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def flattened_layout(names, dtypes, shapes) -> tuple[list[tuple], int]:
+    """SGLang's `FlattenedTensorBucket.empty` layout (sglang/srt/weight_sync/tensor_bucket.py):
+    per tensor (name, dtype, shape, start, end) back to back with no padding, and the total
+    bytes; ValueError as SGLang words it for a negative dimension, an offset that is not a
+    multiple of the dtype's itemsize, or no tensor (tests/unit/test_sglang_contract.py checks
+    this against the installed class)."""
+    layout, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        dtype = getattr(torch, dtype)
+        shape = torch.Size(shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"Negative dimension in received tensor {name}: {shape}")
+        if offset % dtype.itemsize:
+            raise ValueError(
+                f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}"
+            )
+        size = shape.numel() * dtype.itemsize
+        layout.append((name, dtype, shape, offset, offset + size))
+        offset += size
+    if not layout:
+        raise ValueError("Cannot create empty tensor bucket")
+    return layout, offset
+
+
 def load_model(path: str):
     from transformers import AutoModelForCausalLM
 
@@ -135,15 +159,32 @@ class WeightRoutes:
         if group is None:
             raise failure(f"no weights update group {b.get('group_name')!r}: init it first")
 
+        bucket = b.get("load_format") == "flattened_bucket" and self.api >= (0, 5, 6)
+        if bucket:
+            try:
+                layout, total = flattened_layout(b["names"], b["dtypes"], b["shapes"])
+            except ValueError as e:
+                raise failure(f"Failed to receive weights: {e}") from None
+
         def receive():
             import torch.distributed as dist
 
             device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-            state = self.model.state_dict(keep_vars=True)
-            with torch.no_grad():
+            if bucket:
+                flat = torch.empty(total, dtype=torch.uint8, device=device)
+                dist.broadcast(flat, src=0, group=group)
+                self.stats["broadcasts"] += 1
+                got = [(n, flat[a:z].view(dt).reshape(sh)) for n, dt, sh, a, z in layout]
+            else:
+                got = []
                 for name, dtype, shape in zip(b["names"], b["dtypes"], b["shapes"], strict=True):
                     t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
                     dist.broadcast(t, src=0, group=group)
+                    self.stats["broadcasts"] += 1
+                    got.append((name, t))
+            state = self.model.state_dict(keep_vars=True)
+            with torch.no_grad():
+                for name, t in got:
                     state[name].copy_(t.to("cpu", state[name].dtype))
 
         async def swap():

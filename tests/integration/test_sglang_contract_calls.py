@@ -12,9 +12,11 @@ import threading
 import aiohttp
 import pytest
 
+from asyncrl import buckets
 from asyncrl.net import free_port
 from asyncrl.spec import SamplingParams
 from asyncrl.tiny import build_tiny_model
+from asyncrl.weights import load_state_dict_files
 from services.rollout.engine import GenRequest
 from services.rollout.sglang_config import SGLangConfig
 from services.rollout.sglang_engine import SGLangEngine, SGLangError, error_message
@@ -114,14 +116,16 @@ async def test_collective_update_calls_run_inside_the_weight_update_session(mode
                 weight_sync="nccl",
                 nccl_master=f"127.0.0.1:{port}",
                 nccl_backend="gloo",
-                bucket_mb=0,  # one bucket per tensor
             )
         )
         await engine.start()
         try:
             await engine.load(models[0], 0)
-            sender = WeightBroadcaster("127.0.0.1", port, world_size=2, backend="gloo")
-            thread = threading.Thread(target=sender.send_version, args=(models[1],))
+            sender = WeightBroadcaster(  # tiny buckets: many update calls
+                "127.0.0.1", port, world_size=2, backend="gloo", bucket_bytes=8
+            )
+            state = load_state_dict_files(models[1])
+            thread = threading.Thread(target=sender.send_state, args=(1, state))
             thread.start()
             await engine.update_weights(models[1], 1)
             await asyncio.to_thread(thread.join, 60)
@@ -164,9 +168,8 @@ async def test_session_left_open_is_reopened_and_a_failed_bucket_still_closes_it
             await request("POST", "/begin_weight_update", {})  # left open
             fake.calls.clear()
             with pytest.raises(SGLangError, match="no weights update group 'grp'"):
-                await receive_version(
-                    request, models[1], group="grp", bucket_bytes=0, weight_version=1, session=True
-                )
+                plan = buckets.plan([("a.weight", "float32", (2,))], 64, packed=True)
+                await receive_version(request, plan, group="grp", weight_version=1, session=True)
         assert not fake.update_session
         assert [c["path"] for c in fake.calls] == [
             "/begin_weight_update",  # 400: already open

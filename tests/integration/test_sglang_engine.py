@@ -18,6 +18,7 @@ from asyncrl.natsutil import wait_until
 from asyncrl.net import free_port
 from asyncrl.spec import SamplingParams
 from asyncrl.tiny import build_tiny_model
+from asyncrl.weights import load_state_dict_files
 from services.rollout.engine import GenRequest
 from services.rollout.sglang_config import SGLangConfig
 from services.rollout.sglang_engine import SGLangBadResponse, SGLangEngine, SGLangError
@@ -361,7 +362,7 @@ def test_launch_without_sglang_raises_clear_error():
 
 async def _collective_update(models, backend: str, child_env: dict):
     """Attach to a fake in its own process; the trainer's broadcaster (in a thread here) sends
-    v1's directory. The trainer service itself: tests/integration/test_trainer_weight_sync.py."""
+    v1's tensors. The trainer service itself: tests/integration/test_trainer_weight_sync.py."""
     port = free_port()
     with spawn_fake(models[0], "--weight-version", "0", env=child_env) as url:
         engine = SGLangEngine(
@@ -370,18 +371,20 @@ async def _collective_update(models, backend: str, child_env: dict):
                 weight_sync="nccl",
                 nccl_master=f"127.0.0.1:{port}",
                 nccl_backend=backend,
-                bucket_mb=0,  # one bucket per tensor: many update calls
             )
         )
         await engine.start()
         try:
             await engine.load(models[0], 0)
-            sender = WeightBroadcaster("127.0.0.1", port, world_size=2, backend=backend)
+            sender = WeightBroadcaster(  # tiny buckets: many update calls
+                "127.0.0.1", port, world_size=2, backend=backend, bucket_bytes=8
+            )
+            state = load_state_dict_files(models[1])
             errors: list[BaseException] = []
 
             def trainer():
                 try:
-                    sender.send_version(models[1])
+                    sender.send_state(1, state)
                 except BaseException as e:  # noqa: BLE001 - re-raised in the test
                     errors.append(e)
 

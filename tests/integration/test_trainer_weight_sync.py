@@ -1,7 +1,7 @@
 """`trainer.weight_sync: nccl` end to end over gloo (CPU): a real trainer service (torch backend,
 tiny model) commits version 1 to a fake scheduler whose CommitWeights has a real SGLangEngine
 (`weight_sync=nccl`) update the SGLang fake, which runs in its own process and receives the
-tensors by collective broadcast from the trainer. The NCCL variant of the same protocol needs
+tensors by collective broadcast from the trainer, one flattened bucket per broadcast. The NCCL variant of the same protocol needs
 GPUs: tests/integration/test_sglang_engine.py, marked gpu."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
+from asyncrl.fingerprint import of_dir, read_manifest
 from asyncrl.ledger import ensure_ledger
 from asyncrl.natsutil import publish_group, wait_until
 from asyncrl.net import free_port
@@ -60,7 +61,6 @@ async def test_trainer_weight_sync_nccl_over_gloo_engine_serves_committed_weight
                 weight_sync="nccl",
                 nccl_master=f"127.0.0.1:{port}",
                 nccl_backend="gloo",
-                bucket_mb=0,  # one bucket per tensor: many update calls
             )
         )
         await engine.start()
@@ -105,6 +105,9 @@ async def test_trainer_weight_sync_nccl_over_gloo_engine_serves_committed_weight
     assert engine.version == 1 and stats["weight_version"] == "1"
     assert stats["updates"] == disk_updates  # not from disk: the broadcast delivered them
     assert served == trained  # exactly the trainer's committed weights
+    # one broadcast per bucket (the tiny model fits one 64 MiB bucket), not one per tensor
+    assert stats["broadcasts"] == service.sender.broadcaster.broadcasts == 1 < len(trained)
     assert served != base  # and the step changed them
     assert (stored / "model.safetensors").is_file()  # the weight store is still written
+    assert of_dir(stored) == read_manifest(stored)  # from the snapshot, its fingerprint true
     assert service.sender.broadcaster.group is None  # left when the experiment ended

@@ -28,6 +28,23 @@ def test_plan_lays_tensors_out_in_name_order_aligned_and_split_at_the_bucket_siz
     assert buckets.Plan.from_json(p.to_json()) == p
 
 
+def test_packed_plan_is_back_to_back_and_starts_a_bucket_where_a_tensor_would_misalign():
+    metas = [
+        ("a", "bfloat16", (3,)),  # 6 bytes
+        ("b", "bfloat16", (1,)),  # 2 bytes: at 6, aligned for its itemsize 2
+        ("c", "int8", (3,)),  # 3 bytes: at 8
+        ("d", "float32", (2,)),  # 8 bytes: at 11 it would misalign: a new bucket
+        ("e", "float32", (4,)),  # 16 bytes: at 8 it would end at 24 > 16: a new bucket
+    ]
+    p = buckets.plan(metas, bucket_bytes=16, packed=True)
+    got = [(s.name, s.bucket, s.offset) for s in p.slots]
+    assert got == [("a", 0, 0), ("b", 0, 6), ("c", 0, 8), ("d", 1, 0), ("e", 2, 0)]
+    assert p.sizes == (11, 8, 16)  # exactly the tensors' bytes: no padding
+    assert buckets.Plan.from_json(p.to_json()) == p
+    padded = buckets.plan(metas, bucket_bytes=16)
+    assert "packed" not in padded.to_json()  # a padded plan's fingerprint is unchanged
+
+
 def test_plan_refuses_what_it_cannot_lay_out():
     with pytest.raises(ValueError, match="complex64"):
         buckets.plan([("x", "complex64", (2,))], 64)

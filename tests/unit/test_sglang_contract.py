@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from asyncrl import buckets
 from asyncrl.spec import SamplingParams, SpecError, spec_from_json
 from asyncrl.tiny import build_tiny_model
 from services.rollout.engine import GenRequest
@@ -38,9 +39,10 @@ from services.rollout.sglang_protocol import (
     session_body,
     wire_rid,
 )
-from services.rollout.sglang_sync import TensorMeta, bucket_request
+from services.rollout.sglang_sync import bucket_request
 from tests import sglang_contract as sg
 from tests.fakes import sglang_rules
+from tests.fakes.sglang_weights import flattened_layout
 
 API = ServerApi(parse_version(sg.PINNED))
 REPO = Path(__file__).resolve().parents[2]
@@ -132,7 +134,7 @@ def test_more_stop_strings_than_sglang_takes_refused_naming_the_field():
 
 
 def test_control_bodies_parse_into_sglang_io_struct_types():
-    metas = [TensorMeta("a.weight", "bfloat16", (4, 2)), TensorMeta("b.bias", "float32", (4,))]
+    p = buckets.plan([("a.weight", "bfloat16", (4, 2)), ("b.bias", "float32", (4,))], 64, True)
     bodies = {
         "/pause_generation": API.pause_body,
         "/continue_generation": continue_body(),
@@ -145,7 +147,7 @@ def test_control_bodies_parse_into_sglang_io_struct_types():
     for path, body in bodies.items():
         sg.check_control(path, body)
     for last in (False, True):
-        body = bucket_request(metas, "grp", 3, last)
+        body = bucket_request(p.bucket(0), "grp", 3, last)
         sg.check_control("/update_weights_from_distributed", body)
     assert sg.route("/pause_generation")[1] == "PauseGenerationReqInput"
 
@@ -239,6 +241,57 @@ def test_distributed_updates_need_the_session_the_engine_opens():
         "begin_weight_update no longer says a session is already open (the engine's cue)",
     )
     assert API.needs_update_session
+
+
+BUCKETS = [
+    (["a", "b", "c"], ["bfloat16", "float32", "int8"], [[3, 2], [4], [5]]),  # aligned
+    (["a", "b"], ["int8", "float32"], [[3], [1]]),  # b at byte 3: misaligned
+    (["a"], ["float32"], [[2, -1]]),  # a negative dimension
+    ([], [], []),  # no tensor
+]
+
+
+@pytest.mark.parametrize(("names", "dtypes", "shapes"), BUCKETS)
+def test_fake_flattened_bucket_layout_and_refusals_are_sglangs(names, dtypes, shapes):
+    real = sg.tensor_bucket_module().FlattenedTensorBucket
+    try:
+        bucket = real.empty(names, dtypes, shapes, "cpu")
+    except ValueError as e:
+        with pytest.raises(ValueError) as fake:
+            flattened_layout(names, dtypes, shapes)
+        assert str(fake.value) == str(e)
+        return
+    layout, total = flattened_layout(names, dtypes, shapes)
+    assert total == bucket.get_flattened_tensor().numel()
+    assert [(n, d, s, a, z) for n, d, s, a, z in layout] == [
+        (m.name, m.dtype, m.shape, m.start_idx, m.end_idx) for m in bucket.get_metadata()
+    ]
+
+
+def test_packed_plans_are_buckets_sglang_rebuilds_and_the_update_path_takes_them():
+    metas = [("a", "int8", (3,)), ("b", "float32", (2,)), ("c", "bfloat16", (5,))]
+    metas += [("d", "int64", (1,)), ("e", "int8", (1,))]
+    p = buckets.plan(metas, 24, packed=True)
+    real = sg.tensor_bucket_module().FlattenedTensorBucket
+    for i, size in enumerate(p.sizes):
+        body = bucket_request(p.bucket(i), "grp", 1, last=False)
+        bucket = real.empty(body["names"], body["dtypes"], body["shapes"], "cpu")
+        assert bucket.get_flattened_tensor().numel() == size
+        assert [m.start_idx for m in bucket.get_metadata()] == [s.offset for s in p.bucket(i)]
+    runner = "srt/model_executor/model_runner_components/weight_updater.py"
+    sg.require(
+        'if load_format == "flattened_bucket":'
+        in sg.calls_in(runner, "receive_weights_from_distributed"),
+        "receive_weights_from_distributed no longer takes flattened buckets (any other "
+        "load_format: one broadcast per tensor, as the fake)",
+    )
+    updater = "srt/managers/scheduler_components/weight_updater.py"
+    sg.require(
+        'f"Failed to receive weights: {e}"'
+        in sg.calls_in(updater, "update_weights_from_distributed"),
+        "a refused bucket is no longer answered 'Failed to receive weights: ...' (the fake's)",
+    )
+    assert "load_format" in sg.struct_fields("UpdateWeightsFromDistributedReqInput")
 
 
 def test_abort_matches_by_prefix_and_wire_rids_are_prefix_free():

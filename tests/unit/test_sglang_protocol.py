@@ -1,15 +1,13 @@
 """Pure parts of the SGLang adapter: its config from flat options, launch command, version
-differences, response parsing, error messages, bucket plans for the collective weight
-update."""
+differences, response parsing, error messages, the bucket calls of the collective weight
+update and its plan read from the trainer's store."""
 
 from __future__ import annotations
 
-import json
-import struct
-
 import pytest
 
-from asyncrl.tiny import build_tiny_model
+from asyncrl import buckets
+from asyncrl.collective import open_store, plan_key
 from services.rollout.engines import make_engine
 from services.rollout.sglang_config import SGLangConfig
 from services.rollout.sglang_engine import (
@@ -19,7 +17,7 @@ from services.rollout.sglang_engine import (
     parse_generate_response,
 )
 from services.rollout.sglang_process import LaunchConfig, build_command, parse_version
-from services.rollout.sglang_sync import TensorMeta, bucket_request, plan_buckets, tensor_metas
+from services.rollout.sglang_sync import bucket_request, fetch_plan
 
 FAKE_CMD = ["python", "-m", "tests.fakes.sglang_server"]
 
@@ -53,11 +51,7 @@ def test_make_engine_attach_keeps_defaults():
     engine = make_engine("sglang", url="http://127.0.0.1:30000/")
     assert engine.url == "http://127.0.0.1:30000" and engine.launch_cfg is None
     assert engine.config == SGLangConfig(url="http://127.0.0.1:30000/")
-    assert (engine.config.weight_sync, engine.config.bucket_mb, engine.config.nccl_world) == (
-        "disk",
-        512,
-        2,
-    )
+    assert (engine.config.weight_sync, engine.config.nccl_world) == ("disk", 2)
 
 
 def test_sglang_options_launch_implied_by_model_path_or_launch_cmd():
@@ -129,20 +123,22 @@ def test_build_command_old_sglang_or_override_omits_what_does_not_apply():
 
 
 @pytest.mark.parametrize(
-    ("version", "reports", "body", "info"),
+    ("version", "reports", "body", "info", "flat"),
     [
-        ("0.4.10", False, None, "/get_model_info"),
-        ("0.5.1", True, None, "/get_model_info"),
-        ("0.5.4", True, None, "/get_model_info"),
-        ("0.5.5", True, {"mode": "abort"}, "/get_model_info"),
-        ("0.5.9", True, {"mode": "abort"}, "/model_info"),
+        ("0.4.10", False, None, "/get_model_info", False),
+        ("0.5.1", True, None, "/get_model_info", False),
+        ("0.5.4", True, None, "/get_model_info", False),
+        ("0.5.5", True, {"mode": "abort"}, "/get_model_info", False),
+        ("0.5.6", True, {"mode": "abort"}, "/get_model_info", True),
+        ("0.5.9", True, {"mode": "abort"}, "/model_info", True),
     ],
 )
-def test_server_api_differences_by_version(version, reports, body, info):
+def test_server_api_differences_by_version(version, reports, body, info, flat):
     api = ServerApi(parse_version(version))
     assert api.reports_weight_version is reports
     assert api.pause_body == body
     assert api.model_info_paths[0] == info
+    assert api.takes_flattened_buckets is flat
 
 
 def test_parse_generate_response_takes_ids_from_logprob_triples():
@@ -197,50 +193,31 @@ def test_error_message_reads_both_sglang_error_shapes():
     assert error_message(502, "") == "HTTP 502"
 
 
-def test_plan_buckets_splits_by_bytes_and_keeps_big_tensors_alone():
-    metas = [
-        TensorMeta("a", "float32", (10,)),  # 40 B
-        TensorMeta("b", "bfloat16", (10, 2)),  # 40 B
-        TensorMeta("c", "float32", (100,)),  # 400 B
-        TensorMeta("d", "int8", (8,)),
-    ]  # 8 B
-    assert [[m.name for m in b] for b in plan_buckets(metas, 100)] == [["a", "b"], ["c"], ["d"]]
-    assert [[m.name for m in b] for b in plan_buckets(metas, 0)] == [["a"], ["b"], ["c"], ["d"]]
-    assert len(plan_buckets(metas, 1 << 20)) == 1
-
-
-def test_bucket_request_sets_version_and_flush_on_the_last_bucket_only():
-    bucket = [TensorMeta("w", "bfloat16", (2, 3))]
-    assert bucket_request(bucket, "g", 4, last=False) == {
-        "names": ["w"],
-        "dtypes": ["bfloat16"],
-        "shapes": [[2, 3]],
+def test_bucket_request_is_one_flattened_bucket_with_version_and_flush_on_the_last_only():
+    p = buckets.plan([("w", "bfloat16", (2, 3)), ("b", "float32", (3,))], 64, packed=True)
+    assert bucket_request(p.bucket(0), "g", 4, last=False) == {
+        "names": ["b", "w"],
+        "dtypes": ["float32", "bfloat16"],
+        "shapes": [[3], [2, 3]],
         "group_name": "g",
         "flush_cache": False,
+        "load_format": "flattened_bucket",
     }
-    last = bucket_request(bucket, "g", 4, last=True)
+    last = bucket_request(p.bucket(0), "g", 4, last=True)
     assert last["flush_cache"] is True and last["weight_version"] == "4"
 
 
-def test_tensor_metas_reads_safetensors_headers_sorted(tmp_path):
-    model, _ = build_tiny_model(tmp_path, hidden_size=32, num_layers=1)
-    metas = tensor_metas(tmp_path)
-    names = [m.name for m in metas]
-    assert names == sorted(names)
-    state = model.state_dict()
-    assert "lm_head.weight" not in names  # tied: not saved, not sent
-    for m in metas:
-        assert m.dtype == "float32" and m.shape == tuple(state[m.name].shape)
+def test_fetch_plan_reads_the_trainers_plan_from_its_store():
+    store = open_store("127.0.0.1", 0, True, 5)
+    p = buckets.plan([("a", "float32", (3,)), ("b", "bfloat16", (5,))], 16, packed=True)
+    store.set(plan_key("grp", 3), p.to_json())
+    assert fetch_plan(f"127.0.0.1:{store.port}", "grp", 3, 5) == p
+    with pytest.raises(RuntimeError):  # v4's plan never comes: the store's timeout
+        fetch_plan(f"127.0.0.1:{store.port}", "grp", 4, 0.2)
 
 
-def test_tensor_metas_unsupported_dtype_raises_value_error_naming_tensor(tmp_path):
-    header = json.dumps({"w": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}).encode()
-    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0")
-    with pytest.raises(ValueError, match="tensor w has unsupported dtype 'F4'"):
-        tensor_metas(tmp_path)
-
-
-def test_tensor_metas_truncated_file_raises_value_error(tmp_path):
-    (tmp_path / "model.safetensors").write_bytes(b"\x10\0")
-    with pytest.raises(ValueError, match="not a safetensors file"):
-        tensor_metas(tmp_path)
+def test_fetch_plan_refuses_a_padded_plan():
+    store = open_store("127.0.0.1", 0, True, 5)
+    store.set(plan_key("grp", 1), buckets.plan([("a", "int8", (3,))], 16).to_json())
+    with pytest.raises(ValueError, match="not packed"):
+        fetch_plan(f"127.0.0.1:{store.port}", "grp", 1, 5)

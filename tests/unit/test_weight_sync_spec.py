@@ -33,7 +33,8 @@ def test_weight_sync_nccl_builds_rank_0_broadcaster_of_the_group():
     assert (b.master_address, b.master_port, b.world_size) == ("10.0.0.7", 29500, 3)
     assert b.group_name == GROUP_NAME == "asyncrl-weights"  # the SGLang engine's default
     assert b.backend == collective_backend()  # nccl with CUDA, gloo without
-    assert b.group is None  # joins at the first send, not before
+    assert b.group is None and b.tcp is None  # hosts and joins at first use, not before
+    assert b.bucket_bytes == 64 << 20  # trainer.broadcast_bucket_mb sizes the buckets
 
 
 @pytest.mark.parametrize(
