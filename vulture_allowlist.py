@@ -69,3 +69,5 @@ _.rootRank  # asyncrl.collective.Group.broadcast: torch's BroadcastOptions, read
 _.rootTensor  # the same
 weight_bytes_sent  # services/trainer/metrics.py StepTimes: read through asdict into StepMetrics
 weight_bytes_full  # the same
+_.broadcasts  # services/trainer/weight_sync.py WeightBroadcaster: broadcasts made, the tests count them
+send_state  # the same: a version straight from tensors (tests, tools)
