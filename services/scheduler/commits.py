@@ -67,7 +67,9 @@ class CommitHandler:
         The caller was authorized first (`TrainerAuthority.authorize`)."""
         t0 = time.perf_counter()
         fleet, over = self.fleet, self.lifecycle.stopping
-        if over:  # late
+        if over:  # late: the run is ending
+            if version > fleet.committed_version and self.lifecycle.phase is Phase.ENDING:
+                await self._record_late(version, uri, metrics, fingerprint)
             return CommitResult(fleet_version=fleet.version, stop=over)
         if version <= fleet.committed_version:  # a retry: answered as the first call would be
             await self.hooks.persist()  # the first may have failed to store it (NATS away)
@@ -103,6 +105,26 @@ class CommitHandler:
         fleet.commit_took(time.perf_counter() - t0)
         await fleet.reaches(version - fleet_lag(self.spec.rollout), version)
         return CommitResult(fleet_version=fleet.version, stop=self.lifecycle.stopping)
+
+    async def _record_late(
+        self, version: int, uri: str, metrics: StepMetrics, fingerprint: str
+    ) -> None:
+        """A step the trainer finished while the run ends (ENDING: a cancel came while it
+        trained; the trainer is being stopped): it is in the trainer's ledger and its final
+        checkpoint, so it goes in the record too (the record never counts a step fewer than
+        the ledger), but no rollout is updated to it and nothing more is dispatched. Once the
+        run is terminal a commit is answered `stop` and nothing else."""
+        if fingerprint:
+            self.fleet.fingerprints[version] = fingerprint
+        self.fleet.set_target(version, uri)
+        self.record.add_weights(version, uri)
+        metrics.version = version
+        self.fleet.into_metrics(metrics)
+        self.book.add_step(metrics)
+        self.log.info("version_committed", version=version, uri=uri, late=True,
+                      fingerprint=fingerprint, groups=metrics.groups)  # fmt: skip
+        self.hooks.changed()
+        await self.hooks.persist()
 
     def report_dropped(self, group_ids: list[str]) -> int:
         """The trainer dropped accepted groups as too stale: free capacity, re-queue prompts.

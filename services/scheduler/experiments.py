@@ -475,7 +475,7 @@ class ExperimentRunner:
         last ledger events (what it left over) and its final checkpoint."""
         if not self.lifecycle.live:
             return
-        self._enter(Phase.ENDING)  # a commit meanwhile is told to stop
+        self._enter(Phase.ENDING)  # a commit meanwhile is recorded and told to stop
         self.fleet.notify()
         self.dispatcher.cancel(training_only=False)
         current = asyncio.current_task()

@@ -436,6 +436,33 @@ async def test_cancel_stops_trainer_and_frees_workers(cluster, files):
     assert resp.stop is True
 
 
+async def test_a_step_committed_while_the_cancel_stops_the_trainer_is_recorded(cluster, files):
+    """A trainer that finished a step as the cancel came commits it before it stops (its
+    ledger and final checkpoint hold that step): the record counts it too, the answer says
+    stop, and a commit once the run is terminal changes nothing."""
+    await cluster.start_scheduler()
+    rollout = FakeRollout(hold=True)
+    answers = []
+
+    class FinishingTrainer(FakeTrainer):
+        async def StopExperiment(self, request, context):
+            answers.append(await cluster.commit(request.experiment_id, 2, groups=2))
+            return await super().StopExperiment(request, context)
+
+    exp_id = await running_experiment(cluster, files, rollout, fake_trainer=FinishingTrainer())
+    await cluster.commit(exp_id, 1)
+    exp = await cluster.stub.CancelExperiment(
+        scheduler_pb2.CancelExperimentRequest(experiment_id=exp_id), timeout=10
+    )
+    assert exp.state == scheduler_pb2.EXPERIMENT_STATE_CANCELLED
+    assert [a.stop for a in answers] == [True]
+    # recorded, not served: no rollout is updated once the run ends
+    assert (exp.progress.last_step.version, exp.progress.trained_groups) == (2, 4), exp.progress
+    assert exp.weights_version == 2 and exp.progress.version == 1, exp
+    assert (await cluster.commit(exp_id, 3)).stop is True  # terminal: not recorded
+    assert (await cluster.experiment(exp_id)).progress.last_step.version == 2
+
+
 async def test_trainer_resume_recovers_version_from_start_experiment(cluster, files):
     await cluster.start_scheduler()
     rollout = FakeRollout(hold=True)
