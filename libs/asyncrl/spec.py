@@ -315,7 +315,10 @@ class TrainerSpec(_Section):
     one process group, the store written beside it: services/trainer/broadcast.py). The weight
     store is written in every case."""
     nccl_master: str | None = Field(None, pattern=r"^.+:\d+$")
-    """host:port of rank 0, the trainer (the engines' `nccl_master`; `broadcast`: its store)."""
+    """host:port of rank 0, the trainer (the engines' `nccl_master`; `broadcast`: its store).
+    Unset with `broadcast`, the trainer hosts its store on its advertised host
+    (ASYNCRL_ADVERTISE_HOST) at a port the OS gives it, and the rollouts learn that address
+    with each version (CommitWeights, then UpdateWeights)."""
     broadcast_bucket_mb: int = Field(64, gt=0, le=4096)
     """`broadcast`: MiB per bucket (one collective each)."""
     broadcast_delta: bool = True
@@ -367,8 +370,6 @@ class TrainerSpec(_Section):
     def _nccl_needs_its_group(self) -> TrainerSpec:
         if self.weight_sync == "nccl" and not (self.nccl_master and self.nccl_world_size):
             raise ValueError("weight_sync nccl needs nccl_master and nccl_world_size")
-        if self.weight_sync == "broadcast" and not self.nccl_master:
-            raise ValueError("weight_sync broadcast needs nccl_master (host:port of its store)")
         return self
 
 

@@ -190,6 +190,7 @@ class RolloutServicer(GroupsServicer):
             request.uri,
             request.fingerprint,
             (request.group_rank, request.group_size),
+            request.broadcast_store,
         )
         return rollout_pb2.UpdateWeightsResponse(
             version=r.version,

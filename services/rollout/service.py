@@ -133,10 +133,10 @@ class RolloutService:
         await self.serving.bind(experiment_id, spec_json)
 
     async def update_weights(
-        self, experiment_id: str, version: int, uri: str, fp: str = "", group=(0, 0)
+        self, experiment_id: str, version: int, uri: str, fp: str = "", group=(0, 0), store=""
     ) -> WeightsResult:
         """UpdateWeights (`Serving.update_weights`)."""
-        return await self.serving.update_weights(experiment_id, version, uri, fp, group)
+        return await self.serving.update_weights(experiment_id, version, uri, fp, group, store)
 
     @property
     def tokenizer(self):

@@ -213,13 +213,14 @@ class Serving:
         log.info("experiment_bound", experiment=experiment_id, beside=others if beside else [])
 
     async def update_weights(
-        self, experiment_id: str, version: int, uri: str, fp: str = "", group=(0, 0)
+        self, experiment_id: str, version: int, uri: str, fp: str = "", group=(0, 0), store=""
     ) -> WeightsResult:
         """First load of a bound experiment (model + tokenizer, or its lane on the shared
         base), or an interrupting weight update of its lane (again if it holds other weights
         than fingerprint `fp`). Another experiment's requests are not touched. `group`: this
         rollout's rank and the rollouts' count in a `broadcast` experiment's weight group (0, 0:
-        load from `uri`)."""
+        load from `uri`), meeting at `store` (host:port; the spec's `trainer.nccl_master`
+        wins)."""
         binding = self.bindings.get(experiment_id)
         if binding is None:
             raise Conflict(
@@ -235,7 +236,7 @@ class Serving:
             loaded = self.loaded.get(experiment_id)
             moved = None
             if loaded is not None and group[1] and binding.spec.trainer.weight_sync == "broadcast":
-                moved = await self._streamed(binding, version, uri, group)
+                moved = await self._streamed(binding, version, uri, group, store)
             if moved is None:
                 loaded, moved = await self._from_uri(binding, loaded, version, uri, fp)
             interrupted, phases = moved
@@ -276,20 +277,25 @@ class Serving:
             self._observe(binding.experiment_id, phases)
         return loaded, (interrupted, phases)
 
-    async def _streamed(self, binding: Binding, version: int, uri: str, group):
-        """The version received by broadcast and applied ((interrupted, phases)), or None
-        when it did not come that way or not intact (then it is read from the store)."""
+    async def _streamed(self, binding: Binding, version: int, uri: str, group, store: str):
+        """The version received by broadcast over the group meeting at `store` (the spec's
+        `trainer.nccl_master` when set) and applied ((interrupted, phases)), or None when it
+        did not come that way or not intact (then it is read from the store)."""
         from services.rollout.broadcast_receiver import BroadcastReceiver, Mismatch, Unavailable
 
+        spec = binding.spec
+        master = spec.trainer.nccl_master or store
+        if not master:  # a scheduler that has not heard the trainer's commit since it started
+            log.warning("broadcast_not_taken", version=version, reason="no store", then="store")
+            return None
         if self.streams is None:
             self.streams = BroadcastReceiver(getattr(self.engine, "device", "cpu"))
-        spec = binding.spec
         timeout = spec.rollout.weight_update_timeout_s / 2
         try:
             got = await asyncio.to_thread(
                 self.streams.receive,
                 binding.experiment_id,
-                spec.trainer.nccl_master,
+                master,
                 version,
                 *group,
                 timeout,

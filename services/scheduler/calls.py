@@ -170,10 +170,12 @@ class WorkerCalls:
         timeout: float,
         fingerprint: str = "",
         group: tuple[int, int] = (0, 0),
+        store: str = "",
     ) -> rollout_pb2.UpdateWeightsResponse:
         """`fingerprint`: the committed one ("" unknown); a rollout that serves `version` with
         other weights loads it again. `group`: the rollout's rank and the rollouts' count in
-        the weight group of a `broadcast` experiment ((0, 0): it loads from `uri`)."""
+        the weight group of a `broadcast` experiment ((0, 0): it loads from `uri`), which meets
+        on the store at `store` (host:port, as the trainer committed it; "" unknown)."""
         stub = rollout_pb2_grpc.RolloutStub(self.channels.get(worker.address))
         request = rollout_pb2.UpdateWeightsRequest(
             experiment_id=self.experiment_id,
@@ -182,6 +184,7 @@ class WorkerCalls:
             fingerprint=fingerprint,
             group_rank=group[0],
             group_size=group[1],
+            broadcast_store=store,
         )
         return await stub.UpdateWeights(request, timeout=timeout)
 

@@ -61,12 +61,19 @@ class CommitHandler:
         self.log = log
 
     async def commit(
-        self, version: int, uri: str, metrics: StepMetrics, fingerprint: str = ""
+        self,
+        version: int,
+        uri: str,
+        metrics: StepMetrics,
+        fingerprint: str = "",
+        broadcast_store: str = "",
     ) -> CommitResult:
         """Record `version` (durable in the weight store) as the trainer's newest and answer.
-        The caller was authorized first (`TrainerAuthority.authorize`)."""
+        The caller was authorized first (`TrainerAuthority.authorize`). `broadcast_store`:
+        where the trainer's weight group meets now (kept for the fleet's next updates)."""
         t0 = time.perf_counter()
         fleet, over = self.fleet, self.lifecycle.stopping
+        fleet.broadcast_store = broadcast_store
         if over:  # late: the run is ending
             if version > fleet.committed_version and self.lifecycle.phase is Phase.ENDING:
                 await self._record_late(version, uri, metrics, fingerprint)

@@ -135,14 +135,19 @@ def check_registration(address: str, name: str, capacity: int, device: str) -> N
     """BadRequest naming the field of a registration no worker could have sent."""
     if not address:
         raise BadRequest("address", "required (host:port of the worker's gRPC server)")
-    match = ADDRESS.fullmatch(address)
-    if match is None or not 0 < int(match.group(2)) < 65536:
-        raise BadRequest("address", f"{address[:100]!r} is not host:port (port 1-65535)")
+    check_address("address", address)
     if capacity < 0:
         raise BadRequest("capacity", f"{capacity} is negative")
     for field, text in (("name", name), ("device", device)):
         if len(text) > MAX_LABEL:
             raise BadRequest(field, f"{len(text)} characters, at most {MAX_LABEL}")
+
+
+def check_address(field: str, address: str) -> None:
+    """BadRequest naming `field` unless `address` is host:port (`ADDRESS`, port 1-65535)."""
+    match = ADDRESS.fullmatch(address)
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        raise BadRequest(field, f"{address[:100]!r} is not host:port (port 1-65535)")
 
 
 def check_storage(runners: list[ExperimentRunner]) -> None:
@@ -351,13 +356,17 @@ class Scheduler:
         trainer_id: str = "",
         caller: Principal | None = None,
         fingerprint: str = "",
+        broadcast_store: str = "",
     ) -> CommitResult:
-        """Only the experiment's trainer may commit (PermissionDenied otherwise)."""
+        """Only the experiment's trainer may commit (PermissionDenied otherwise).
+        `broadcast_store`: host:port of the trainer's weight-group store ("" none)."""
         runner = self.get(experiment_id)
         await runner.authority.authorize(caller, trainer_id)
         if not uri:
             raise BadRequest("uri", "required")
-        return await runner.commits.commit(version, uri, metrics, fingerprint)
+        if broadcast_store:
+            check_address("broadcast_store", broadcast_store)
+        return await runner.commits.commit(version, uri, metrics, fingerprint, broadcast_store)
 
     async def report_dropped(
         self, experiment_id: str, group_ids: list[str], caller: Principal | None = None

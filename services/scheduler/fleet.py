@@ -139,6 +139,9 @@ class Fleet:
         self.target_at = time.monotonic()
         self.fingerprints: dict[int, str] = {}
         """Version -> the fingerprint the trainer committed with it (this process's commits)."""
+        self.broadcast_store = ""
+        """host:port of the trainer's weight-group store, as its last commit said ("" none:
+        the spec's `trainer.nccl_master`, or the rollouts load from the weight store)."""
         self.task: asyncio.Task | None = None
         """The update under way (one at a time)."""
         self.last: FleetUpdate | None = None
@@ -275,6 +278,7 @@ class Fleet:
         expected = self.fingerprints.get(version, "")
         ranked = sorted(workers, key=lambda w: w.worker_id)  # a broadcast's ranks 1..n
         group = self.calls.spec.trainer.weight_sync == "broadcast"
+        store = self.broadcast_store if group else ""
         ranks = {
             w.worker_id: (r, len(ranked)) if group else (0, 0) for r, w in enumerate(ranked, 1)
         }
@@ -288,7 +292,7 @@ class Fleet:
             asyncio.gather(
                 *(
                     self.calls.update_weights(
-                        w, version, uri, timeout, expected, ranks[w.worker_id]
+                        w, version, uri, timeout, expected, ranks[w.worker_id], store
                     )
                     for w in called
                 ),

@@ -166,6 +166,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             request.trainer_id,
             caller(),
             request.fingerprint,
+            request.broadcast_store,
         )
         return scheduler_pb2.CommitWeightsResponse(
             fleet_version=result.fleet_version, stop=result.stop

@@ -10,7 +10,10 @@ the same buffers (the durable copy: resume, joins, eval; written in the backgrou
 serialisation), and `send` broadcasts the buckets while CommitWeights runs.
 
 The group (the trainer rank 0, the experiment's ready rollouts ranks 1..n) meets on a TCPStore
-the trainer hosts at `trainer.nccl_master`. Per version v, under the experiment's prefix:
+the trainer hosts at `trainer.nccl_master`, or, unset, on its advertised host
+(ASYNCRL_ADVERTISE_HOST) at a port the OS gives it: each CommitWeights carries that address
+(`store_address`) and the scheduler passes it on in UpdateWeights, so two experiments on one
+host never collide. Per version v, under the experiment's prefix:
   1. each rollout the scheduler sends UpdateWeights(v) (with its rank r and the number n of
      rollouts it goes to) sets `v<v>/hello/<r>` to the group it holds ("" none) and the
      fingerprint its staging buffers hold;
@@ -51,6 +54,7 @@ from typing import TYPE_CHECKING, TypeVar
 from asyncrl import buckets
 from asyncrl.collective import collective_backend, open_store, own_group
 from asyncrl.fingerprint import _TORCH_DTYPES
+from asyncrl.settings import settings
 from services.trainer.transport import DiskSender, WeightSender
 
 if TYPE_CHECKING:
@@ -171,10 +175,10 @@ class BroadcastSender(WeightSender):
     name = "broadcast"
 
     def __init__(self, files: DiskSender, trainer: TrainerSpec, log, hello_timeout_s: float):
-        host, port = trainer.nccl_master.rsplit(":", 1)
+        host, port = (trainer.nccl_master or f"{settings().advertise_host}:0").rsplit(":", 1)
         self.files, self.log = files, log
         self.experiment_id = files.store.experiment_id
-        self.host, self.port = host, int(port)
+        self.host, self.port = host, int(port)  # port 0: the OS picks one when it is hosted
         self.bucket_bytes = trainer.broadcast_bucket_mb << 20
         self.hello_timeout_s = hello_timeout_s
         self.group_timeout_s = 3 * hello_timeout_s
@@ -214,6 +218,11 @@ class BroadcastSender(WeightSender):
     def moved(self, version: int) -> tuple[int, int]:
         return self._moved.get(version, (0, 0))
 
+    @property
+    def store_address(self) -> str:
+        """host:port of the group's store once hosted (the first `snapshot`), else ""."""
+        return f"{self.host}:{self.tcp.port}" if self.tcp is not None else ""
+
     async def restore(self, version: int, files) -> None:
         await self.files.restore(version, files)
 
@@ -223,6 +232,7 @@ class BroadcastSender(WeightSender):
         """The trained weights packed into this version's buffers (in the step's thread)."""
         if self.tcp is None:  # hosted before any rollout asks for it
             self.tcp = open_store(self.host, self.port, master=True)
+            self.log.info("broadcast_store_hosted", address=self.store_address)
         t0 = time.perf_counter()
         state, config = backend.hf_state()
         p = buckets.plan_of_state(state, self.bucket_bytes)

@@ -175,7 +175,8 @@ class Publisher:
         m.write_s = t1 - t0
         self._observe("write", m.write_s)
         self._inflight.stage = "commit"
-        resp = await self.sender.send(m.version, self._commit(uri, m, fp))
+        commit = self._commit(uri, m, fp, self.sender.store_address)
+        resp = await self.sender.send(m.version, commit)
         self.commit_s = time.perf_counter() - t1
         self.moved = self.sender.moved(m.version)
         self._observe("commit", self.commit_s)

@@ -25,9 +25,10 @@ class SchedulerCalls:
         self.log = log
 
     async def commit(
-        self, uri: str, m: StepMetrics, fingerprint: str = ""
+        self, uri: str, m: StepMetrics, fingerprint: str = "", broadcast_store: str = ""
     ) -> scheduler_pb2.CommitWeightsResponse:
-        """CommitWeights (with the version's weights fingerprint, "" if unknown) is idempotent
+        """CommitWeights (with the version's weights fingerprint, "" if unknown, and the address
+        of the broadcast group's store, "" none) is idempotent
         per (experiment, version): safe to retry. Each attempt
         carries this trainer's worker id as of then (a new one once it re-registered with a
         restarted scheduler, which answers UNAVAILABLE to an id it no longer knows)."""
@@ -41,6 +42,7 @@ class SchedulerCalls:
                     metrics=metrics,
                     trainer_id=self._worker(),
                     fingerprint=fingerprint,
+                    broadcast_store=broadcast_store,
                 )
                 return await self.stub.CommitWeights(req, timeout=COMMIT_TIMEOUT_S)
 

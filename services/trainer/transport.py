@@ -119,6 +119,12 @@ class WeightSender:
         moved whole; (0, 0) when none (the rollouts load from the URI)."""
         return 0, 0
 
+    @property
+    def store_address(self) -> str:
+        """host:port of the store where the rollouts meet the trainer's weight group (each
+        CommitWeights carries it: `broadcast`); "" when they meet none."""
+        return ""
+
     async def close(self) -> None:
         """Leave whatever the sender joined (idempotent)."""
 

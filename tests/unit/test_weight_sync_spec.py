@@ -49,7 +49,6 @@ def test_weight_sync_nccl_builds_rank_0_broadcaster_of_the_group():
         ({"nccl_master": "no-port"}, "trainer.nccl_master", "should match pattern"),
         ({"nccl_world_size": 1}, "trainer.nccl_world_size", "greater than 1"),
         ({"weight_sync": "shm"}, "trainer.weight_sync", "'disk', 'nats', 'nccl' or 'broadcast'"),
-        ({"weight_sync": "broadcast"}, "trainer", "broadcast needs nccl_master"),
         ({"broadcast_bucket_mb": 0}, "trainer.broadcast_bucket_mb", "greater than 0"),
     ],
 )
@@ -60,8 +59,14 @@ def test_weight_sync_invalid_fields_raise_spec_error_naming_them(fields, field, 
     assert reason in exc.value.reason
 
 
+def test_weight_sync_broadcast_without_nccl_master_is_accepted_the_port_left_to_the_os():
+    trainer = _trainer(weight_sync="broadcast")
+    assert (trainer.weight_sync, trainer.nccl_master) == ("broadcast", None)
+    assert _trainer(weight_sync="broadcast", nccl_master="h:1").nccl_master == "h:1"
+
+
 def test_weight_sync_broadcast_is_for_the_torch_engine_and_full_models():
-    fields = {"weight_sync": "broadcast", "nccl_master": "h:1"}
+    fields = {"weight_sync": "broadcast"}
     assert _trainer(**fields).broadcast_bucket_mb == 64
     with pytest.raises(SpecError) as exc:
         validate_spec(MINIMAL | {"trainer": fields, "rollout": {"engine": "sglang"}})
