@@ -71,6 +71,7 @@ class FakeRollout(GroupsServicer):
         self.release = asyncio.Event()
         self.requests: list[rollout_pb2.GenerateGroupRequest] = []
         self.updates: list[tuple[int, str]] = []
+        self.update_requests: list[rollout_pb2.UpdateWeightsRequest] = []  # each, whole
         self.bound: list[str] = []  # specs of BindExperiment calls (JSON)
         self.version = 0
         self.served: list[int] = []  # the version loaded when each request came
@@ -154,6 +155,7 @@ class FakeRollout(GroupsServicer):
     async def UpdateWeights(self, request, context):
         self.via.append("announcement" if context is None else "rpc")
         self.updates.append((request.version, request.uri))
+        self.update_requests.append(request)
         self.version = request.version
         return rollout_pb2.UpdateWeightsResponse(version=request.version)
 
@@ -276,14 +278,15 @@ class Cluster:
             scheduler_pb2.GetExperimentRequest(experiment_id=exp_id), timeout=5
         )
 
-    async def commit(self, exp_id, version, groups=2):
-        """CommitWeights as the fake trainers' identity."""
+    async def commit(self, exp_id, version, groups=2, **fields):
+        """CommitWeights as the fake trainers' identity (`fields`: more of the request's)."""
         return await self.trainer_stub.CommitWeights(
             scheduler_pb2.CommitWeightsRequest(
                 experiment_id=exp_id,
                 version=version,
                 uri=f"file:///w/v{version}",
                 metrics=common_pb2.StepMetrics(step=version, version=version, groups=groups),
+                **fields,
             ),
             timeout=10,
         )

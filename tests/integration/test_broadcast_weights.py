@@ -15,6 +15,7 @@ import torch
 
 from asyncrl import fingerprint
 from asyncrl.net import free_port
+from asyncrl.settings import settings
 from asyncrl.spec import ExperimentSpec, SamplingParams
 from services.rollout.broadcast_receiver import BroadcastReceiver, Mismatch
 from services.rollout.engine import GenRequest
@@ -88,10 +89,11 @@ async def _version(
     for start in started:
         start()
     uri = await sender.publish(version, snap)
+    master = spec.trainer.nccl_master or sender.store_address  # what CommitWeights carries
 
     async def one(rank, receiver, engine):
         got = await asyncio.to_thread(
-            receiver.receive, EXP, spec.trainer.nccl_master, version, rank, len(engines), 10.0
+            receiver.receive, EXP, master, version, rank, len(engines), 10.0
         )
         return await engine.apply_state(uri, version, got.state, got.fingerprint, got.seconds)
 
@@ -146,6 +148,34 @@ async def test_two_engines_take_streamed_versions_mid_decode_and_the_store_gets_
         for out in outs:  # started under v0, went on under the streamed version(s)
             assert out.versions[0] == 0 and out.interruptions >= 1 and out.versions[-1] >= 1
     finally:
+        await sender.close()
+        for e in engines:
+            await e.stop()
+
+
+async def test_sender_without_nccl_master_hosts_its_store_on_an_os_given_port(tiny, tmp_path):
+    """No `trainer.nccl_master`: the store is hosted on the advertised host at a port the OS
+    gives (a second sender on the host gets another), its address reported for CommitWeights,
+    and the engines receive the version meeting there."""
+    spec, backend, sender, engines = await _setup(tiny, tmp_path, nccl_master=None)
+    receivers = [BroadcastReceiver() for _ in engines]
+    other_store = Store(root=tmp_path / "w2", experiment_id=EXP, tokenizer_dir=tiny[0], keep=4)
+    other = BroadcastSender(DiskSender(other_store), spec.trainer, Log(), 10.0)
+    try:
+        assert sender.store_address == ""  # hosted at the first snapshot, not before
+        moved = await _version(tiny, spec, backend, sender, receivers, engines, 1)
+        host, port = sender.store_address.rsplit(":", 1)
+        assert host == settings().advertise_host and 0 < int(port) < 65536
+        assert ("broadcast_store_hosted", {"address": sender.store_address}) in sender.log.lines
+        assert not any(isinstance(m, BaseException) for m in moved)
+        for engine in engines:
+            assert engine.version == 1 and engine.fingerprint == sender.fingerprint(1)
+        assert [f["rollouts"] for f in sender.log.sent()] == [2]
+        await asyncio.to_thread(other.snapshot, backend)
+        assert other.store_address.rsplit(":", 1)[0] == host
+        assert other.store_address != sender.store_address
+    finally:
+        await other.close()
         await sender.close()
         for e in engines:
             await e.stop()
