@@ -1,7 +1,9 @@
 """`trainer.weight_sync: broadcast` through all services, started the way `make up` starts them:
-the trainer streams every version to the torch rollouts over one gloo group on loopback, and a
-second rollout that joins mid-run loads the newest stored version first, then takes the
-broadcasts (the group rebuilt with it); the demo's Megatron trainer streams the same way."""
+the trainer streams every version to the torch rollouts over one gloo group on loopback (no
+`trainer.nccl_master`: its store is on a port the OS gave it, and the rollouts learn the
+address through the scheduler), and a second rollout that joins mid-run loads the newest stored
+version first, then takes the broadcasts (the group rebuilt with it); the demo's Megatron
+trainer streams the same way."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import time
 import pytest
 
 from asyncrl.client import AsyncrlClient, is_terminal
-from asyncrl.net import free_port
 from tests.cluster import wait_for
 from tests.e2e.experiment import (
     _settled_ledger,
@@ -26,12 +27,7 @@ STEPS = 10_000  # runs until cancelled, once the joined rollout took broadcasts
 
 
 def test_broadcast_run_goes_on_and_a_joining_rollout_takes_the_store_then_the_stream(cluster, task):
-    spec = small_spec(
-        task,
-        total_steps=STEPS,
-        weight_sync="broadcast",
-        nccl_master=f"127.0.0.1:{free_port()}",
-    )
+    spec = small_spec(task, total_steps=STEPS, weight_sync="broadcast")  # no nccl_master
     spec["dataset"]["epochs"] = 100_000
 
     def both_streamed() -> bool:
@@ -60,6 +56,10 @@ def test_broadcast_run_goes_on_and_a_joining_rollout_takes_the_store_then_the_st
     assert report["totals"]["lost"] == 0 and report["totals"]["trained_twice"] == 0
     sent = cluster.events("trainer", "broadcast_sent")
     assert all(e["bytes"] > 0 for e in sent)
+    hosted = [
+        e for e in cluster.events("trainer", "broadcast_store_hosted") if e["experiment"] == exp.id
+    ]
+    assert hosted and int(hosted[0]["address"].rsplit(":", 1)[1]) > 0  # a port the OS gave
     assert not cluster.events("scheduler", "weights_fingerprint_mismatch")
     assert not cluster.events("rollout", "broadcast_not_taken", 0)
     assert cluster.events("rollout", "weights_streamed", 0)
@@ -72,9 +72,7 @@ def test_broadcast_run_goes_on_and_a_joining_rollout_takes_the_store_then_the_st
 def test_megatron_trainer_streams_to_the_torch_engine(cluster, task):
     """The demo's backend (Megatron-Core, TP = 1): its gathered HF weights are what is packed."""
     pytest.importorskip("megatron.core")
-    spec = small_spec(
-        task, backend="megatron", weight_sync="broadcast", nccl_master=f"127.0.0.1:{free_port()}"
-    )
+    spec = small_spec(task, backend="megatron", weight_sync="broadcast")
     exp = asyncio.run(run_experiment(cluster.scheduler, spec))
     assert_completed(exp)
     assert_ledger_clean(cluster, exp)
