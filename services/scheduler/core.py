@@ -150,6 +150,15 @@ def check_address(field: str, address: str) -> None:
         raise BadRequest(field, f"{address[:100]!r} is not host:port (port 1-65535)")
 
 
+def check_commit(uri: str, broadcast_store: str) -> None:
+    """BadRequest naming the field of a CommitWeights no trainer could have sent
+    (`broadcast_store`: host:port of the trainer's weight-group store, "" none)."""
+    if not uri:
+        raise BadRequest("uri", "required")
+    if broadcast_store:
+        check_address("broadcast_store", broadcast_store)
+
+
 def check_storage(runners: list[ExperimentRunner]) -> None:
     """Every STORAGE_CHECK_S: with less than STORAGE_MIN_FREE free under ASYNCRL_VAR (in a
     `make up` deployment nats's store, the weights, checkpoints and logs), every live
@@ -358,14 +367,10 @@ class Scheduler:
         fingerprint: str = "",
         broadcast_store: str = "",
     ) -> CommitResult:
-        """Only the experiment's trainer may commit (PermissionDenied otherwise).
-        `broadcast_store`: host:port of the trainer's weight-group store ("" none)."""
+        """Only the experiment's trainer may commit (PermissionDenied otherwise)."""
         runner = self.get(experiment_id)
         await runner.authority.authorize(caller, trainer_id)
-        if not uri:
-            raise BadRequest("uri", "required")
-        if broadcast_store:
-            check_address("broadcast_store", broadcast_store)
+        check_commit(uri, broadcast_store)
         return await runner.commits.commit(version, uri, metrics, fingerprint, broadcast_store)
 
     async def report_dropped(
