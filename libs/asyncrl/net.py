@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 import socket
 from pathlib import Path
+
+from asyncrl.errors import BadRequest
 
 LOWEST = 10000
 """The lowest port `free_port` picks."""
@@ -39,3 +42,14 @@ def _ephemeral_low() -> int:
         return int(EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768  # Linux's default
+
+
+ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]{1,253}):([0-9]{1,5})")
+"""A service's address: host (a name, IPv4, or [IPv6]) and port."""
+
+
+def check_address(field: str, address: str) -> None:
+    """BadRequest naming `field` unless `address` is host:port (`ADDRESS`, port 1-65535)."""
+    match = ADDRESS.fullmatch(address)
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        raise BadRequest(field, f"{address[:100]!r} is not host:port (port 1-65535)")

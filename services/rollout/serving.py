@@ -22,6 +22,7 @@ from asyncrl.errors import BadRequest, Conflict
 from asyncrl.fingerprint import differs
 from asyncrl.logging import get_logger
 from asyncrl.natsutil import check_experiment_id
+from asyncrl.net import check_address
 from asyncrl.runtime import freeze_heap
 from asyncrl.settings import settings
 from asyncrl.spec import ExperimentSpec, SamplingParams, SpecError, spec_from_json
@@ -231,6 +232,8 @@ class Serving:
             raise BadRequest("version", f"{version} is negative")
         if not uri:
             raise BadRequest("uri", "required")
+        if store:
+            check_address("broadcast_store", store)
         start = time.perf_counter()
         async with self._lock:
             loaded = self.loaded.get(experiment_id)

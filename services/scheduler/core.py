@@ -24,6 +24,7 @@ import grpc
 from asyncrl.errors import BadRequest, Conflict, NotFound, PermissionDenied
 from asyncrl.ledger import ensure_ledger
 from asyncrl.logging import get_logger, keep_running
+from asyncrl.net import check_address
 from asyncrl.rewards import check_reward_function
 from asyncrl.security import Principal
 from asyncrl.settings import settings
@@ -125,8 +126,6 @@ async def reopened_runner(
     return resumed
 
 
-ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]{1,253}):([0-9]{1,5})")
-"""A worker's gRPC address: host (a name, IPv4, or [IPv6]) and port."""
 MAX_LABEL = 256
 """The longest name or device string a worker may register."""
 
@@ -141,13 +140,6 @@ def check_registration(address: str, name: str, capacity: int, device: str) -> N
     for field, text in (("name", name), ("device", device)):
         if len(text) > MAX_LABEL:
             raise BadRequest(field, f"{len(text)} characters, at most {MAX_LABEL}")
-
-
-def check_address(field: str, address: str) -> None:
-    """BadRequest naming `field` unless `address` is host:port (`ADDRESS`, port 1-65535)."""
-    match = ADDRESS.fullmatch(address)
-    if match is None or not 0 < int(match.group(2)) < 65536:
-        raise BadRequest(field, f"{address[:100]!r} is not host:port (port 1-65535)")
 
 
 def check_commit(uri: str, broadcast_store: str) -> None:

@@ -318,6 +318,26 @@ async def test_update_weights_for_unbound_experiment_is_failed_precondition(roll
     assert "bound to 'exp1', not 'other'" in e.value.details()
 
 
+async def test_update_weights_malformed_broadcast_store_is_invalid_argument_naming_it(
+    rollout, models
+):
+    stub, _ = rollout
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.UpdateWeights(
+            rollout_pb2.UpdateWeightsRequest(
+                experiment_id=EXP,
+                version=1,
+                uri=path_to_uri(models / "v1"),
+                group_rank=1,
+                group_size=1,
+                broadcast_store="no-port",
+            ),
+            timeout=10,
+        )
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "broadcast_store: 'no-port' is not host:port (port 1-65535)"
+
+
 async def test_generate_group_unknown_experiment_is_failed_precondition(rollout, reward_address):
     stub, _ = rollout
     req = _request("x1", [reward_address])
