@@ -28,10 +28,10 @@ class SchedulerCalls:
         self, uri: str, m: StepMetrics, fingerprint: str = "", broadcast_store: str = ""
     ) -> scheduler_pb2.CommitWeightsResponse:
         """CommitWeights (with the version's weights fingerprint, "" if unknown, and the address
-        of the broadcast group's store, "" none) is idempotent
-        per (experiment, version): safe to retry. Each attempt
-        carries this trainer's worker id as of then (a new one once it re-registered with a
-        restarted scheduler, which answers UNAVAILABLE to an id it no longer knows)."""
+        of the broadcast group's store, "" none) is idempotent per (experiment, version): safe
+        to retry. Each attempt carries this trainer's worker id as of then (a new one once it
+        re-registered with a restarted scheduler, which answers UNAVAILABLE to an id it no
+        longer knows)."""
         metrics = m.to_proto()
         async for attempt in idempotent_rpc(attempts=30, max_delay_s=SCHEDULER_RETRY_S):
             with attempt:
