@@ -81,11 +81,12 @@ def init_custom_group(
 
 
 def open_store(host: str, port: int, master: bool, timeout_s: float = TIMEOUT_S):
-    """The TCPStore at host:port: hosted here (`master`, the trainer) or reached (an engine)."""
+    """The TCPStore at host:port: hosted here (`master`, the trainer) or reached (an engine).
+    An IPv6 host may come bracketed, as in an address ("[::1]"): TCPStore takes it bare."""
     from torch.distributed import TCPStore
 
     return TCPStore(
-        host,
+        host.removeprefix("[").removesuffix("]"),
         port,
         is_master=master,
         wait_for_workers=False,
