@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import json
 
 import grpc
@@ -292,11 +293,30 @@ class Cluster:
         )
 
 
+CLOSE_S = 60
+"""How long the scheduler and the fake workers may take to close at a test's end."""
+
+
+async def close_or_tell(c: Cluster) -> None:
+    """Close `c`; a close that hangs fails the test at CLOSE_S with every task's stack (one
+    hung once for the whole 600 s test timeout, inside the scheduler's shutdown, and said
+    nothing about where)."""
+    closing = asyncio.ensure_future(c.close())
+    done, _ = await asyncio.wait({closing}, timeout=CLOSE_S)
+    if not done:  # the stacks as they hang, then give up on it
+        stacks = io.StringIO()
+        for task in asyncio.all_tasks():
+            task.print_stack(limit=12, file=stacks)
+        closing.cancel()
+        pytest.fail(f"closing the cluster took over {CLOSE_S} s; tasks:\n{stacks.getvalue()}")
+    await closing
+
+
 @pytest.fixture
 async def cluster(nats_server):
     c = Cluster(nats_server.url)
     yield c
-    await c.close()
+    await close_or_tell(c)
 
 
 @pytest.fixture
