@@ -147,6 +147,15 @@ def configure_cli_logging() -> None:
     configure_logging("cli", json=False, stream=CurrentStderr())
 
 
+def raise_if_cancelled(name: str) -> None:
+    """CancelledError if the running task was cancelled and the cancel did not reach it: a
+    loop calls this before each pass (Python 3.11's `asyncio.wait_for`, which nats-py's calls
+    use, can swallow a cancel that comes as its future completes; the loop would wait on)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError(f"{name}: cancelled during its last pass")
+
+
 async def keep_running(
     name: str,
     body: Callable[[], Awaitable[None]],
@@ -157,8 +166,10 @@ async def keep_running(
     """Run `body` (one pass of a control loop) until cancelled, or until `until()` is true
     before a pass. A pass that raises is logged as `loop_error` (`name`, the error, its
     traceback) and the next starts after `retry_s`: a bug, a full disk or a broker away never
-    ends the loop in silence."""
+    ends the loop in silence. A cancel a pass swallowed (Python 3.11's `asyncio.wait_for` can,
+    when its future completes as the cancel comes) still ends the loop before the next pass."""
     while until is None or not until():
+        raise_if_cancelled(name)
         try:
             await body()
         except asyncio.CancelledError:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import nats.errors
 import nats.js.errors
 
-from asyncrl.logging import get_logger
+from asyncrl.logging import get_logger, raise_if_cancelled
 from asyncrl.natsutil import ensure_file_stream, read_subject
 from asyncrl.types import EvalResult, StepMetrics
 from services.scheduler.records import ExperimentRecord, build_dataclass, flat_dict
@@ -60,6 +60,7 @@ class HistoryLog:
 
     async def _write_forever(self) -> None:
         while True:
+            raise_if_cancelled("history-writer")
             subject, data = await self._queue.get()
             while True:
                 while not self.held():

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 import nats.errors
 import nats.js.errors
 
-from asyncrl.logging import get_logger
+from asyncrl.logging import get_logger, raise_if_cancelled
 from asyncrl.proc import pid_alive
 from asyncrl.service_main import StartAbandoned
 
@@ -216,6 +216,7 @@ class Leadership:
 
     async def _renew_forever(self) -> None:
         while not self.lost:
+            raise_if_cancelled("lease-renewer")
             try:
                 await asyncio.wait_for(self._wake.wait(), self.ttl_s / RENEWALS)
             except TimeoutError:
