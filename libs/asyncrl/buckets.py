@@ -222,3 +222,26 @@ def apply_delta(buf: torch.Tensor, delta: torch.Tensor) -> None:
 def delta_nbytes(words: int) -> int:
     """The bytes of a delta of `words` changed words (an index and a value each)."""
     return 2 * WORD * words
+
+
+def new_buffers(p: Plan, device: torch.device) -> list[torch.Tensor]:
+    import torch
+
+    return [torch.zeros(n, dtype=torch.uint8, device=device) for n in p.sizes]
+
+
+class BufferSets:
+    """Two sets of bucket buffers, packed in turn: one version may still be in flight (sent,
+    written) while the next is packed, never two."""
+
+    def __init__(self):
+        self._sets: dict[int, list[torch.Tensor]] = {}
+        self._packed = 0
+
+    def next(self, p: Plan, device: torch.device) -> list[torch.Tensor]:
+        """The set the next version is packed into, (re)allocated when `p`'s sizes changed."""
+        self._packed += 1
+        buffers = self._sets.get(self._packed % 2)
+        if buffers is None or [b.numel() for b in buffers] != list(p.sizes):
+            buffers = self._sets[self._packed % 2] = new_buffers(p, device)
+        return buffers

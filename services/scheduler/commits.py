@@ -121,10 +121,7 @@ class CommitHandler:
         checkpoint, so it goes in the record too (the record never counts a step fewer than
         the ledger), but no rollout is updated to it and nothing more is dispatched. Once the
         run is terminal a commit is answered `stop` and nothing else."""
-        if fingerprint:
-            self.fleet.fingerprints[version] = fingerprint
-        self.fleet.set_target(version, uri)
-        self.record.add_weights(version, uri)
+        self.fleet.record_commit(version, uri, fingerprint)
         metrics.version = version
         self.fleet.into_metrics(metrics)
         self.book.add_step(metrics)

@@ -190,11 +190,15 @@ class Fleet:
         """The trainer committed `version` (durable at `uri`, its weights' `fingerprint`):
         update the fleet to it, in the background (`spawn` runs `update` unless one is under
         way)."""
+        self.record_commit(version, uri, fingerprint)
+        self.catch_up(spawn)
+
+    def record_commit(self, version: int, uri: str, fingerprint: str = "") -> None:
+        """`version` is the newest committed, at `uri` (no rollout is updated to it yet)."""
         if fingerprint:
             self.fingerprints[version] = fingerprint
         self.set_target(version, uri)
         self.record.add_weights(version, uri)
-        self.catch_up(spawn)
 
     def catch_up(self, spawn: Callable) -> None:
         """Take the fleet to the newest commit in the background (`spawn` runs `update`),

@@ -162,12 +162,6 @@ def pack(
     return buffers
 
 
-def new_buffers(p: buckets.Plan, device: torch.device) -> list[torch.Tensor]:
-    import torch
-
-    return [torch.zeros(n, dtype=torch.uint8, device=device) for n in p.sizes]
-
-
 class BroadcastSender(WeightSender):
     """`broadcast`: the trainer's side (module docstring). The store copy and its URI, the
     fingerprint of a restored version and resume are the weight store's (`files`)."""
@@ -186,8 +180,7 @@ class BroadcastSender(WeightSender):
         self.backend = collective_backend()
         self.tcp = None  # the TCPStore, hosted from the first snapshot on
         self.group, self.group_name, self.world = None, "", 0
-        self._pool: dict[int, list[torch.Tensor]] = {}  # two sets, alternating
-        self._packed = 0
+        self._sets = buckets.BufferSets()
         self.delta, self.full_every = trainer.broadcast_delta, trainer.broadcast_full_every
         self._in_row = 0  # delta versions sent since the last full one
         self._last: Snapshot | None = None  # the newest snapshot: the next one's base
@@ -236,15 +229,11 @@ class BroadcastSender(WeightSender):
         t0 = time.perf_counter()
         state, config = backend.hf_state()
         p = buckets.plan_of_state(state, self.bucket_bytes)
-        self._packed += 1
-        slot = self._packed % 2  # the other set may still be in flight (sent, written)
         last = self._last
         with self._base_lock:  # the set about to be packed is the newest snapshot's base
             if last is not None:
                 last.base = None
-        buffers = self._pool.get(slot)
-        if buffers is None or [b.numel() for b in buffers] != list(p.sizes):
-            buffers = self._pool[slot] = new_buffers(p, self.device)
+        buffers = self._sets.next(p, self.device)
         snap = Snapshot(p, pack(state, p, buffers), config)
         if last is not None and last.plan == p and last.buffers is not buffers:
             snap.base = last

@@ -85,8 +85,7 @@ class WeightBroadcaster:
         self.broadcasts = 0
         """Broadcasts made so far (one per bucket)."""
         self._sent: int | None = None  # the last version whose plan is in the store
-        self._pool: dict[int, list[torch.Tensor]] = {}  # two sets of buffers, alternating
-        self._packed = 0
+        self._sets = buckets.BufferSets()
         self._lock = threading.Lock()  # close() waits for a send in flight
 
     @classmethod
@@ -117,16 +116,11 @@ class WeightBroadcaster:
         alternate, so a version may be in flight while the next is packed (not two)."""
         import torch
 
-        from services.trainer.broadcast import Snapshot, new_buffers, pack  # it imports us
+        from services.trainer.broadcast import Snapshot, pack  # it imports us
 
         self.host()
         p = buckets.plan_of_state(state, self.bucket_bytes, packed=True)
-        self._packed += 1
-        slot = self._packed % 2  # the other set may still be in flight (written, sent)
-        buffers = self._pool.get(slot)
-        if buffers is None or [b.numel() for b in buffers] != list(p.sizes):
-            buffers = self._pool[slot] = new_buffers(p, self.device)
-        snap = Snapshot(p, pack(state, p, buffers), config)
+        snap = Snapshot(p, pack(state, p, self._sets.next(p, self.device)), config)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return snap
