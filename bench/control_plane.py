@@ -158,7 +158,12 @@ def experiment_spec(model: Path, dataset: Path, s: Sizes) -> dict:
             "gconfig": {"max_new_tokens": s.output_len},
         },
         "reward": {"function": "exact_match"},
-        "trainer": {"backend": "torch", "batch_size": s.batch, "total_steps": 1_000_000},
+        "trainer": {
+            "backend": "torch",  # bench.zero's NoopBackend under the name: it cannot stream
+            "weight_sync": "disk",
+            "batch_size": s.batch,
+            "total_steps": 1_000_000,
+        },
     }
 
 

@@ -19,6 +19,26 @@ def collective_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def device_id(device) -> str:
+    """Which device a rank's buffers are on: "cpu", or "cuda:<the GPU's UUID>" (two processes
+    sharing one GPU say the same)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    return f"cuda:{torch.cuda.get_device_properties(device).uuid}"
+
+
+def group_backend(mine: str, devices: list[str]) -> str:
+    """The backend of a weight group whose ranks hold `devices` (`device_id` each), where this
+    rank alone would use `mine`: NCCL only when every rank has a GPU of its own (NCCL refuses
+    two ranks on one GPU, a trainer and an engine sharing it), else gloo (which stages CUDA
+    tensors through host memory)."""
+    own_gpus = all(d.startswith("cuda:") for d in devices) and len(set(devices)) == len(devices)
+    return "nccl" if mine == "nccl" and own_gpus else "gloo"
+
+
 def plan_key(group_name: str, version: int) -> str:
     """The key of version `version`'s bucket plan in the store of group `group_name`
     (`trainer.weight_sync: nccl`: the trainer sets it, the SGLang engines read it)."""

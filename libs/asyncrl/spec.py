@@ -30,6 +30,7 @@ from pydantic import (
 from asyncrl.errors import SpecError
 from asyncrl.registry import ENGINES, FILTERS, TRAINER_BACKENDS, WORKFLOWS, is_plugin_name
 from asyncrl.rewards import PLUGIN_PREFIX, REWARD_FUNCTIONS, is_plugin
+from asyncrl.spec_rules import check_broadcast, check_lora, chosen_weight_sync
 
 __all__ = ["SpecError"]  # raised by every validator here; defined with its kin in asyncrl.errors
 
@@ -306,14 +307,17 @@ class TrainerSpec(_Section):
     tp_size x dp_size processes, `ASYNCRL_TRAINER_NPROC`)."""
     dp_size: int = Field(1, gt=0)
     """Megatron backend: data-parallel ranks."""
-    weight_sync: Literal["disk", "nats", "nccl", "broadcast"] = "disk"
-    """How rollouts get a new version (services/trainer/transport.py): `disk` (they load it
-    from the weight store, a shared filesystem), `nats` (the trainer also uploads it to the NATS
-    object store, rollouts fetch it into their cache: no shared filesystem), `nccl` (also
-    broadcast to the SGLang engines' GPUs, the trainer rank 0; NCCL with CUDA, else gloo) or
-    `broadcast` (streamed from the parameters in checksummed buckets to the torch engines over
-    one process group, the store written beside it: services/trainer/broadcast.py). The weight
-    store is written in every case."""
+    weight_sync: Literal["auto", "disk", "nats", "nccl", "broadcast"] = "auto"
+    """How rollouts get a new version (services/trainer/transport.py): `auto` (the default,
+    chosen at submit by `asyncrl.spec_rules.chosen_weight_sync`: `broadcast` for the torch
+    engine without LoRA, where it is faster than `disk` (docs/benchmarks.md, "Weights at wire
+    speed"), else `disk`; `nats` under the deprecated ASYNCRL_WEIGHTS_TRANSPORT=nats), `disk`
+    (they load it from the weight store, a shared filesystem), `nats` (the trainer also uploads
+    it to the NATS object store, rollouts fetch it into their cache: no shared filesystem),
+    `nccl` (also broadcast to the SGLang engines' GPUs, the trainer rank 0; NCCL with CUDA, else
+    gloo) or `broadcast` (streamed from the parameters in checksummed buckets to the torch
+    engines over one process group, the store written beside it: services/trainer/broadcast.py).
+    The weight store is written in every case."""
     nccl_master: str | None = Field(None, pattern=r"^.+:\d+$")
     """host:port of rank 0, the trainer (the engines' `nccl_master`; `broadcast`: its store).
     Unset with `broadcast`, the trainer hosts its store on its advertised host
@@ -478,38 +482,6 @@ def has_chat_template(tokenizer_dir: Path) -> bool:
         return False
 
 
-def check_lora(spec: ExperimentSpec) -> None:
-    """SpecError("trainer.lora") where LoRA is asked of a part that cannot serve it: the
-    megatron backend (its GPTModel has no adapter layers here, and a full-model export per
-    version is what LoRA is meant to avoid) and the NCCL weight sync (it broadcasts the
-    model's tensors into SGLang's; an adapter version reaches SGLang by `/load_lora_adapter`
-    from disk or the NATS object store). docs/lora.md."""
-    if spec.trainer.lora is None:
-        return
-    if spec.trainer.backend != "torch":
-        raise SpecError(
-            "trainer.lora",
-            f"LoRA trains on the torch backend only, not {spec.trainer.backend!r}: the megatron "
-            "backend has no adapter layers (set trainer.backend: torch, or drop trainer.lora)",
-        )
-    if spec.trainer.weight_sync in ("nccl", "broadcast"):
-        raise SpecError(
-            "trainer.lora",
-            "LoRA versions reach the engines as adapter files, not a broadcast of the model's "
-            f"tensors ({spec.trainer.weight_sync!r}): set trainer.weight_sync to disk or nats",
-        )
-
-
-def check_broadcast(spec: ExperimentSpec) -> None:
-    """`broadcast` streams into the torch engine; SGLang takes collective updates by `nccl`."""
-    if spec.trainer.weight_sync == "broadcast" and spec.rollout.engine != "torch":
-        raise SpecError(
-            "trainer.weight_sync",
-            f"broadcast streams into the torch engine, not {spec.rollout.engine!r}: set "
-            "trainer.weight_sync to nccl for SGLang (or disk, nats)",
-        )
-
-
 def validate_spec(data: dict) -> ExperimentSpec:
     """Validate a plain dict; raise SpecError naming the first bad field."""
     try:
@@ -523,7 +495,8 @@ def validate_spec(data: dict) -> ExperimentSpec:
 
 def spec_from_json(text: str | bytes) -> ExperimentSpec:
     """The wire form (a JSON object) to a validated spec; SpecError names the first bad field,
-    also one too long (`check_sizes`)."""
+    also one too long (`check_sizes`). `trainer.weight_sync: auto` comes out chosen
+    (`chosen_weight_sync`): the scheduler's submit chooses, and stores and sends the choice."""
     try:
         spec = ExperimentSpec.model_validate_json(text)
     except ValidationError as e:
@@ -531,6 +504,10 @@ def spec_from_json(text: str | bytes) -> ExperimentSpec:
     check_sizes(spec.model_dump())
     check_lora(spec)
     check_broadcast(spec)
+    if spec.trainer.weight_sync == "auto":  # at submit; the choice then travels to the workers
+        from asyncrl.settings import settings
+
+        spec.trainer.weight_sync = chosen_weight_sync(spec, settings().weights_transport)
     return spec
 
 

@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch
 
 from asyncrl import buckets
-from asyncrl.collective import collective_backend, open_store, own_group
+from asyncrl.collective import collective_backend, device_id, open_store, own_group
 from asyncrl.logging import get_logger
 
 log = get_logger(component="broadcast_receiver")
@@ -85,8 +85,9 @@ class BroadcastReceiver:
             p = buckets.Plan.from_json(info["plan"])
             if info["group"] != self.group_name:
                 self.close()
+                backend = info.get("backend", self.backend)  # gloo where ranks share a GPU
                 self.group = own_group(
-                    self.tcp, self.backend, rank, info["world"], info["group"], timeout_s
+                    self.tcp, backend, rank, info["world"], info["group"], timeout_s
                 )
                 self.group_name = info["group"]
             staged = self._buffers(p)
@@ -108,7 +109,8 @@ class BroadcastReceiver:
             host, port = master.rsplit(":", 1)
             self.close()
             self.tcp, self.master = open_store(host, int(port), False, timeout_s), master
-        hello = json.dumps({"group": self.group_name, "rollouts": n, "holds": self.held})
+        hello = {"group": self.group_name, "rollouts": n, "holds": self.held}
+        hello = json.dumps(hello | {"device": device_id(self.device)})
         self.tcp.set(_key(experiment_id, version, f"hello/{rank}"), hello)
         key = _key(experiment_id, version, "plan")
         self.tcp.wait([key], timedelta(seconds=timeout_s))

@@ -15,11 +15,12 @@ the trainer hosts at `trainer.nccl_master`, or, unset, on its advertised host
 (`store_address`) and the scheduler passes it on in UpdateWeights, so two experiments on one
 host never collide. Per version v, under the experiment's prefix:
   1. each rollout the scheduler sends UpdateWeights(v) (with its rank r and the number n of
-     rollouts it goes to) sets `v<v>/hello/<r>` to the group it holds ("" none) and the
-     fingerprint its staging buffers hold;
+     rollouts it goes to) sets `v<v>/hello/<r>` to the group it holds ("" none), the
+     fingerprint its staging buffers hold and its device (`collective.device_id`);
   2. the trainer waits for the n hellos, keeps its group when every one holds it and n is
      unchanged, else names a new one (a rollout joined, left or restarted), and sets
-     `v<v>/plan`: the group, the bucket plan, the checksums and the fingerprint;
+     `v<v>/plan`: the group, its backend (NCCL only where every rank has a GPU of its own,
+     else gloo: `collective.group_backend`), the bucket plan, the checksums and the fingerprint;
   3. everyone joins the new group if there is one; the trainer broadcasts every bucket, each
      rollout checksums what it received (services/rollout/broadcast_receiver.py).
 A version may travel as a delta (`trainer.broadcast_delta`): beside the next step `publish`
@@ -52,7 +53,13 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 
 from asyncrl import buckets
-from asyncrl.collective import collective_backend, open_store, own_group
+from asyncrl.collective import (
+    collective_backend,
+    device_id,
+    group_backend,
+    open_store,
+    own_group,
+)
 from asyncrl.fingerprint import _TORCH_DTYPES
 from asyncrl.settings import settings
 from services.trainer.transport import DiskSender, WeightSender
@@ -180,6 +187,8 @@ class BroadcastSender(WeightSender):
         self.backend = collective_backend()
         self.tcp = None  # the TCPStore, hosted from the first snapshot on
         self.group, self.group_name, self.world = None, "", 0
+        self.group_backend = ""
+        """The group's backend (`group_backend`: gloo where ranks share a GPU)."""
         self._sets = buckets.BufferSets()
         self.delta, self.full_every = trainer.broadcast_delta, trainer.broadcast_full_every
         self._in_row = 0  # delta versions sent since the last full one
@@ -317,19 +326,21 @@ class BroadcastSender(WeightSender):
             self.log.warning("broadcast_skipped", version=version, reason="not every hello came")
             return
         world = len(hellos) + 1
-        fresh = self.group is None or self.world != world
+        devices = [device_id(self.device), *(h.get("device", "") for h in hellos)]
+        backend = group_backend(self.backend, devices)
+        fresh = self.group is None or self.world != world or backend != self.group_backend
         fresh = fresh or any(h["group"] != self.group_name for h in hellos)
         holds = [h.get("holds", "") for h in hellos]
         delta = use_delta(holds, snap.base_fp, fresh, self._in_row, self.full_every)
         if fresh:
             self._drop_group()
             self.group_name = f"{self.experiment_id}/g{version}-{uuid.uuid4().hex[:8]}"
-        self.tcp.set(key, json.dumps(self._plan(snap, world, delta)))
+        self.tcp.set(key, json.dumps(self._plan(snap, world, delta) | {"backend": backend}))
         if fresh:
             self.group = own_group(
-                self.tcp, self.backend, 0, world, self.group_name, self.group_timeout_s
+                self.tcp, backend, 0, world, self.group_name, self.group_timeout_s
             )
-            self.world = world
+            self.world, self.group_backend = world, backend
         t2 = time.perf_counter()
         self._send_buckets(snap, delta)
         self._in_row = self._in_row + 1 if delta else 0

@@ -268,6 +268,10 @@ def sender_for(
     """The sender `trainer.weight_sync` names; nothing is joined or uploaded yet.
     `update_timeout_s`: the rollouts' UpdateWeights deadline (a third of it bounds how long a
     broadcast waits for them)."""
+    if trainer.weight_sync == "auto":
+        raise ValueError(
+            "trainer.weight_sync auto is chosen at submit (asyncrl.spec.spec_from_json)"
+        )
     name, via_nats = transport_of(trainer, log)
     if name == "broadcast":
         from services.trainer.broadcast import BroadcastSender

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from asyncrl.cli import app as cli_app
 from asyncrl.client import read_groups
-from asyncrl.weights import tokenizer_files
+from asyncrl.fingerprint import read_manifest
+from asyncrl.weights import tokenizer_files, uri_to_path
 from tests.e2e.experiment import (
     TOTAL_STEPS,
     assert_completed,
@@ -80,7 +81,9 @@ def test_export_full_model_loads_with_engine_greedy_tokens(cluster, task, tmp_pa
     assert {"config.json", "model.safetensors", "asyncrl_export.json"} <= names
     assert set(tokenizer_files(model_dir)) <= names  # every tokenizer file the base had
     provenance = json.loads((out / "asyncrl_export.json").read_text())
-    assert provenance["version"] == TOTAL_STEPS and provenance["fingerprint"].startswith("sha256")
+    assert provenance["version"] == TOTAL_STEPS
+    stored = read_manifest(uri_to_path(exp.weights_uri))
+    assert provenance["fingerprint"] == stored and stored.startswith("xxh3/")  # broadcast's
 
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.dtype == torch.float32  # the base's dtype (the tiny model is fp32)

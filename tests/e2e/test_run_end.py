@@ -59,7 +59,9 @@ def test_cancel_mid_run_trainer_frozen_message_status_and_ledger_agree(cluster, 
             frozen.append(trainer["pid"])
             await asyncio.sleep(0.3)  # what it sent before is handled and stored
             exp = await client.get(exp_id)
-            if (await fetch_report(exp_id, nats_url)).steps == exp.progress.version:
+            # every committed version in its ledger: the newest commit, not the fleet's version
+            # (under broadcast the fleet waits for the frozen trainer's send)
+            if (await fetch_report(exp_id, nats_url)).steps == exp.weights_version:
                 return
             os.kill(trainer["pid"], signal.SIGCONT)
             frozen.remove(trainer["pid"])
@@ -93,7 +95,7 @@ def test_cancel_mid_run_trainer_frozen_message_status_and_ledger_agree(cluster, 
             os.kill(pid, signal.SIGCONT)
     assert state_name(exp.state) == "CANCELLED", exp.message
     totals = ledger.totals
-    assert totals["lost"] == 0 and totals["in_flight"] == 0, (exp.message, totals)
+    assert totals["lost"] == 0 and totals["in_flight"] == 0, f"{exp.message}: {totals}"
     assert totals["trained_twice"] == 0, totals
     assert exp.progress.left_over == totals["left_over"], (exp.progress.left_over, totals)
     if totals["left_over"]:

@@ -126,7 +126,8 @@ def _spec(
             dataset=DatasetSpec(path="unused-by-the-trainer.jsonl"),
             rollout=RolloutSpec(n_samples=2, max_head_offpolicyness=eta),
             trainer=TrainerSpec(
-                **{"backend": "torch", "lr": 1e-3}
+                # no rollouts here to meet a broadcast: versions go through the store
+                **{"backend": "torch", "lr": 1e-3, "weight_sync": "disk"}
                 | trainer
                 | {"batch_size": batch_size, "checkpoint_every": checkpoint_every}
             ),

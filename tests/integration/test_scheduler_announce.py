@@ -49,6 +49,8 @@ async def _running(cluster, files, rollouts, **sections) -> tuple[str, list]:
     await cluster.worker(REWARD)
     await cluster.worker(TRAINER, FakeTrainer())
     agents = [(await cluster.worker(ROLLOUT, r))[0] for r in rollouts]
+    # announced to rollouts outside a weight group (a broadcast's ranks are each called)
+    sections["trainer"] = {"weight_sync": "disk", **sections.get("trainer", {})}
     exp_id = await submit(cluster, spec(files, **sections))
     fleet = cluster.scheduler.get(exp_id).fleet
     ids = {a.worker_id for a in agents}

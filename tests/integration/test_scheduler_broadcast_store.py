@@ -43,7 +43,8 @@ async def test_committed_broadcast_store_reaches_the_rollouts_update_weights(clu
 async def test_disk_experiment_update_weights_carry_no_store(cluster, files):
     await cluster.start_scheduler()
     rollout = FakeRollout()
-    exp_id = await running_experiment(cluster, files, rollout, trainer={"total_steps": 10})
+    trainer = {"total_steps": 10, "weight_sync": "disk"}
+    exp_id = await running_experiment(cluster, files, rollout, trainer=trainer)
     await wait_until(lambda: rollout.update_requests)
     await cluster.commit(exp_id, 1, broadcast_store="10.1.2.3:41234")
     await wait_until(lambda: _update_to(rollout, 1) is not None)

@@ -27,7 +27,10 @@ def test_lora_defaults_and_wire_round_trip():
     assert spec.trainer.lora == LoraSpec(
         rank=8, alpha=16.0, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
     )
-    assert spec_from_json(spec_to_json(spec)) == spec
+    back = spec_from_json(spec_to_json(spec))
+    assert back.trainer.weight_sync == "disk"  # `auto`: an adapter travels as files
+    assert back.model_dump() == {**spec.model_dump(), "trainer": back.trainer.model_dump()}
+    assert back.trainer.model_copy(update={"weight_sync": "auto"}) == spec.trainer
     assert validate_spec({k: v for k, v in TORCH.items() if k != "trainer"}).trainer.lora is None
     props = json_schema()["$defs"]["LoraSpec"]["properties"]
     assert sorted(props) == ["alpha", "dropout", "rank", "target_modules"]

@@ -36,7 +36,10 @@ def test_spec_json_round_trip_keeps_every_field_and_integer_types():
         MINIMAL | {"rollout": {"workflow": {"name": "multi_turn", "args": {"max_turns": 3}}}}
     )
     back = spec_from_json(spec_to_json(spec))
+    assert (spec.trainer.weight_sync, back.trainer.weight_sync) == ("auto", "broadcast")
+    spec.trainer.weight_sync = "broadcast"  # `auto` is chosen on the wire (the scheduler's submit)
     assert back == spec
+    assert spec_from_json(spec_to_json(back)) == back
     assert back.rollout.workflow.args == {"max_turns": 3}
     assert type(back.rollout.workflow.args["max_turns"]) is int
 

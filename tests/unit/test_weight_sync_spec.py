@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.errors import SpecError
-from asyncrl.spec import validate_spec
+from asyncrl.spec import spec_from_json, spec_to_json, validate_spec
+from asyncrl.spec_rules import chosen_weight_sync
 from services.trainer.weight_sync import GROUP_NAME, WeightBroadcaster, collective_backend
 
 MINIMAL = {"model": {"path": "m"}, "dataset": {"path": "d.jsonl"}}
@@ -16,14 +17,46 @@ def _trainer(**fields):
     return validate_spec(MINIMAL | {"trainer": fields}).trainer
 
 
-def test_weight_sync_default_disk_builds_no_broadcaster():
+def test_weight_sync_default_auto_builds_no_broadcaster():
     trainer = _trainer()
     assert (trainer.weight_sync, trainer.nccl_master, trainer.nccl_world_size) == (
-        "disk",
+        "auto",
         None,
         None,
     )
     assert WeightBroadcaster.from_spec(trainer) is None
+    assert WeightBroadcaster.from_spec(_trainer(weight_sync="disk")) is None
+
+
+TORCH_ENGINE = {"rollout": {"engine": "torch"}}
+SGLANG = {"rollout": {"engine": "sglang"}}
+
+
+@pytest.mark.parametrize(
+    ("patch", "transport", "chosen"),
+    [
+        (TORCH_ENGINE, "file", "broadcast"),  # the default backend (megatron) streams
+        (TORCH_ENGINE | {"trainer": {"backend": "torch"}}, "file", "broadcast"),
+        (SGLANG, "file", "disk"),  # nccl needs the engines' group: only the user knows it
+        (TORCH_ENGINE | {"trainer": {"backend": "torch", "lora": {}}}, "file", "disk"),
+        (TORCH_ENGINE, "nats", "nats"),  # the deprecated deployment-wide alias: no shared disk
+        (SGLANG, "nats", "nats"),
+        (TORCH_ENGINE | {"trainer": {"weight_sync": "disk"}}, "file", "disk"),  # the user's
+        (TORCH_ENGINE | {"trainer": {"weight_sync": "broadcast"}}, "nats", "broadcast"),
+        (SGLANG | {"trainer": {"weight_sync": "nats"}}, "file", "nats"),
+    ],
+)
+def test_auto_chooses_broadcast_where_it_streams_and_keeps_an_explicit_choice(
+    patch, transport, chosen
+):
+    assert chosen_weight_sync(validate_spec(MINIMAL | patch), transport) == chosen
+
+
+def test_auto_is_chosen_on_the_wire_by_the_deployments_setting(monkeypatch):
+    wire = spec_to_json(validate_spec(MINIMAL | TORCH_ENGINE))
+    assert spec_from_json(wire).trainer.weight_sync == "broadcast"
+    monkeypatch.setenv("ASYNCRL_WEIGHTS_TRANSPORT", "nats")
+    assert spec_from_json(wire).trainer.weight_sync == "nats"
 
 
 def test_weight_sync_nccl_builds_rank_0_broadcaster_of_the_group():
