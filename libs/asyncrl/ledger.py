@@ -44,7 +44,7 @@ import nats.errors
 import nats.js.errors
 
 from asyncrl import natsutil
-from asyncrl.logging import get_logger
+from asyncrl.logging import get_logger, raise_if_cancelled
 from asyncrl.natsutil import ensure_file_stream, read_subject
 from asyncrl.retry import jetstream_call
 from asyncrl.types import GroupId
@@ -140,6 +140,7 @@ class Ledger:
             # dropped by JetStream: a `trained` event stored twice would count a step twice
             headers = {"Nats-Msg-Id": f"{self.subject}-{hashlib.sha1(body).hexdigest()}"}
             while True:  # NATS away (restarting): keep the events and try again
+                raise_if_cancelled("ledger writer")
                 await self._may_write()
                 try:
                     await self.js.publish(self.subject, body, headers=headers)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import grpc
 
+from asyncrl.logging import raise_if_cancelled
 from asyncrl.storage import is_storage_full
 from asyncrl.types import TrainerState
 from asyncrl.v1 import trainer_pb2, trainer_pb2_grpc
@@ -168,6 +169,7 @@ class TrainerSupervisor:
         run moves, and what it is waiting for); a reason to act is `act(why, fail)`: start the
         trainer again, or give up with `fail` when it is not ""."""
         while True:
+            raise_if_cancelled("trainer watchdog")
             try:
                 await asyncio.wait_for(self._poll_now.wait(), self.config.trainer_poll_interval_s)
             except TimeoutError:

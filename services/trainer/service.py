@@ -38,7 +38,7 @@ import grpc
 
 from asyncrl.errors import Conflict, NotFound
 from asyncrl.ledger import Ledger, ensure_ledger
-from asyncrl.logging import get_logger
+from asyncrl.logging import get_logger, raise_if_cancelled
 from asyncrl.natsutil import check_experiment_id
 from asyncrl.runtime import freeze_heap
 from asyncrl.settings import settings
@@ -392,8 +392,7 @@ class TrainerService:
     async def _record_left_over(self) -> None:
         """The training groups no step took when the run ended: reported, never silent."""
         ids = await unconsumed_group_ids(self.js, self.experiment_id, self._boundary_seq)
-        ids = [i for i in ids if i not in self._trained]
-        if ids:
+        if ids := [i for i in ids if i not in self._trained]:
             await self.ledger.record("left_over", groups=ids, reason="not trained when it ended")
             self.log.info("left_over", groups=len(ids))
 
@@ -419,6 +418,7 @@ class TrainerService:
         self.state = TrainerState.WAITING
         t0 = time.perf_counter()
         while len(batch.groups) < b:
+            raise_if_cancelled("trainer loop")  # a pull's wait_for may swallow close()'s cancel
             if self._stop.is_set():
                 return None
             if self.publisher.done:  # raise a failure now, not after the next step
