@@ -30,8 +30,10 @@ each run's measured mean staleness, and `staleness_bites` says per eta whether i
 
 `rollout.filter` is the demo's `nonconstant_reward`: every trained group carries signal, so
 the eta = 0 runs learn enough in 250 steps for the corrections to differ (under `none` the
-on-policy runs gained only 0.29 over v0). A run whose policy collapses to all-wrong groups never
-fills a batch: it ends at the bench's timeout and is reported as failed, not left silent.
+on-policy runs gained only 0.29 over v0). A run whose policy collapses to constant groups has
+most of them rejected and may run out of prompts before its last step ("dataset exhausted"):
+it completes early, and its final accuracy is its last eval, at the version it reached (the
+evals say which); one that fills no batch at all ends at the bench's timeout, reported failed.
 
 At eta = 0 the behaviour and proximal policies are the same weights (w = pi_prox / pi_behav = 1
 up to the engines' numerics), where token_tis, token_mis, seq_mis, icepop and m2po compute

@@ -224,12 +224,6 @@ def delta_nbytes(words: int) -> int:
     return 2 * WORD * words
 
 
-def new_buffers(p: Plan, device: torch.device) -> list[torch.Tensor]:
-    import torch
-
-    return [torch.zeros(n, dtype=torch.uint8, device=device) for n in p.sizes]
-
-
 class BufferSets:
     """Two sets of bucket buffers, packed in turn: one version may still be in flight (sent,
     written) while the next is packed, never two."""
@@ -243,5 +237,8 @@ class BufferSets:
         self._packed += 1
         buffers = self._sets.get(self._packed % 2)
         if buffers is None or [b.numel() for b in buffers] != list(p.sizes):
-            buffers = self._sets[self._packed % 2] = new_buffers(p, device)
+            import torch
+
+            buffers = [torch.zeros(n, dtype=torch.uint8, device=device) for n in p.sizes]
+            self._sets[self._packed % 2] = buffers
         return buffers

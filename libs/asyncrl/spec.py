@@ -30,6 +30,7 @@ from pydantic import (
 from asyncrl.errors import SpecError
 from asyncrl.registry import ENGINES, FILTERS, TRAINER_BACKENDS, WORKFLOWS, is_plugin_name
 from asyncrl.rewards import PLUGIN_PREFIX, REWARD_FUNCTIONS, is_plugin
+from asyncrl.settings import settings
 from asyncrl.spec_rules import check_broadcast, check_lora, chosen_weight_sync
 
 __all__ = ["SpecError"]  # raised by every validator here; defined with its kin in asyncrl.errors
@@ -505,8 +506,6 @@ def spec_from_json(text: str | bytes) -> ExperimentSpec:
     check_lora(spec)
     check_broadcast(spec)
     if spec.trainer.weight_sync == "auto":  # at submit; the choice then travels to the workers
-        from asyncrl.settings import settings
-
         spec.trainer.weight_sync = chosen_weight_sync(spec, settings().weights_transport)
     return spec
 

@@ -113,27 +113,3 @@ async def test_keep_running_ends_when_until_says_so_after_a_pass_that_raised():
         keep_running("test", body, get_logger(), retry_s=0.01, until=lambda: len(passes) == 3), 5
     )
     assert passes == [0, 1, 2]
-
-
-async def test_keep_running_ends_on_a_cancel_that_a_pass_swallowed():
-    """Python 3.11's `asyncio.wait_for` can swallow a cancel that comes as its future
-    completes (nats-py waits that way): the pass returns as if nothing happened. The loop must
-    still end, not start another pass that waits forever (a scheduler's state flusher did, and
-    its shutdown hung)."""
-    passes = []
-
-    async def body():
-        passes.append(len(passes))
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            if len(passes) > 1:
-                raise
-            # the first one swallowed, as that wait_for does
-
-    loop = asyncio.create_task(keep_running("test", body, get_logger()))
-    await asyncio.sleep(0.05)
-    loop.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await asyncio.wait_for(loop, 2)
-    assert passes == [0]

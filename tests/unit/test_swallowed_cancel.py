@@ -1,8 +1,7 @@
 """Long-lived loops end on a cancel that one of their awaits swallowed. Python 3.11's
 `asyncio.wait_for` (which nats-py's calls and the trainer watchdog's poll use) can return a
 result for a cancel that comes as its future completes; a loop that starts another pass then
-runs on, and whoever cancelled it waits forever (a scheduler's shutdown hung that way).
-`keep_running`'s own test is in test_safe_logging.py."""
+runs on, and whoever cancelled it waits forever (a scheduler's shutdown hung that way)."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from asyncrl.ledger import Ledger
+from asyncrl.logging import get_logger, keep_running
 from services.scheduler.lifecycle import Phase
 from services.scheduler.supervisor import TrainerSupervisor
 from services.trainer.service import TrainerService
@@ -31,6 +31,17 @@ def swallowing_once(result):
         return result
 
     return call, calls
+
+
+async def test_keep_running_ends_on_a_cancel_that_a_pass_swallowed():
+    """The scheduler's state flusher, lease renewer and history writer run this way."""
+    body, calls = swallowing_once(None)
+    task = asyncio.create_task(keep_running("test", body, get_logger()))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 2)
+    assert calls == [0]
 
 
 async def test_the_trainer_watchdog_ends_on_a_cancel_its_poll_swallowed():
