@@ -9,11 +9,14 @@ as the services run them):
 
 - `disk`: the trainer serialises the version (`hf_files`: its stall), writes it to the weight
   store, and both engines read it from there, hash it and swap it in (UpdateWeights).
-- `broadcast`: the trainer packs its parameters into buckets (`BroadcastSender.snapshot`: its
-  stall), checksums them, and streams them over a gloo group on loopback to both engines'
-  staging buffers while the store copy is written beside it; each engine checks the bucket
-  checksums and swaps (services/trainer/broadcast.py).
-- `broadcast+delta`: the same for a version that follows one both engines took by broadcast,
+- `broadcast shm` (the default where the engines run on the trainer's host): the trainer packs
+  its parameters into buckets that are files in /dev/shm (`BroadcastSender.snapshot`: its
+  stall) and checksums them; each engine copies the buckets out into a staging set, checks
+  the checksums of its copy and takes that set's tensors as its weights (services/trainer/
+  broadcast.py, `asyncrl.shm`); then the store copy is written from the same buffers.
+- `broadcast`: the same buckets streamed over a gloo group on loopback into the staging sets
+  instead (ASYNCRL_BROADCAST_SHM=0: how a version reaches engines on other hosts).
+- `broadcast+delta`: that for a version that follows one both engines took by broadcast,
   sent as its delta (`trainer.broadcast_delta`: per bucket the 4-byte words that changed,
   encoded after the checksums). Its stand-in step changes one element in `SPARSE` of every
   parameter (fp32 here: one word each) instead of all of them, a sparse update like a bf16
@@ -30,6 +33,7 @@ and the time until the store copy is written. NATS is measured by bench `weight_
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import time
 from pathlib import Path
@@ -53,7 +57,7 @@ EXP = "bench"
 ENGINES = 2
 SPARSE = 100
 """The delta row's stand-in step changes every SPARSE-th element of each parameter."""
-TRANSPORTS = ("disk", "broadcast", "broadcast+delta")
+TRANSPORTS = ("disk", "broadcast shm", "broadcast", "broadcast+delta")
 
 
 def _memcpy_s(nbytes: int, repeats: int = 3) -> float:
@@ -134,9 +138,11 @@ async def _disk(rig: Rig) -> dict:
     return {"serving_s": time.perf_counter() - ended, "stall_s": stall, "stored_s": written}
 
 
-async def _broadcast(rig: Rig, sender: BroadcastSender, receivers, delta: bool) -> dict:
-    """A version streamed whole, or (`delta`) a sparse one sent as its delta."""
+async def _broadcast(rig: Rig, sender: BroadcastSender, receivers, delta: bool, shm: bool) -> dict:
+    """A version handed over through shared memory (`shm`) or streamed over the socket, whole
+    or (`delta`) a sparse one sent as its delta."""
     sender.delta = delta
+    os.environ["ASYNCRL_BROADCAST_SHM"] = "1" if shm else "0"
     ended = rig.step(SPARSE if delta else 1)
     snap = await asyncio.to_thread(sender.snapshot, rig.backend)
     stall = time.perf_counter() - ended
@@ -175,13 +181,17 @@ async def _shape(ctx: Context, label: str, model_dir: Path, repeats: int) -> lis
     runs: dict[str, list[dict]] = {t: [] for t in TRANSPORTS}
     try:
         for _ in range(repeats + 1):  # the first of each: warm-up (buffers, the group)
+            for r in receivers:  # as a rollout does: the engines may serve from a staging set
+                r.staging.forget()
             runs["disk"].append(await _disk(rig))
-            runs["broadcast"].append(await _broadcast(rig, sender, receivers, delta=False))
-            runs["broadcast+delta"].append(await _broadcast(rig, sender, receivers, delta=True))
+            runs["broadcast shm"].append(await _broadcast(rig, sender, receivers, False, True))
+            runs["broadcast"].append(await _broadcast(rig, sender, receivers, False, False))
+            runs["broadcast+delta"].append(await _broadcast(rig, sender, receivers, True, False))
         nbytes = rig.nbytes
         bounds = {"memcpy": _memcpy_s(ENGINES * nbytes)}
         bounds["cp"] = _cp_s(rig.store.dir(rig.version) / "model.safetensors")
     finally:
+        os.environ.pop("ASYNCRL_BROADCAST_SHM", None)
         await sender.close()
         await rig.stop()
     out = []

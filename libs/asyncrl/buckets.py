@@ -226,19 +226,29 @@ def delta_nbytes(words: int) -> int:
 
 class BufferSets:
     """Two sets of bucket buffers, packed in turn: one version may still be in flight (sent,
-    written) while the next is packed, never two."""
+    written) while the next is packed, never two. `alloc(nbytes)` makes a CPU buffer where it
+    is given and answers (shared memory: `asyncrl.shm`; None: an ordinary one), and
+    `free` lets one go when its set is reallocated."""
 
-    def __init__(self):
+    def __init__(self, alloc=None, free=None):
         self._sets: dict[int, list[torch.Tensor]] = {}
         self._packed = 0
+        self._alloc, self._free = alloc, free
 
     def next(self, p: Plan, device: torch.device) -> list[torch.Tensor]:
         """The set the next version is packed into, (re)allocated when `p`'s sizes changed."""
         self._packed += 1
         buffers = self._sets.get(self._packed % 2)
         if buffers is None or [b.numel() for b in buffers] != list(p.sizes):
-            import torch
-
-            buffers = [torch.zeros(n, dtype=torch.uint8, device=device) for n in p.sizes]
+            if buffers and self._free:
+                for old in buffers:
+                    self._free(old)
+            buffers = [self._new(n, device) for n in p.sizes]
             self._sets[self._packed % 2] = buffers
         return buffers
+
+    def _new(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        import torch
+
+        buf = self._alloc(nbytes) if self._alloc and device.type == "cpu" else None
+        return buf if buf is not None else torch.zeros(nbytes, dtype=torch.uint8, device=device)

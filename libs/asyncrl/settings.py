@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     """Deprecated alias of the spec's `trainer.weight_sync: nats` (services/trainer/transport.py):
     `nats` sends every experiment's versions through the NATS object store too, with a warning
     in the trainer's log; `file` (the default) leaves the choice to the spec."""
+    broadcast_shm: bool = True
+    """`trainer.weight_sync: broadcast` hands a version to the engines of the trainer's host
+    through shared memory (/dev/shm; `asyncrl.shm`); 0: over the socket like the others."""
     log_format: str = "json"
     """`json` (services) or `console`."""
     log_level: str = "INFO"

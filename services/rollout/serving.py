@@ -261,6 +261,8 @@ class Serving:
     async def _from_uri(self, binding: Binding, loaded: Loaded | None, version, uri, fp):
         """The version read from `uri` (fetched first from NATS): ((interrupted, phases))."""
         phases = UpdatePhases()
+        if self.streams is not None:  # the engine's weights may be a staging set: written now
+            self.streams.staging.forget()
         path, fetch_s = await self._local_dir(version, uri, fp)
         if binding.spec.trainer.weight_sync == "broadcast":  # its store copy may be on its way
             await stored(path, binding.spec.rollout.weight_update_timeout_s)

@@ -138,7 +138,10 @@ def truncated(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 @torch.no_grad()
-def swap_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+def swap_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], adopt=False) -> None:
+    """`state` into `model`'s parameters: copied in, or (`adopt`) a tensor of the parameter's
+    dtype, device and shape taken as its storage (a broadcast's staging buffers, which the
+    receiver does not write while they are the newest: no copy); any other copied in."""
     model_keys = set(model.state_dict())
     unexpected = sorted(set(state) - model_keys)
     if unexpected:
@@ -147,6 +150,12 @@ def swap_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     if missing - tied:
         raise ValueError(f"weights do not match the model: missing {sorted(missing)[:5]}")
+    if adopt:  # a tied pair is one Parameter: both names take the same storage
+        params, state = dict(model.named_parameters(remove_duplicate=False)), dict(state)
+        for name, t in list(state.items()):
+            p = params.get(name)
+            if p is not None and (p.dtype, p.device, p.shape) == (t.dtype, t.device, t.shape):
+                p.data = state.pop(name)
     model.load_state_dict(state, strict=False)  # in-place copies keep tied weights tied
 
 
@@ -293,7 +302,7 @@ class TorchEngine(Engine):
     async def apply_state(self, model_dir: str, version: int, state: dict, fp: str, read_s: float):
         """`update_weights` with weights received elsewhere (a broadcast's staging buffers, of
         fingerprint `fp`); `model_dir`: where the version is stored. Returns how many moved."""
-        op = Op("update", str(model_dir), version, self._new_future(), state, read_s, fp)
+        op = Op("adopt", str(model_dir), version, self._new_future(), state, read_s, fp)
         return await self._submit_op(op)
 
     async def generate(self, req: GenRequest) -> Completion:
@@ -429,7 +438,7 @@ class TorchEngine(Engine):
         elif op.kind == "base":  # the lane samples the base: nothing to load
             moving = lane if every else []
         else:
-            await asyncio.to_thread(swap_weights, self.model, op.state)
+            await asyncio.to_thread(swap_weights, self.model, op.state, op.kind == "adopt")
             self.adapters.clear()  # adapters of another base
             self._lanes.clear()
             moving = list(self._slots.values())

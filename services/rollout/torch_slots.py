@@ -94,7 +94,7 @@ class Slot:
 class Op:
     """A model change the loop applies between two steps."""
 
-    kind: str  # load | update | adapter | base (a lane on the base)
+    kind: str  # load | update | adopt (an update taking its tensors) | adapter | base (a lane)
     model_dir: str
     version: int
     future: asyncio.Future

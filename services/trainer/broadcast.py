@@ -1,13 +1,16 @@
 """`trainer.weight_sync: broadcast`: a version streamed from the trainer's parameters to the
-torch engines over one process group, in buckets (`asyncrl.buckets`).
+torch engines, in buckets (`asyncrl.buckets`): through shared memory to the engines of the
+trainer's host (`asyncrl.shm`), over one process group otherwise.
 
 At the end of `train_step` (the trainer's only stall) `BroadcastSender.snapshot` copies the
 parameters, in HF names and the published dtype, into flat bucket buffers: that copy is the
 version's snapshot, which no later step changes (two sets of buffers alternate: one version is
-packed while the previous one is in flight). Beside the next step, `publish` checksums each
-bucket (xxh3) into the version's fingerprint and starts writing the weight store's copy from
-the same buffers (the durable copy: resume, joins, eval; written in the background, no
-serialisation), and `send` broadcasts the buckets while CommitWeights runs.
+packed while the previous one is in flight; on a CPU trainer they are files in /dev/shm).
+Beside the next step, `publish` checksums each bucket (xxh3) into the version's fingerprint,
+and `send` hands the buckets over while CommitWeights runs, then writes the weight store's
+copy from the same buffers (the durable copy: resume, joins, eval; no serialisation; after the
+hand-over, which it would slow on a few cores: a rollout that loads from the store waits for
+it).
 
 The group (the trainer rank 0, the experiment's ready rollouts ranks 1..n) meets on a TCPStore
 the trainer hosts at `trainer.nccl_master`, or, unset, on its advertised host
@@ -23,6 +26,11 @@ host never collide. Per version v, under the experiment's prefix:
      else gloo: `collective.group_backend`), the bucket plan, the checksums and the fingerprint;
   3. everyone joins the new group if there is one; the trainer broadcasts every bucket, each
      rollout checksums what it received (services/rollout/broadcast_receiver.py).
+When every hello says the rollout reads the trainer's /dev/shm (it found there the token the
+trainer advertised under `<experiment>/shm`) the plan names the version's files instead (its
+`backend` is `shm`, no group is needed): each rollout copies the buckets out, says
+`v<v>/done/<r>`, and checks its copy; the trainer waits for every `done` (`shm.wait_s`) before
+the set may be packed again. A version through memory goes whole.
 A version may travel as a delta (`trainer.broadcast_delta`): beside the next step `publish`
 also encodes each bucket against the same bucket of the previous version, still intact in the
 other set of buffers (`buckets.encode_delta`: the 4-byte words that changed, indices + values;
@@ -52,7 +60,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 
-from asyncrl import buckets
+from asyncrl import buckets, shm
 from asyncrl.collective import (
     collective_backend,
     device_id,
@@ -189,13 +197,20 @@ class BroadcastSender(WeightSender):
         self.group, self.group_name, self.world = None, "", 0
         self.group_backend = ""
         """The group's backend (`group_backend`: gloo where ranks share a GPU)."""
-        self._sets = buckets.BufferSets()
+        self.region = None
+        if self.backend == "gloo" and settings().broadcast_shm and shm.available():
+            shm.sweep()  # the files of trainers killed before they removed them
+            self.region = shm.Region()
+        hooks = (self.region.alloc, self.region.free) if self.region else (None, None)
+        self._sets = buckets.BufferSets(*hooks)
+        self._local, self._full_logged = False, False
+        """The last version went by shared memory (then the next one is not encoded as a
+        delta: what goes through memory goes whole)."""
         self.delta, self.full_every = trainer.broadcast_delta, trainer.broadcast_full_every
         self._in_row = 0  # delta versions sent since the last full one
         self._last: Snapshot | None = None  # the newest snapshot: the next one's base
         self._base_lock = threading.Lock()  # a base is encoded against or overwritten
         self._snaps: dict[int, Snapshot] = {}
-        self._writes: dict[int, asyncio.Task] = {}
         self._moved: dict[int, tuple[int, int]] = {}  # the last version sent: (sent, full)
         self.last: dict[str, float] = {}
         """The last version's figures: bytes, pack_s, seal_s, delta_s, hello_s, group_s,
@@ -235,6 +250,9 @@ class BroadcastSender(WeightSender):
         if self.tcp is None:  # hosted before any rollout asks for it
             self.tcp = open_store(self.host, self.port, master=True)
             self.log.info("broadcast_store_hosted", address=self.store_address)
+            if self.region is not None:
+                key = f"{self.experiment_id}/shm"
+                self.tcp.set(key, json.dumps(self.region.advert()))
         t0 = time.perf_counter()
         state, config = backend.hf_state()
         p = buckets.plan_of_state(state, self.bucket_bytes)
@@ -255,7 +273,7 @@ class BroadcastSender(WeightSender):
         return snap
 
     async def publish(self, version: int, files) -> str:
-        """Fingerprint `files` (a Snapshot) and start writing it to the store beside the send."""
+        """Fingerprint `files` (a Snapshot); `send` sends it, then writes it to the store."""
         snap: Snapshot = files
         t0 = time.perf_counter()
         await asyncio.to_thread(snap.seal)
@@ -263,30 +281,31 @@ class BroadcastSender(WeightSender):
         await asyncio.to_thread(self._encode, snap)
         self.last.update(seal_s=t1 - t0, delta_s=time.perf_counter() - t1)
         self._snaps = {version: snap}
-        store = self.files.store
-        self._writes[version] = asyncio.create_task(
-            asyncio.to_thread(store.write, version, snap.files(), snap.fingerprint)
-        )
         return self.uri(version)
 
     async def send(self, version: int, commit: Awaitable[T]) -> T:
-        """Broadcast beside the commit; returns once both are done and the store copy is
-        written (a failed write or commit is raised; a failed broadcast is logged)."""
+        """Broadcast beside the commit, then write the store copy (after the broadcast: on a
+        few cores the write would slow the engines' copies; a rollout that loads the version
+        from the store waits for it); returns once all are done (a failed write or commit is
+        raised; a failed broadcast is logged)."""
         snap = self._snaps[version]
-        _, resp = await asyncio.gather(
-            asyncio.to_thread(self._broadcast, version, snap), commit, return_exceptions=True
-        )
-        write = self._writes.pop(version)
-        await write
-        if isinstance(resp, BaseException):
-            raise resp
+
+        async def then_store() -> None:
+            await asyncio.to_thread(self._broadcast, version, snap)
+            store = self.files.store
+            await asyncio.to_thread(store.write, version, snap.files(), snap.fingerprint)
+
+        written, resp = await asyncio.gather(then_store(), commit, return_exceptions=True)
+        for outcome in (written, resp):
+            if isinstance(outcome, BaseException):
+                raise outcome
         return resp
 
     async def close(self) -> None:
-        for task in self._writes.values():
-            task.cancel()
         await asyncio.to_thread(self._drop_group)
         self.tcp = None
+        if self.region is not None:
+            self.region.close()
 
     def _encode(self, snap: Snapshot) -> None:
         """Each bucket's delta against the previous version, while its buffers are intact (a
@@ -294,7 +313,7 @@ class BroadcastSender(WeightSender):
         with self._base_lock:
             base, snap.base = snap.base, None
             due = self._in_row + 1 >= self.full_every  # this version goes whole anyway
-            if base is None or not base.fingerprint or not self.delta or due:
+            if base is None or not base.fingerprint or not self.delta or due or self._local:
                 return
             pairs = [
                 buckets.encode_delta(new, old)
@@ -326,6 +345,13 @@ class BroadcastSender(WeightSender):
             self.log.warning("broadcast_skipped", version=version, reason="not every hello came")
             return
         world = len(hellos) + 1
+        paths = self._shared(snap, hellos)
+        self._local = paths is not None
+        if paths is not None:
+            self._hand_over(version, snap, paths, world)
+            self._in_row = 0
+            self._sent(version, snap, False, len(hellos), False, (t0, t1, t1, time.perf_counter()))
+            return
         devices = [device_id(self.device), *(h.get("device", "") for h in hellos)]
         backend = group_backend(self.backend, devices)
         fresh = self.group is None or self.world != world or backend != self.group_backend
@@ -346,6 +372,37 @@ class BroadcastSender(WeightSender):
         self._in_row = self._in_row + 1 if delta else 0
         t3 = time.perf_counter()
         self._sent(version, snap, delta, len(hellos), fresh, (t0, t1, t2, t3))
+
+    def _shared(self, snap: Snapshot, hellos: list[dict]) -> list[str] | None:
+        """The files of `snap`'s buckets when every rollout reads this host's shared memory
+        and the buckets are there (`asyncrl.shm`), else None (the group)."""
+        if self.region is None or not settings().broadcast_shm:
+            return None
+        if not all(h.get("shm") for h in hellos):
+            return None
+        paths = [self.region.path(b) for b in snap.buffers]
+        if None in paths and not self._full_logged:  # /dev/shm had no room for a set
+            self.log.warning("broadcast_shm_full", bytes=snap.plan.nbytes, then="socket")
+            self._full_logged = True
+        return None if None in paths else paths
+
+    def _hand_over(self, version: int, snap: Snapshot, paths: list[str], world: int) -> None:
+        """The plan names the files; each rollout copies the buckets out and says `done`
+        (then this set may be packed again)."""
+        plan = self._plan(snap, world, False) | {"backend": "shm", "shm": paths}
+        self.tcp.set(store_key(self.experiment_id, version, "plan"), json.dumps(plan))
+        self._copied(version, world, snap.plan.nbytes)
+
+    def _copied(self, version: int, world: int, nbytes: int) -> None:
+        """Wait until every rollout copied the version out, at most `shm.wait_s`. One
+        that is not done by then reads a set the trainer may pack again: its checksums then
+        fail and it loads the version from the store."""
+        done = [store_key(self.experiment_id, version, f"done/{r}") for r in range(1, world)]
+        timeout_s = shm.wait_s(nbytes)
+        try:
+            self.tcp.wait(done, timedelta(seconds=timeout_s))
+        except RuntimeError:  # the store's timeout: a rollout died or stalls mid-copy
+            self.log.warning("shm_copy_late", version=version, timeout_s=timeout_s)
 
     def _plan(self, snap: Snapshot, world: int, delta: bool) -> dict:
         """The version's plan for the store; a delta version's names its base and, per
@@ -389,6 +446,7 @@ class BroadcastSender(WeightSender):
             new_group=fresh,
             buckets=len(snap.buffers),
             mode="delta" if delta else "full",
+            via="shm" if self._local else self.group_backend,
             **{k: round(v, 6 if k == "changed" else 4) for k, v in self.last.items()},
         )
 

@@ -6,7 +6,9 @@
       prints `bucket 0` once its first bucket is in, and stalls there.
   python -m tests.fakes.broadcast_rank trainer MASTER EXP VERSION STORE_DIR N_ENGINES
       streams a version of `state()` (random, seeded) to N_ENGINES rollouts; its group kills
-      this process after its second bucket (`os._exit` inside the broadcast).
+      this process after its second bucket (`os._exit` inside the broadcast); handing the
+      version over through shared memory, it prints `handed over` once the plan names its
+      files and stalls there (the test kills it while the receivers copy).
 """
 
 from __future__ import annotations
@@ -69,7 +71,12 @@ async def trainer(master: str, exp: str, version: int, store_dir: str, n: int) -
             print("killed after bucket 1", flush=True)
             os._exit(9)
 
+    def stalls_after_the_plan(self, version, world, nbytes):
+        print("handed over", flush=True)
+        time.sleep(600)
+
     collective.Group.broadcast = dies_after_two
+    BroadcastSender._copied = stalls_after_the_plan
     spec = TrainerSpec(weight_sync="broadcast", nccl_master=master, broadcast_bucket_mb=BUCKET_MB)
     tok = Path(store_dir) / "tokenizer"
     tok.mkdir(parents=True, exist_ok=True)

@@ -1,16 +1,17 @@
-"""`trainer.weight_sync: broadcast` over gloo on loopback: a real torch trainer backend trains
-a step of the tiny model, `BroadcastSender` streams the version in buckets to two real torch
-engines (each with its `BroadcastReceiver`, as a rollout's Serving drives it) while they
-generate, and writes the weight store's copy from the same snapshot. Every rank lives in this
-process (groups of their own, `asyncrl.collective.own_group`); each rank's blocking calls run in
-threads, as in the services."""
+"""`trainer.weight_sync: broadcast` on one host: a real torch trainer backend trains a step of
+the tiny model, `BroadcastSender` streams the version in buckets to two real torch engines
+(each with its `BroadcastReceiver`, as a rollout's Serving drives it) while they generate, and
+writes the weight store's copy from the same snapshot; over gloo on loopback (`via` gloo:
+ASYNCRL_BROADCAST_SHM=0, as between hosts) or through the trainer's files in /dev/shm (`via`
+shm, the same-host default: `asyncrl.shm`). Every rank lives in this process (groups of
+their own, `asyncrl.collective.own_group`); each rank's blocking calls run in threads, as in
+the services."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-import structlog
 import torch
 
 from asyncrl import fingerprint
@@ -28,6 +29,19 @@ from tests.fakes.trainer_env import EXP, _group
 pytestmark = pytest.mark.slow
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=200)
+
+
+@pytest.fixture(params=["gloo", "shm"])
+def via(request, monkeypatch) -> str:
+    """How the versions go: over the socket (gloo) or through shared memory (shm)."""
+    monkeypatch.setenv("ASYNCRL_BROADCAST_SHM", "1" if request.param == "shm" else "0")
+    return request.param
+
+
+@pytest.fixture
+def gloo(monkeypatch) -> None:
+    """Over the socket: a delta is for links slower than memory (what goes by shm is whole)."""
+    monkeypatch.setenv("ASYNCRL_BROADCAST_SHM", "0")
 
 
 def _spec(tiny_dir, port: int) -> ExperimentSpec:
@@ -65,8 +79,7 @@ async def _setup(tiny, tmp_path, **trainer):
     backend = TorchBackend(spec, device="cpu")
     backend.load(str(tiny[0]))
     store = Store(root=tmp_path / "w", experiment_id=EXP, tokenizer_dir=tiny[0], keep=4)
-    log = Log() if trainer else structlog.get_logger()
-    sender = BroadcastSender(DiskSender(store), spec.trainer, log, 10.0)
+    sender = BroadcastSender(DiskSender(store), spec.trainer, Log(), 10.0)
     engines = [TorchEngine(device="cpu", seed=i) for i in range(2)]
     for e in engines:
         await e.start()
@@ -116,7 +129,7 @@ def _held(engine) -> dict[str, torch.Tensor]:
 
 
 async def test_two_engines_take_streamed_versions_mid_decode_and_the_store_gets_the_same(
-    tiny, tmp_path
+    tiny, tmp_path, via
 ):
     spec, backend, sender, engines = await _setup(tiny, tmp_path)
     receivers = [BroadcastReceiver() for _ in engines]
@@ -143,7 +156,13 @@ async def test_two_engines_take_streamed_versions_mid_decode_and_the_store_gets_
             assert fingerprint.of_dir(stored) == fp  # recomputed from the files
             assert sender.last["bytes"] == sum(t.numel() * 4 for t in want.values())
             assert moved is not None
+            assert sender.log.sent()[-1]["via"] == via
         assert receivers[0].group_name == receivers[1].group_name == sender.group_name
+        assert bool(sender.group_name) == (via == "gloo")  # shm: no group needed
+        for engine, receiver in zip(engines, receivers, strict=True):  # served in place
+            ptr = engine.model.get_input_embeddings().weight.data_ptr()
+            newest = receiver.staging.newest
+            assert any(buf.data_ptr() <= ptr < buf.data_ptr() + buf.numel() for buf in newest)
         outs = await asyncio.gather(*running)
         for out in outs:  # started under v0, went on under the streamed version(s)
             assert out.versions[0] == 0 and out.interruptions >= 1 and out.versions[-1] >= 1
@@ -181,7 +200,7 @@ async def test_sender_without_nccl_master_hosts_its_store_on_an_os_given_port(ti
             await e.stop()
 
 
-async def test_a_flipped_bit_in_one_bucket_is_refused_and_nothing_is_applied(tiny, tmp_path):
+async def test_a_flipped_bit_in_one_bucket_is_refused_and_nothing_is_applied(tiny, tmp_path, via):
     spec, backend, sender, engines = await _setup(tiny, tmp_path)
     receivers = [BroadcastReceiver() for _ in engines]
     before = {k: v.clone() for k, v in _held(engines[1]).items()}
@@ -222,7 +241,7 @@ def _assert_holds(engine, backend, fp: str) -> None:
         assert torch.equal(held[name], tensor), name
 
 
-async def test_versions_travel_as_deltas_with_a_full_one_every_k(tiny, tmp_path):
+async def test_versions_travel_as_deltas_with_a_full_one_every_k(tiny, tmp_path, gloo):
     spec, backend, sender, engines = await _setup(tiny, tmp_path, broadcast_full_every=3)
     receivers = [BroadcastReceiver() for _ in engines]
     last = sorted(_trained(backend))[-1]
@@ -251,15 +270,17 @@ async def test_versions_travel_as_deltas_with_a_full_one_every_k(tiny, tmp_path)
             await e.stop()
 
 
-async def test_a_delta_onto_a_base_that_differs_is_refused_and_the_next_goes_whole(tiny, tmp_path):
+async def test_a_delta_onto_a_base_that_differs_is_refused_and_the_next_goes_whole(
+    tiny, tmp_path, gloo
+):
     spec, backend, sender, engines = await _setup(tiny, tmp_path, broadcast_full_every=8)
     receivers = [BroadcastReceiver() for _ in engines]
     last = sorted(_trained(backend))[-1]
     try:
         await _version(tiny, spec, backend, sender, receivers, engines, 1)
-        v1 = {k: v.clone() for k, v in _held(engines[1]).items()}
-        staging = receivers[1]._staging[1][0]  # bucket 0 starts with the first tensor
-        staging[1] ^= 1 << 2  # the base differs where v2 changes nothing; it still says v1
+        newest = receivers[1].staging.newest[0]  # bucket 0 starts with the first tensor
+        newest[1] ^= 1 << 2  # the base differs where v2 changes nothing; it still says v1
+        v1 = {k: v.clone() for k, v in _held(engines[1]).items()}  # served from that set
         assert receivers[1].held == sender.fingerprint(1)
         moved = await _version(tiny, spec, backend, sender, receivers, engines, 2, (), _nudge(last))
         assert sender.log.sent()[-1]["mode"] == "delta"
