@@ -36,9 +36,10 @@ PREFIX = "asyncrl-bcast-"
 
 
 def wait_s(nbytes: int) -> float:
-    """How long the trainer waits for every rollout to copy a version of `nbytes` out: the
-    copy at 100 MB/s (memory moves GB/s), at least 10 s."""
-    return max(10.0, nbytes / 100e6)
+    """How long the trainer waits for every rollout to copy a version of `nbytes` out: 2 s and
+    the copy at 100 MB/s (memory moves GB/s; a rollout is slower only when it is gone or
+    stopped, and the set is packed again only a step later)."""
+    return 2.0 + nbytes / 100e6
 
 
 def available(root: Path = ROOT) -> bool:

@@ -1,5 +1,7 @@
 """Chaos scenarios of `trainer.weight_sync: broadcast` (services/trainer/broadcast.py): a kill -9
-while a version streams from the trainer to the rollouts.
+while a version streams from the trainer to the rollouts, over gloo (ASYNCRL_BROADCAST_SHM=0,
+how a version reaches rollouts on other hosts) and through /dev/shm (`-shm`: the same-host
+default, `asyncrl.shm`).
 
 The arith model (0.5 MB) streams in well under a millisecond: no kill lands in that. These runs
 train a random-initialised model of the same tokenizer, SHAPE (60 MiB of fp32, in 1 MiB
@@ -22,7 +24,16 @@ first bucket (the group's store).
   version by stream unless the trainer finished sending it; the restarted trainer resumes from
   its checkpoint (`experiment_started`, resumed) and the run completes.
 
-Both, once the run ended: no `weights_fingerprint_mismatch` at the scheduler, and every sample
+- `broadcast-shm-rollout`: the same through /dev/shm, killed at the plan itself (a rollout
+  copies 60 MiB out in ~10 ms). The kill lands mid-copy when the trainer logged
+  `shm_copy_late` for the version (the victim never said `done`); the survivor's copy does not
+  depend on the victim's, so it must take the version by stream.
+- `broadcast-shm-trainer`: the trainer killed at the plan, mid-hand-over when it logged neither
+  `broadcast_sent` nor `broadcast_failed`. A rollout may take the version whole (sealed before
+  the plan named the files, and checked) or fall back to the store; the restarted trainer
+  resumes and removes the killed one's files from /dev/shm.
+
+All, once the run ended: no `weights_fingerprint_mismatch` at the scheduler, and every sample
 the ledger counts as trained came from weights whose fingerprint the trainer committed for
 that version (`version_committed`; a rewound lineage's versions were committed too); and, as
 every run, 0 lost and 0 trained twice. A run none of whose kills landed mid-send fails.
@@ -41,6 +52,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from asyncrl.shm import PREFIX as SHM_PREFIX
+from asyncrl.shm import ROOT as SHM_ROOT
 from tests.chaos.watch import TERMINAL
 
 if TYPE_CHECKING:
@@ -65,9 +78,10 @@ RESERVE = 20
 serve again at ~2.5 s a step (the suite's 30 steps and its kill points left it 5 versions)."""
 PLAN_TIMEOUT_S = 120.0
 KILL_AFTER_S = 0.05
-"""From the plan to the kill: the receivers have read the plan and the first buckets are on
-the wire (a version's send took 0.13-0.40 s here; killed at the plan itself, the trainer died
-before the rollouts had read it)."""
+"""From the plan to the kill over gloo: the receivers have read the plan and the first buckets
+are on the wire (a version's send took 0.13-0.40 s here; killed at the plan itself, the trainer
+died before the rollouts had read it). Through /dev/shm the kill is at the plan itself."""
+GLOO = {"ASYNCRL_BROADCAST_SHM": "0"}
 TRIES = 5
 """Versions tried for one kill whose plan was written before the runner watched for it."""
 SERVED_TIMEOUT_S = 240.0
@@ -178,6 +192,7 @@ EVENTS = (
     "rollout_fenced",
     "version_committed",
     "weights_fingerprint_mismatch",
+    "shm_copy_late",
 )
 """The log events these runs read."""
 
@@ -195,9 +210,22 @@ def _log(run: Run, service: str, replica: int | None = None) -> list[dict]:
     return out
 
 
-def kill_at_plan(experiment_id: str, version: int, pid: int) -> float | None:
+def shm(run: Run) -> bool:
+    """Whether the run's versions go through /dev/shm (else over gloo)."""
+    return run.scenario.env.get("ASYNCRL_BROADCAST_SHM") != "0"
+
+
+def late(trainer: list[dict], version: int, since: float) -> bool:
+    """Whether the trainer waited out a rollout's copy of `version` (`shm_copy_late`)."""
+    return any(
+        e["event"] == "shm_copy_late" and e.get("version") == version and at(e) >= since
+        for e in trainer
+    )
+
+
+def kill_at_plan(experiment_id: str, version: int, pid: int, after_s: float) -> float | None:
     """Block until the trainer wrote the plan of `version` (the start of its stream), then kill
-    -9 `pid` KILL_AFTER_S later; the unix time of the kill, or None when the plan was there already or did
+    -9 `pid` `after_s` later; the unix time of the kill, or None when the plan was there already or did
     not come in time (nothing killed)."""
     from asyncrl.collective import open_store
 
@@ -210,7 +238,7 @@ def kill_at_plan(experiment_id: str, version: int, pid: int) -> float | None:
         store.wait([key], timedelta(seconds=PLAN_TIMEOUT_S))
     except RuntimeError:  # the store's timeout, or the trainer gone
         return None
-    time.sleep(KILL_AFTER_S)
+    time.sleep(after_s)
     os.kill(pid, signal.SIGKILL)
     return time.time()
 
@@ -223,7 +251,8 @@ async def kill_mid_stream(run: Run, service: str, replica: int = 0) -> tuple[dic
         pid = await run.pid(service, replica)
         version = max(version + 1, run.version + 1)
         try:
-            killed = await asyncio.to_thread(kill_at_plan, run.experiment_id, version, pid)
+            after_s = 0.0 if shm(run) else KILL_AFTER_S
+            killed = await asyncio.to_thread(kill_at_plan, run.experiment_id, version, pid, after_s)
         except RuntimeError:  # the store not reachable (the trainer restarting)
             killed = None
         if killed is not None:
@@ -304,10 +333,14 @@ def judge_rollout_kill(run: Run, fault: dict, v: int, victim: int, survivor: int
     other = _worker(_log(run, "rollout", survivor), since)
     fenced = [e for e in _log(run, "scheduler") if e["event"] == "rollout_fenced"]
     fenced = [e for e in fenced if at(e) >= since]
-    end = stream_end(_log(run, "trainer"), v)
-    fault |= {"mid_send": end == "broadcast_failed", "stream": end or "none"}
+    trainer = _log(run, "trainer")
+    end = stream_end(trainer, v)
+    hit = late(trainer, v, since) if shm(run) else end == "broadcast_failed"
+    fault |= {"mid_send": hit, "stream": end or "none"}
     fault["survivor"] = took(_log(run, "rollout", survivor), v, since - WINDOW_S)
     fault["in_stream"] = in_stream(fault["survivor"])
+    if shm(run) and "streamed" not in fault["survivor"]:
+        run.errors.append(f"rollout-{survivor} did not take v{v} through /dev/shm")
     fault["fenced"] = [f"{e['worker']}: {e['reason']}" for e in fenced]
     fault["replacement"] = again
     if "updated" not in fault["survivor"]:
@@ -351,10 +384,15 @@ def judge_trainer_kill(run: Run, fault: dict, v: int) -> None:
         log = [e for e in _log(run, "rollout", replica) if at(e) < restart]
         how = fault[f"rollout-{replica}"] = took(log, v, since - WINDOW_S)
         fault["in_stream"] = fault.get("in_stream", False) or in_stream(how)
-        if "streamed" in how and end != "broadcast_sent":
+        if "streamed" in how and end != "broadcast_sent" and not shm(run):
             run.errors.append(f"rollout-{replica} took v{v} by a stream the trainer never finished")
     if not started or not started[0].get("resumed"):
         run.errors.append("the restarted trainer did not resume from its checkpoint")
+    elif shm(run):  # the restarted trainer swept the killed one's files
+        left = list(SHM_ROOT.glob(f"{SHM_PREFIX}{fault['pid']}-*"))
+        fault["shm_files_left"] = len(left)
+        if left:
+            run.errors.append(f"{len(left)} /dev/shm files of the killed trainer left behind")
 
 
 async def judge_run(run: Run) -> None:
@@ -386,25 +424,26 @@ async def judge_run(run: Run) -> None:
 def scenarios() -> list[Scenario]:
     from tests.chaos.scenarios import KILLS, Scenario
 
-    return [
-        Scenario(
-            "broadcast-rollout",
-            f"broadcast: kill -9 1 of 2 rollouts mid-stream x{KILLS}",
-            kill_rollout_mid_stream,
-            count=KILLS,
-            rollouts=2,
-            before_up=build_model,
-            sets=SETS,
-            steps=STEPS,
-        ),
-        Scenario(
-            "broadcast-trainer",
-            f"broadcast: kill -9 trainer mid-stream x{KILLS}",
-            kill_trainer_mid_stream,
-            count=KILLS,
-            rollouts=2,
-            before_up=build_model,
-            sets=SETS,
-            steps=STEPS,
-        ),
-    ]
+    out = []
+    for suffix, via, env in (("", "gloo", GLOO), ("-shm", "/dev/shm", {})):
+        what = f"broadcast ({via}): kill -9"
+        common = {"count": KILLS, "rollouts": 2, "before_up": build_model, "sets": SETS}
+        out += [
+            Scenario(
+                f"broadcast{suffix}-rollout",
+                f"{what} 1 of 2 rollouts mid-stream x{KILLS}",
+                kill_rollout_mid_stream,
+                env=env,
+                steps=STEPS,
+                **common,
+            ),
+            Scenario(
+                f"broadcast{suffix}-trainer",
+                f"{what} trainer mid-stream x{KILLS}",
+                kill_trainer_mid_stream,
+                env=env,
+                steps=STEPS,
+                **common,
+            ),
+        ]
+    return out

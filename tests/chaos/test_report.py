@@ -123,6 +123,7 @@ def test_scenarios_every_fault_of_the_suite_present():
         "tenants",
         "standby-scheduler",
         *("broadcast-rollout", "broadcast-trainer"),
+        *("broadcast-shm-rollout", "broadcast-shm-trainer"),
     }
 
 

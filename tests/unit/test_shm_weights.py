@@ -186,3 +186,8 @@ def test_a_tensor_of_another_dtype_is_copied_in_and_without_adopt_every_one_is()
     swap_weights(model, fresh)
     assert all(params[k].data_ptr() != fresh[k].data_ptr() for k in params)
     assert all(torch.equal(params[k], fresh[k]) for k in params)
+
+
+def test_the_trainer_waits_2_s_and_the_copy_at_100_mb_per_s():
+    assert shm.wait_s(0) == 2.0
+    assert shm.wait_s(500_000_000) == 7.0  # 2 s + 500 MB at 100 MB/s
