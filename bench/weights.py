@@ -60,15 +60,24 @@ SPARSE = 100
 TRANSPORTS = ("disk", "broadcast shm", "broadcast", "broadcast+delta")
 
 
-def _memcpy_s(nbytes: int, repeats: int = 3) -> float:
-    """The best of `repeats` copies of `nbytes` between two warm buffers."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _memcpy_s(nbytes: int, device="cpu", repeats: int = 3) -> float:
+    """The best of `repeats` copies of `nbytes` between two warm buffers on `device` (on a
+    GPU: a device-to-device copy)."""
+    device = torch.device(device)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = float("inf")
     for _ in range(repeats):
+        _sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
+        _sync(device)
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -86,8 +95,8 @@ def _cp_s(path: Path, repeats: int = 3) -> float:
 class Rig:
     """The trainer backend, the store and two engines of one model shape."""
 
-    def __init__(self, model_dir: Path, work: Path):
-        self.model_dir, self.work = model_dir, work
+    def __init__(self, model_dir: Path, work: Path, device="cpu"):
+        self.model_dir, self.work, self.device = model_dir, work, torch.device(device)
         self.spec = ExperimentSpec(
             model={"path": str(model_dir)},
             dataset={"path": "unused.jsonl"},
@@ -98,8 +107,10 @@ class Rig:
             },
         )
         self.store = Store(root=work / "store", experiment_id=EXP, tokenizer_dir=model_dir, keep=2)
-        self.backend = TorchBackend(self.spec, device="cpu")
-        self.engines = [TorchEngine(device="cpu", seed=i, max_batch=4) for i in range(ENGINES)]
+        self.backend = TorchBackend(self.spec, device=str(self.device))
+        self.engines = [
+            TorchEngine(device=str(self.device), seed=i, max_batch=4) for i in range(ENGINES)
+        ]
         self.version = 0
 
     async def start(self) -> None:
@@ -119,6 +130,7 @@ class Rig:
             for p in self.backend.model.parameters():
                 p.view(-1)[::every].add_(1e-3)
         self.version += 1
+        _sync(self.device)
         return time.perf_counter()
 
     @property
@@ -150,12 +162,16 @@ async def _broadcast(rig: Rig, sender: BroadcastSender, receivers, delta: bool, 
     uri = await sender.publish(v, snap)
     served: list[float] = []
 
+    received, applied = [], []
+
     async def one(rank: int):
         got = await asyncio.to_thread(receivers[rank - 1].receive, EXP, master, v, rank, 2, 60.0)
         engine = rig.engines[rank - 1]
         await engine.apply_state(uri, v, got.state, got.fingerprint, got.seconds)
         assert engine.fingerprint == sender.fingerprint(v)
         served.append(time.perf_counter())
+        received.append(got.seconds)
+        applied.append(engine.last_update.load_s)
 
     async def commit():
         await asyncio.gather(*(one(r) for r in range(1, ENGINES + 1)))
@@ -167,37 +183,51 @@ async def _broadcast(rig: Rig, sender: BroadcastSender, receivers, delta: bool, 
         "stall_s": stall,
         "stored_s": time.perf_counter() - ended,
         **{k: v for k, v in sender.last.items() if k.endswith("_s")},
+        "receive_s": max(received),  # hello to checked, the slower engine
+        "apply_s": max(applied),  # into the model, paused
         "sent_mib": sent / (1 << 20),
         "full_mib": full / (1 << 20),
         **{k: v for k, v in sender.last.items() if k == "changed"},  # encoded: words changed
     }
 
 
-async def _shape(ctx: Context, label: str, model_dir: Path, repeats: int) -> list[Result]:
-    rig = Rig(model_dir, ctx.work_dir / f"weights-{label}")
+async def measure(model_dir: Path, work: Path, repeats: int, device="cpu", transports=TRANSPORTS):
+    """Each transport's best run of `repeats` (after a warm-up: buffers, the group), the
+    version's bytes and the bounds measured beside them (memcpy of the bytes into the engines
+    on `device`; `cp` of the version's file)."""
+    rig = Rig(model_dir, work, device)
     await rig.start()
     sender = BroadcastSender(DiskSender(rig.store), rig.spec.trainer, structlog.get_logger(), 60)
-    receivers = [BroadcastReceiver() for _ in rig.engines]
-    runs: dict[str, list[dict]] = {t: [] for t in TRANSPORTS}
+    receivers = [BroadcastReceiver(rig.device) for _ in rig.engines]
+    runs: dict[str, list[dict]] = {t: [] for t in transports}
+    kinds = {"broadcast shm": (False, True), "broadcast": (False, False)}
+    kinds["broadcast+delta"] = (True, False)
     try:
-        for _ in range(repeats + 1):  # the first of each: warm-up (buffers, the group)
-            for r in receivers:  # as a rollout does: the engines may serve from a staging set
-                r.staging.forget()
-            runs["disk"].append(await _disk(rig))
-            runs["broadcast shm"].append(await _broadcast(rig, sender, receivers, False, True))
-            runs["broadcast"].append(await _broadcast(rig, sender, receivers, False, False))
-            runs["broadcast+delta"].append(await _broadcast(rig, sender, receivers, True, False))
+        for _ in range(repeats + 1):
+            for transport in transports:
+                if transport == "disk":
+                    for r in receivers:  # as a rollout does: the engines serve from staging
+                        r.staging.forget()
+                    runs["disk"].append(await _disk(rig))
+                else:
+                    got = await _broadcast(rig, sender, receivers, *kinds[transport])
+                    runs[transport].append(got)
         nbytes = rig.nbytes
-        bounds = {"memcpy": _memcpy_s(ENGINES * nbytes)}
+        bounds = {"memcpy": _memcpy_s(ENGINES * nbytes, rig.device)}
         bounds["cp"] = _cp_s(rig.store.dir(rig.version) / "model.safetensors")
     finally:
         os.environ.pop("ASYNCRL_BROADCAST_SHM", None)
         await sender.close()
         await rig.stop()
+    best = {t: min(rows[1:], key=lambda r: r["serving_s"]) for t, rows in runs.items()}
+    return best, nbytes, bounds
+
+
+async def _shape(ctx: Context, label: str, model_dir: Path, repeats: int) -> list[Result]:
+    best, nbytes, bounds = await measure(model_dir, ctx.work_dir / f"weights-{label}", repeats)
     out = []
-    for transport, rows in runs.items():
-        best = min(rows[1:], key=lambda r: r["serving_s"])
-        out += _rows(label, transport, best, nbytes, bounds, repeats)
+    for transport, row in best.items():
+        out += _rows(label, transport, row, nbytes, bounds, repeats)
     return out
 
 

@@ -1,4 +1,4 @@
-"""python -m bench.gpu [--dry-run] [--out DIR] [--budget S] [--only train,engine,math,stack]
+"""python -m bench.gpu [--dry-run] [--out DIR] [--budget S] [--only train,engine,weights,...]
 
 Runs the parts of the GPU readiness check (see bench/gpu/__init__.py), each in its own process
 under its own time cap, the whole within `--budget` seconds, and writes DIR/report.json and
@@ -31,6 +31,8 @@ GPU_PLAN = [
     ("train", "smollm2-135m", 70, dict(groups=8, samples=8, prompt_len=128, out_len=384, steps=3, micro_batch_tokens=8192)),
     ("train", "qwen2-0.5b", 90, dict(groups=8, samples=8, prompt_len=128, out_len=384, steps=3, micro_batch_tokens=8192)),
     ("engine", "smollm2-135m", 70, dict(concurrency=64, prompt_len=64, max_new_tokens=256)),
+    ("weights", "smollm2-135m", 50, dict(repeats=3)),
+    ("weights", "qwen2-0.5b", 70, dict(repeats=2)),
     ("math", "qwen2-0.5b", 240, dict(batch_size=4, n_samples=4, max_new_tokens=64, total_steps=3, eval_prompts=4, start_timeout_s=120, reserve_s=40)),
     ("stack", "smollm2-135m", 0, dict(n_train=512, n_samples=8, batch_size=8, max_concurrent_rollouts=16, max_new_tokens=64, total_steps=100, start_timeout_s=120, reserve_s=70, snapshot_every=4, max_versions=12)),
 ]  # fmt: skip
@@ -38,6 +40,7 @@ DRY_PLAN = [
     ("train", "tiny-llama", 150, dict(groups=2, samples=2, prompt_len=8, out_len=8, steps=1, micro_batch_tokens=8192)),
     ("train", "tiny-qwen2", 150, dict(groups=2, samples=2, prompt_len=8, out_len=8, steps=1, micro_batch_tokens=8192)),
     ("engine", "tiny-llama", 90, dict(concurrency=64, prompt_len=8, max_new_tokens=64)),
+    ("weights", "tiny-llama", 90, dict(repeats=1)),
     ("math", "tiny-qwen2", 300, dict(batch_size=2, n_samples=2, max_new_tokens=4, total_steps=2, eval_prompts=2, start_timeout_s=200, reserve_s=40)),
     ("stack", "tiny-llama", 0, dict(n_train=32, n_samples=2, batch_size=2, max_concurrent_rollouts=4, max_new_tokens=4, total_steps=2, start_timeout_s=240, reserve_s=60, snapshot_every=1, max_versions=12)),
 ]  # fmt: skip
@@ -54,7 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, in seconds")
     p.add_argument("--out", type=Path, default=Path("var/gpu-check"), help="report directory")
     p.add_argument("--budget", type=float, default=None, help="seconds for all parts")
-    p.add_argument("--only", default="train,engine,math,stack", help="comma-separated parts to run")
+    p.add_argument(
+        "--only", default="train,engine,weights,math,stack", help="comma-separated parts to run"
+    )
     p.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temp)")
     return p.parse_args(argv)
 

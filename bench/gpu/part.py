@@ -29,11 +29,17 @@ def run_job(job: dict) -> dict:
         from bench.gpu import stack
 
         return stack.run(job["shape"], work, job["sizes"], job["device"], job["cap_s"])
+    if job["part"] == "weights":
+        from bench.gpu import weights
+
+        return weights.run(job["shape"], work, job["sizes"], job["device"])
     if job["part"] == "math":
         from bench.gpu import math_recipe
 
         return math_recipe.run(job["shape"], work, job["sizes"], job["device"], job["cap_s"])
-    raise ValueError(f"part: unknown part {job['part']!r} (train | engine | math | stack)")
+    raise ValueError(
+        f"part: unknown part {job['part']!r} (train | engine | weights | math | stack)"
+    )
 
 
 def main(job_file: str, out_file: str) -> None:

@@ -49,6 +49,20 @@ def _engine(p: dict) -> str:
     return "### Torch engine\n\n" + _table(["", ""], rows)
 
 
+def _weights(parts: list[dict]) -> str:
+    rows = [
+        [p["shape"], p["device"], p["version_mib"], t, r["serving_s"], f"{r['x_copy']}x",
+         r["stall_s"], " / ".join(str(r.get(k, "-")) for k in ("pack_s", "seal_s", "send_s", "receive_s", "apply_s")),
+         r["sent_mib"]]
+        for p in parts if p["ok"] for t, r in p["transports"].items()
+    ]  # fmt: skip
+    copies = ", ".join(f"{p['shape']} {_fmt(p['copy_s'], 4)} s" for p in parts if p["ok"])
+    header = ["shape", "device", "MiB", "transport", "train end -> 2 engines serving s",
+              "x copy", "trainer stall s", "gather / seal / send / receive / apply s", "MiB sent"]  # fmt: skip
+    head = f"### Weights into two engines (copy of 2 x the bytes on the device: {copies})"
+    return head + "\n\n" + _table(header, rows)
+
+
 def _stack(p: dict) -> str:
     mg, hf = p.get("mismatch_megatron", {}), p.get("mismatch_hf_fp32", {})
     td = p.get("trainer_logprob_diff", {})
@@ -107,6 +121,9 @@ def markdown(report: dict) -> str:
     train = [p for p in parts if p["part"] == "train"]
     if train:
         out += ["", _train(train)]
+    weights = [p for p in parts if p["part"] == "weights"]
+    if any(p["ok"] for p in weights):
+        out += ["", _weights(weights)]
     for p in parts:
         if p["ok"] and p["part"] == "engine":
             out += ["", _engine(p)]

@@ -49,12 +49,14 @@ def test_every_part_passes(report):
         ("train", "tiny-llama"),
         ("train", "tiny-qwen2"),
         ("engine", "tiny-llama"),
+        ("weights", "tiny-llama"),
         ("math", "tiny-qwen2"),
         ("stack", "tiny-llama"),
     ]
     assert report["device"] == "cpu" and report["dry_run"] is True
     # no failed checkpoint round trip, no error-level event in any service's log
-    assert [p.get("problems") for p in report["parts"] if p["part"] != "engine"] == [[]] * 4
+    checked = [p.get("problems") for p in report["parts"] if p["part"] not in ("engine", "weights")]
+    assert checked == [[]] * 4
 
 
 def test_train_steps_are_timed(report):
@@ -82,6 +84,21 @@ def test_engine_interrupt_switches_versions_mid_generation(report):
     # the recorded logprobs are those of the version that sampled each token (fp32)
     assert i["logprob_check"]["tokens"] == 8 * 64  # the first 8 requests
     assert i["logprob_check"]["max_abs"] < 1e-4
+
+
+def test_weights_reach_both_engines_by_each_transport_against_a_copy_on_the_device(report):
+    [p] = _parts(report, "weights")
+    assert (p["device"], p["engines"], p["repeats"]) == ("cpu", 2, 1)
+    assert list(p["transports"]) == ["disk", "broadcast shm", "broadcast"]  # the CPU's
+    assert p["copy_s"] > 0 and p["version_mib"] > 0
+    for transport, r in p["transports"].items():
+        assert r["serving_s"] >= r["stall_s"] > 0, transport
+        assert r["x_copy"] == pytest.approx(r["serving_s"] / p["copy_s"], rel=0.01)
+    for transport in ("broadcast shm", "broadcast"):  # the phases of a stream, each timed
+        r = p["transports"][transport]
+        assert all(r[k] > 0 for k in ("pack_s", "seal_s", "send_s", "receive_s")), r
+        assert r["apply_s"] >= 0 and r["sent_mib"] == pytest.approx(p["version_mib"], abs=0.1)
+    assert "Weights into two engines" in report["_md"]
 
 
 def test_math_recipe_runs_its_steps_scored_by_its_reward_ledger_clean(report):
