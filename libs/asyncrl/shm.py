@@ -12,8 +12,10 @@ maps them (`Maps`, kept between versions), copies every bucket into its staging 
 checksums the copy, so what it checks is what it applies. A bucket the trainer overwrote
 meanwhile is a checksum mismatch, never a served version. No socket, no kernel copy.
 
-The files are named `asyncrl-bcast-<pid>-<hex>-<n>`: a trainer killed with SIGKILL leaves its
-files behind, and the next one on the host removes those whose process is gone (`sweep`).
+The files are named `asyncrl-bcast-<pid namespace>-<pid>-<hex>-<n>`: a trainer killed with
+SIGKILL leaves its files behind, and the next one on the host removes those of its PID
+namespace whose process is gone (`sweep`; a trainer of another namespace sharing /dev/shm is
+not looked at: its pid means nothing here).
 ASYNCRL_BROADCAST_SHM=0 turns the hand-over off (every version then goes over the socket).
 """
 
@@ -33,6 +35,19 @@ if TYPE_CHECKING:
 
 ROOT = Path("/dev/shm")
 PREFIX = "asyncrl-bcast-"
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace (its inode), "0" where /proc does not say."""
+    try:
+        return os.readlink("/proc/self/ns/pid").split("[", 1)[1].rstrip("]")
+    except (OSError, IndexError):
+        return "0"
+
+
+def owned_by(pid: int) -> str:
+    """The name prefix of the files of the trainer of `pid` (in this PID namespace)."""
+    return f"{PREFIX}{_pid_namespace()}-{pid}-"
 
 
 def wait_s(nbytes: int) -> float:
@@ -71,7 +86,7 @@ class Region:
 
     def __init__(self, root: Path = ROOT):
         self.root = root
-        self.tag = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.tag = f"{owned_by(os.getpid())}{uuid.uuid4().hex[:8]}"
         self.token = uuid.uuid4().hex
         self._paths: dict[int, str] = {}  # a buffer's data_ptr -> its file
         self._made = 0
@@ -124,10 +139,11 @@ def sees(advert: dict) -> bool:
 
 
 def sweep(root: Path = ROOT) -> list[str]:
-    """Remove the files of trainers that are gone (their pid runs no process); their names."""
-    gone = []
-    for path in root.glob(f"{PREFIX}*") if root.is_dir() else []:
-        pid = path.name.removeprefix(PREFIX).split("-", 1)[0]
+    """Remove the files of this PID namespace's trainers that are gone (their pid runs no
+    process); their names."""
+    gone, mine = [], f"{PREFIX}{_pid_namespace()}-"
+    for path in root.glob(f"{mine}*") if root.is_dir() else []:
+        pid = path.name.removeprefix(mine).split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             path.unlink(missing_ok=True)
             gone.append(path.name)

@@ -52,8 +52,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asyncrl.shm import PREFIX as SHM_PREFIX
 from asyncrl.shm import ROOT as SHM_ROOT
+from asyncrl.shm import owned_by as shm_owned_by
 from tests.chaos.watch import TERMINAL
 
 if TYPE_CHECKING:
@@ -389,7 +389,7 @@ def judge_trainer_kill(run: Run, fault: dict, v: int) -> None:
     if not started or not started[0].get("resumed"):
         run.errors.append("the restarted trainer did not resume from its checkpoint")
     elif shm(run):  # the restarted trainer swept the killed one's files
-        left = list(SHM_ROOT.glob(f"{SHM_PREFIX}{fault['pid']}-*"))
+        left = list(SHM_ROOT.glob(f"{shm_owned_by(fault['pid'])}*"))
         fault["shm_files_left"] = len(left)
         if left:
             run.errors.append(f"{len(left)} /dev/shm files of the killed trainer left behind")

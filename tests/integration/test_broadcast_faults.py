@@ -135,7 +135,7 @@ async def test_trainer_killed_mid_broadcast_no_receiver_returns_a_partial_versio
         assert all(isinstance(g, Unavailable) for g in got), got
     else:  # sealed before the plan named the files, which outlive the trainer: whole, checked
         assert [getattr(g, "fingerprint", repr(g)) for g in got] == [fp, fp]
-        files = f"{shm.PREFIX}{trainer.pid}-"
+        files = shm.owned_by(trainer.pid)
         assert any(f.startswith(files) for f in os.listdir(shm.ROOT))
         shm.sweep()  # what the next trainer on the host does first
         assert not any(f.startswith(files) for f in os.listdir(shm.ROOT))

@@ -23,7 +23,9 @@ def test_a_region_buffer_is_a_shared_file_another_mapping_reads(tmp_path):
     buf = region.alloc(4096)
     assert buf.dtype == torch.uint8 and buf.numel() == 4096 and int(buf.sum()) == 0
     path = region.path(buf)
-    assert path.startswith(str(tmp_path / f"{shm.PREFIX}{os.getpid()}-"))
+    assert path.startswith(str(tmp_path / shm.owned_by(os.getpid())))
+    ns = os.readlink("/proc/self/ns/pid").split("[")[1].rstrip("]")
+    assert shm.owned_by(os.getpid()) == f"{shm.PREFIX}{ns}-{os.getpid()}-"
     buf[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
     maps = shm.Maps()
     seen = maps.view(path, 4096)
@@ -85,19 +87,22 @@ def test_sweep_removes_the_files_of_trainers_that_are_gone(tmp_path):
         check=True,
     )
     dead = int(gone.stdout)
-    (tmp_path / f"{shm.PREFIX}{dead}-ab12cd34-1").write_bytes(b"x")
-    (tmp_path / f"{shm.PREFIX}{dead}-ab12cd34-probe").write_text("t")
-    (tmp_path / f"{shm.PREFIX}1-ab12cd34-1").write_bytes(b"x")  # pid 1 runs
+    (tmp_path / f"{shm.owned_by(dead)}ab12cd34-1").write_bytes(b"x")
+    (tmp_path / f"{shm.owned_by(dead)}ab12cd34-probe").write_text("t")
+    (tmp_path / f"{shm.owned_by(1)}ab12cd34-1").write_bytes(b"x")  # pid 1 runs
+    other_ns = f"{shm.PREFIX}1-{dead}-ab12cd34-1"  # another PID namespace: its pid means nothing
+    (tmp_path / other_ns).write_bytes(b"x")
     (tmp_path / "other-file").write_bytes(b"x")
     mine = shm.Region(root=tmp_path)
     kept = mine.alloc(64)
     removed = shm.sweep(tmp_path)
     assert sorted(removed) == [
-        f"{shm.PREFIX}{dead}-ab12cd34-1",
-        f"{shm.PREFIX}{dead}-ab12cd34-probe",
+        f"{shm.owned_by(dead)}ab12cd34-1",
+        f"{shm.owned_by(dead)}ab12cd34-probe",
     ]
     assert os.path.exists(mine.path(kept))
-    assert {p.name for p in tmp_path.iterdir()} >= {f"{shm.PREFIX}1-ab12cd34-1", "other-file"}
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left >= {f"{shm.owned_by(1)}ab12cd34-1", other_ns, "other-file"}
 
 
 def test_maps_keep_the_files_of_the_last_two_plans(tmp_path):
