@@ -9,6 +9,11 @@
       this process after its second bucket (`os._exit` inside the broadcast); handing the
       version over through shared memory, it prints `handed over` once the plan names its
       files and stalls there (the test kills it while the receivers copy).
+  python -m tests.fakes.broadcast_rank both MASTER EXP VERSION STORE_DIR 2
+      the trainer and 2 receivers in this process, each receiving in a thread: prints one
+      JSON line, what the trainer logged (event names), how it sent (`via`), its fingerprint
+      and what each receiver returned (tests/integration/test_broadcast_shm_full.py runs it
+      with a /dev/shm too small for the buckets).
 """
 
 from __future__ import annotations
@@ -88,9 +93,57 @@ async def trainer(master: str, exp: str, version: int, store_dir: str, n: int) -
     await sender.send(version, asyncio.sleep(0))
 
 
+class Events:
+    """A structlog stand-in that keeps the event names and the last `broadcast_sent`."""
+
+    def __init__(self):
+        self.events, self.sent = [], {}
+
+    def info(self, event: str, **fields) -> None:
+        self.events.append(event)
+        if event == "broadcast_sent":
+            self.sent = fields
+
+    warning = info
+
+
+async def both(master: str, exp: str, version: int, store_dir: str, n: int) -> None:
+    import json
+
+    from asyncrl.spec import TrainerSpec
+    from services.rollout.broadcast_receiver import BroadcastReceiver
+    from services.trainer.broadcast import BroadcastSender
+    from services.trainer.transport import DiskSender, Store
+
+    spec = TrainerSpec(weight_sync="broadcast", nccl_master=master, broadcast_bucket_mb=BUCKET_MB)
+    tok = Path(store_dir) / "tokenizer"
+    tok.mkdir(parents=True, exist_ok=True)
+    store = Store(root=Path(store_dir), experiment_id=exp, tokenizer_dir=tok, keep=2)
+    log = Events()
+    sender = BroadcastSender(DiskSender(store), spec, log, 20.0)
+    snap = sender.snapshot(Backend())
+    await sender.publish(version, snap)
+    receivers = [BroadcastReceiver() for _ in range(n)]
+
+    async def commit():
+        return await asyncio.gather(
+            *(
+                asyncio.to_thread(r.receive, exp, master, version, rank, n, 20.0)
+                for rank, r in enumerate(receivers, 1)
+            )
+        )
+
+    got = await sender.send(version, commit())
+    await sender.close()
+    out = {"events": log.events, "via": log.sent.get("via"), "fingerprint": sender.fingerprint(1)}
+    print(json.dumps(out | {"received": [g.fingerprint for g in got]}), flush=True)
+
+
 if __name__ == "__main__":
     role, master, exp, version, *rest = sys.argv[1:]
-    if role in ("receiver", "stalls"):
+    if role == "both":
+        asyncio.run(both(master, exp, int(version), rest[0], int(rest[1])))
+    elif role in ("receiver", "stalls"):
         receiver(master, exp, int(version), int(rest[0]), int(rest[1]), role == "stalls")
     else:
         asyncio.run(trainer(master, exp, int(version), rest[0], int(rest[1])))
