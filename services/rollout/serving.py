@@ -207,6 +207,9 @@ class Serving:
                 previous = ",".join(self.bindings)
                 self.bindings.clear()
                 self.loaded.clear()  # no groups until loaded
+                if self.streams is not None:  # its group, staging sets and the trainer's files
+                    self.streams.close()
+                    self.streams = None
                 await self.groups.abort_all(
                     f"aborted: rollout switched from experiment {previous!r} to {experiment_id!r}"
                 )
