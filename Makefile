@@ -63,7 +63,7 @@ fuzz: venv protos ## fuzz every RPC and the train subject for FUZZ_MINUTES (30) 
 multihost: venv protos ## the demo on 3 hosts (netns, root): NATS cluster R3, weights over NATS (MULTIHOST_ARGS="--faults nats,link,host --steps 80")
 	$(PY) -m tests.multihost $(MULTIHOST_ARGS)
 
-gpu-check: venv protos ## GPU readiness: megatron steps, torch engine, math recipe, whole stack on one GPU -> var/gpu-check/report.{json,md} (GPU_ARGS=--dry-run: tiny, CPU)
+gpu-check: venv protos ## GPU readiness: megatron steps, torch engine, weights into engines, math recipe, whole stack on one GPU -> var/gpu-check/report.{json,md} (GPU_ARGS=--dry-run: tiny, CPU)
 	$(PY) -m bench.gpu $(GPU_ARGS)
 
 # --- local cluster (asyncrl.supervisor); state, logs and weights live under $(VAR)/
