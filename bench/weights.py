@@ -58,6 +58,12 @@ ENGINES = 2
 SPARSE = 100
 """The delta row's stand-in step changes every SPARSE-th element of each parameter."""
 TRANSPORTS = ("disk", "broadcast shm", "broadcast", "broadcast+delta")
+KINDS = {
+    "broadcast shm": (False, True),
+    "broadcast": (False, False),
+    "broadcast+delta": (True, False),
+}
+"""A broadcast transport's (delta, shm) for `_broadcast`."""
 
 
 def _sync(device: torch.device) -> None:
@@ -200,8 +206,6 @@ async def measure(model_dir: Path, work: Path, repeats: int, device="cpu", trans
     sender = BroadcastSender(DiskSender(rig.store), rig.spec.trainer, structlog.get_logger(), 60)
     receivers = [BroadcastReceiver(rig.device) for _ in rig.engines]
     runs: dict[str, list[dict]] = {t: [] for t in transports}
-    kinds = {"broadcast shm": (False, True), "broadcast": (False, False)}
-    kinds["broadcast+delta"] = (True, False)
     try:
         for _ in range(repeats + 1):
             for transport in transports:
@@ -210,7 +214,7 @@ async def measure(model_dir: Path, work: Path, repeats: int, device="cpu", trans
                         r.staging.forget()
                     runs["disk"].append(await _disk(rig))
                 else:
-                    got = await _broadcast(rig, sender, receivers, *kinds[transport])
+                    got = await _broadcast(rig, sender, receivers, *KINDS[transport])
                     runs[transport].append(got)
         nbytes = rig.nbytes
         bounds = {"memcpy": _memcpy_s(ENGINES * nbytes, rig.device)}

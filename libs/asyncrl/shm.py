@@ -120,12 +120,15 @@ class Region:
 
     def advert(self) -> dict:
         """What a rollout needs to tell whether it shares this memory (`sees`)."""
-        probe = self.root / f"{self.tag}-probe"
-        probe.write_text(self.token)
-        return {"probe": str(probe), "token": self.token}
+        self._probe.write_text(self.token)
+        return {"probe": str(self._probe), "token": self.token}
+
+    @property
+    def _probe(self) -> Path:
+        return self.root / f"{self.tag}-probe"
 
     def close(self) -> None:
-        for path in [*self._paths.values(), str(self.root / f"{self.tag}-probe")]:
+        for path in [*self._paths.values(), self._probe]:
             Path(path).unlink(missing_ok=True)
         self._paths.clear()
 
@@ -170,7 +173,3 @@ class Maps:
         wanted = {*paths, *self._last}
         self._maps = {p: b for p, b in self._maps.items() if p in wanted}
         self._last = list(paths)
-
-    def clear(self) -> None:
-        self._maps.clear()
-        self._last = []
